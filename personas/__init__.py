@@ -1,0 +1,1 @@
+"""Built-in persona definitions (Markdown files shipped as package data)."""

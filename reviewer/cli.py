@@ -1,0 +1,258 @@
+"""The `reviewer` command line: parse options, load settings, hand over to the module that does the work.
+
+Nothing here imports torch or the backend at import time: the worker box installs `reviewer` without them, and the
+backend commands (`serve`, `bench`, `train`) import it only when called.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from reviewer.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(
+    name="reviewer",
+    help="Review software repositories with simulated users (persona agents) that think through a local LLM backend.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+# Commands whose issue has not landed yet: they say so and exit non-zero instead of pretending.
+NOT_LANDED = {
+    "loop": "continuous reviews land with the `reviewer loop` / `reviewer report` issue",
+    "train": "drafter training lands with the `reviewer train` issue",
+}
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def settings_or_exit(**overrides) -> Settings:
+    try:
+        return load_settings(**overrides)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+
+
+def not_landed(command: str) -> typer.Exit:
+    return fail(f"`reviewer {command}` is not available yet: {NOT_LANDED[command]}.")
+
+
+DbOption = Annotated[Optional[str], typer.Option("--db", help="Database path or URL [default: reviews.db, or config].")]
+LlmOption = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--llm",
+        help="LLM backend: embedded (start a local `reviewer serve`), openai, anthropic, an OpenAI-compatible base URL "
+        "(http://host:port/v1) or unix:///path.sock. Repeat for a failover list. [default: embedded, or config]",
+    ),
+]
+ModelOption = Annotated[Optional[str], typer.Option("--model", help="Model name to ask the LLM for.")]
+PersonaOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--persona", "-p", help="Persona to run (repeatable). [default: smoke, performance, correctness, docs]"),
+]
+PersonasDirOption = Annotated[
+    Optional[list[Path]], typer.Option("--personas-dir", help="Extra folder of persona .md files (repeatable).")
+]
+
+
+class ReportFormat(str, Enum):
+    table = "table"
+    markdown = "markdown"
+    json = "json"
+    html = "html"
+
+
+@app.command()
+def run(
+    target: Annotated[str, typer.Argument(help="Git URL (https, ssh, file://) or local path of a git repository.")],
+    persona: PersonaOption = None,
+    ref: Annotated[Optional[str], typer.Option(help="Branch, tag or commit to review [default: the default branch].")] = None,
+    llm: LlmOption = None,
+    model: ModelOption = None,
+    db: DbOption = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Step budget per persona (overrides the persona's own).")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Wall-clock limit per persona, seconds.")] = None,
+    personas_dir: PersonasDirOption = None,
+    isolation: Annotated[Optional[str], typer.Option(help="Sandbox: auto, bwrap or none (none is loudly reported).")] = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Fail at once if another review holds this machine.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the finished run as JSON instead of tables.")] = False,
+) -> None:
+    """Review one repository now: each persona installs it from scratch, tests it, tries to break it, and records
+    findings and measurements in the database. Reviews on one machine run one at a time."""
+    settings = settings_or_exit(
+        llm=llm, model=model, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
+        personas_dir=personas_dir, isolation=isolation,
+    )
+    from reviewer.review import run_command
+
+    raise typer.Exit(run_command(target, settings, ref=ref, no_wait=no_wait, json_output=json_output, console=console))
+
+
+@app.command()
+def loop(
+    repo: Annotated[Optional[list[str]], typer.Option("--repo", help="Repository to watch (repeatable).")] = None,
+    repos_file: Annotated[Optional[Path], typer.Option(help="File with one repository URL per line.")] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between polls for new commits.")] = 300.0,
+    once: Annotated[bool, typer.Option("--once", help="One pass over the repositories, then exit.")] = False,
+    max_reviews: Annotated[Optional[int], typer.Option(help="Stop after this many reviews.")] = None,
+    persona: PersonaOption = None,
+    llm: LlmOption = None,
+    model: ModelOption = None,
+    db: DbOption = None,
+) -> None:
+    """Review continuously: watch repositories for new commits and review each new commit once, one at a time."""
+    raise not_landed("loop")
+
+
+@app.command()
+def report(
+    db: DbOption = None,
+    repo: Annotated[Optional[str], typer.Option(help="Only this repository URL.")] = None,
+    run_id: Annotated[Optional[int], typer.Option("--run", help="Only this run id.")] = None,
+    persona: Annotated[Optional[str], typer.Option(help="Only this persona.")] = None,
+    severity: Annotated[Optional[str], typer.Option(help="This severity and worse: critical, high, medium, low, info.")] = None,
+    state: Annotated[Optional[str], typer.Option(help="Only findings in this state: new, persisting, fixed, regressed.")] = None,
+    since: Annotated[Optional[str], typer.Option(help="Only runs started on or after this ISO date.")] = None,
+    verified_only: Annotated[bool, typer.Option("--verified-only", help="Hide findings that were not verified.")] = False,
+    format: Annotated[ReportFormat, typer.Option("--format", "-f", help="Output format.")] = ReportFormat.table,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
+) -> None:
+    """Show stored reviews: findings by severity, their state and verification, and measurements."""
+    from datetime import date
+
+    from reviewer import report as rp
+    from reviewer.db import FINDING_STATES, SEVERITIES
+
+    settings = settings_or_exit(db=db)
+    if severity and severity not in SEVERITIES:
+        raise fail(f"unknown severity '{severity}' (one of: {', '.join(SEVERITIES)})")
+    if state and state not in FINDING_STATES:
+        raise fail(f"unknown state '{state}' (one of: {', '.join(FINDING_STATES)})")
+    if since:
+        try:
+            date.fromisoformat(since[:10])
+        except ValueError:
+            raise fail(f"--since must be an ISO date like 2026-11-29, got '{since}'") from None
+    if format in (ReportFormat.markdown, ReportFormat.html):
+        raise fail(f"--format {format.value} lands with the `reviewer loop` / `reviewer report` issue; use table or json")
+    flt = rp.ReportFilter(repo=repo, run_id=run_id, persona=persona, severity=severity, state=state, since=since,
+                          verified_only=verified_only)
+    runs = rp.collect_runs(settings.db, flt)
+    if run_id is not None and not runs:
+        raise fail(f"no run with id {run_id} in {settings.db}")
+    if format is ReportFormat.json:
+        text = json.dumps({"runs": runs}, indent=2)
+        if output:
+            output.write_text(text + "\n")
+        else:
+            print(text)
+        return
+    out = Console(file=output.open("w"), width=160) if output else console
+    if not runs:
+        out.print(f"No reviews in {settings.db} yet. Start one with `reviewer run <repo>`.")
+    for r in runs:
+        rp.print_run_summary(r, out)
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option(help="Local HF model folder, a .gguf file, or 'embedded' (SmolLM2-135M-Instruct).")] = "embedded",
+    drafter: Annotated[str, typer.Option(help="DFlash drafter folder, 'auto' (the one shipped for the model) or 'none'.")] = "auto",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    uds: Annotated[Optional[str], typer.Option(help="Serve on this unix socket path instead of TCP.")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
+    max_context: Annotated[Optional[int], typer.Option(help="Context window in tokens [default: the model's].")] = None,
+    api_key: Annotated[
+        Optional[str], typer.Option(envvar="REVIEWER_SERVE_API_KEY", help="Require this key on every route but /health.")
+    ] = None,
+) -> None:
+    """Serve a local model over an OpenAI- and Anthropic-compatible HTTP API (batch 1, speculative decoding)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise fail(f"--device must be auto, cpu or cuda, got '{device}'")
+    if dtype not in ("auto", "bfloat16", "float32"):
+        raise fail(f"--dtype must be auto, bfloat16 or float32, got '{dtype}'")
+    try:
+        from backend.server import serve as serve_backend
+    except ImportError as e:
+        raise fail(f"the backend is not installed ({e}); install it with: pip install 'reviewer[backend]'") from None
+    serve_backend(model=model, drafter=drafter, host=host, port=port, uds=uds, device=device, dtype=dtype,
+                  max_context=max_context, api_key=api_key)
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Option(help="Target model: a folder, a .gguf, 'embedded', or 'tiny-moe' (random hybrid MoE).")] = "embedded",
+    drafter: Annotated[str, typer.Option(help="Drafter folder, 'auto', 'random' or 'none'.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    prompts: Annotated[int, typer.Option(help="Number of benchmark prompts.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 128,
+    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the results as JSON here.")] = None,
+) -> None:
+    """Measure decoding speed: plain vs speculative (tau, acceptance per position, T_d, T_t, L_target, eta)."""
+    try:
+        from backend.bench import main as bench_main
+    except ImportError as e:
+        raise fail(f"the backend is not installed or incomplete ({e}); install it with: pip install 'reviewer[backend]'") from None
+    raise typer.Exit(bench_main(model=model, drafter=drafter, device=device, prompts=prompts, max_tokens=max_tokens,
+                                json_out=json_out) or 0)
+
+
+@app.command()
+def train() -> None:
+    """Train a DFlash drafter for a target model on the target's own outputs."""
+    raise not_landed("train")
+
+
+@app.command()
+def personas(
+    personas_dir: PersonasDirOption = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+) -> None:
+    """List the personas available to `reviewer run`: built in, and from --personas-dir or config."""
+    from rich.table import Table
+
+    from reviewer.personas import PersonaError, load_personas
+
+    settings = settings_or_exit(personas_dir=personas_dir)
+    try:
+        found = load_personas(settings.personas_dir)
+    except PersonaError as e:
+        raise fail(str(e)) from None
+    if json_output:
+        print(json.dumps([p.summary() for p in found.values()], indent=2))
+        return
+    table = Table(title="Personas")
+    for col in ("name", "description", "needs LLM", "steps", "source"):
+        table.add_column(col)
+    for p in found.values():
+        table.add_row(p.name, p.description, "no" if p.deterministic else "yes", str(p.max_steps), str(p.source))
+    console.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Storage: the review database (SQLite by default) through SQLModel.
+
+One module owns the schema, its version and its upgrades, so every command sees the same tables. Rows are written in
+short transactions: a crash leaves whole rows or none.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, inspect, text
+from sqlalchemy.engine import Engine
+from sqlmodel import Field, Session, SQLModel, create_engine, select
+
+SCHEMA_VERSION = 1
+
+RUN_STATUSES = ("queued", "running", "completed", "failed", "interrupted")
+PERSONA_STATUSES = ("running", "completed", "failed", "interrupted", "step_budget", "token_budget", "timeout")
+SEVERITIES = ("critical", "high", "medium", "low", "info")
+FINDING_STATES = ("new", "persisting", "fixed", "regressed")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Meta(SQLModel, table=True):
+    key: str = Field(primary_key=True)
+    value: str
+
+
+class Repository(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    url: str = Field(index=True, unique=True)
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class ReviewRun(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    repository_id: int = Field(foreign_key="repository.id", index=True)
+    ref: str | None = None
+    commit_sha: str | None = Field(default=None, index=True)
+    status: str = Field(default="running", index=True)
+    started_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime | None = None
+    llm: str | None = None
+    model: str | None = None
+    machine: str | None = None  # fingerprint of the worker box: hostname, CPU, cores, memory
+    pid: int | None = None  # process that owns a running review (crash recovery)
+    error: str | None = None
+
+
+class PersonaRun(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="reviewrun.id", index=True)
+    persona: str
+    status: str = "running"
+    steps: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    llm_seconds: float = 0.0
+    started_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime | None = None
+    summary: str | None = None
+    error: str | None = None
+    transcript: str = "[]"  # JSON list of messages, rewritten after every step
+
+
+class Finding(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="reviewrun.id", index=True)
+    persona_run_id: int | None = Field(default=None, foreign_key="personarun.id")
+    persona: str
+    title: str
+    severity: str
+    category: str
+    details: str = ""
+    evidence: str | None = None
+    repro_command: str | None = None
+    file: str | None = None
+    line: int | None = None
+    fingerprint: str | None = Field(default=None, index=True)
+    state: str | None = None
+    verified: bool | None = None
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+class Measurement(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="reviewrun.id", index=True)
+    persona_run_id: int | None = Field(default=None, foreign_key="personarun.id")
+    persona: str
+    name: str
+    value: float
+    unit: str
+    command: str | None = None
+    repeats: int | None = None
+    spread: float | None = None  # e.g. (max - min) / median of the repeats
+    samples: str | None = None  # JSON list of the raw values when repeats > 1
+    created_at: datetime = Field(default_factory=utcnow)
+
+
+# version -> function that upgrades a database from version-1 to version. Tables that do not exist are created by
+# create_all before these run; a migration only adds what create_all cannot (columns, data fixes). Never drop data.
+MIGRATIONS: dict[int, Callable[[Any], None]] = {}
+
+
+def add_column(conn, table: str, column: str, ddl_type: str) -> None:
+    """Idempotent ALTER TABLE ADD COLUMN for migrations."""
+    if column not in {c["name"] for c in inspect(conn).get_columns(table)}:
+        conn.execute(text(f'ALTER TABLE "{table}" ADD COLUMN "{column}" {ddl_type}'))
+
+
+def database_url(db: str) -> str:
+    if "://" in db:
+        return db
+    return f"sqlite:///{Path(db).expanduser()}"
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    # WAL lets `reviewer report` read while a review writes; busy_timeout makes writers wait instead of failing.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+_engines: dict[str, Engine] = {}
+
+
+def get_engine(db: str) -> Engine:
+    """Open (creating or upgrading as needed) the database and return its engine, cached per URL."""
+    url = database_url(db)
+    if url in _engines:
+        return _engines[url]
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+    else:
+        engine = create_engine(url, pool_pre_ping=True)
+    upgrade(engine)
+    _engines[url] = engine
+    return engine
+
+
+def stored_version(conn) -> int:
+    if not inspect(conn).has_table("meta"):
+        return 0
+    row = conn.execute(text("SELECT value FROM meta WHERE key = 'schema_version'")).first()
+    return int(row[0]) if row else 0
+
+
+def upgrade(engine: Engine) -> None:
+    """Create missing tables and run pending migrations in one transaction."""
+    with engine.begin() as conn:
+        version = stored_version(conn)
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"database schema version {version} is newer than this reviewer ({SCHEMA_VERSION}); upgrade reviewer"
+            )
+        SQLModel.metadata.create_all(conn)
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            if target in MIGRATIONS:
+                MIGRATIONS[target](conn)
+        if version != SCHEMA_VERSION:
+            conn.execute(text("DELETE FROM meta WHERE key = 'schema_version'"))
+            conn.execute(
+                text("INSERT INTO meta (key, value) VALUES ('schema_version', :v)"), {"v": str(SCHEMA_VERSION)}
+            )
+
+
+def session(db: str) -> Session:
+    return Session(get_engine(db), expire_on_commit=False)
+
+
+def get_or_create_repository(s: Session, url: str) -> Repository:
+    repo = s.exec(select(Repository).where(Repository.url == url)).first()
+    if repo is None:
+        repo = Repository(url=url)
+        s.add(repo)
+        s.flush()
+    return repo
+
+
+def iso(dt: datetime | None) -> str | None:
+    """ISO 8601 in UTC; SQLite hands back naive datetimes, which we always stored as UTC."""
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def loads(value: str | None, default: Any = None) -> Any:
+    return json.loads(value) if value else default
