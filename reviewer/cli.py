@@ -133,40 +133,15 @@ def report(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
 ) -> None:
     """Show stored reviews: findings by severity, their state and verification, and measurements."""
-    from datetime import date
-
-    from reviewer import report as rp
-    from reviewer.db import FINDING_STATES, SEVERITIES
+    from reviewer.report import ReportError, ReportFilter, report_command
 
     settings = settings_or_exit(db=db)
-    if severity and severity not in SEVERITIES:
-        raise fail(f"unknown severity '{severity}' (one of: {', '.join(SEVERITIES)})")
-    if state and state not in FINDING_STATES:
-        raise fail(f"unknown state '{state}' (one of: {', '.join(FINDING_STATES)})")
-    if since:
-        try:
-            date.fromisoformat(since[:10])
-        except ValueError:
-            raise fail(f"--since must be an ISO date like 2026-11-29, got '{since}'") from None
-    if format in (ReportFormat.markdown, ReportFormat.html):
-        raise fail(f"--format {format.value} lands with the `reviewer loop` / `reviewer report` issue; use table or json")
-    flt = rp.ReportFilter(repo=repo, run_id=run_id, persona=persona, severity=severity, state=state, since=since,
-                          verified_only=verified_only)
-    runs = rp.collect_runs(settings.db, flt)
-    if run_id is not None and not runs:
-        raise fail(f"no run with id {run_id} in {settings.db}")
-    if format is ReportFormat.json:
-        text = json.dumps({"runs": runs}, indent=2)
-        if output:
-            output.write_text(text + "\n")
-        else:
-            print(text)
-        return
-    out = Console(file=output.open("w"), width=160) if output else console
-    if not runs:
-        out.print(f"No reviews in {settings.db} yet. Start one with `reviewer run <repo>`.")
-    for r in runs:
-        rp.print_run_summary(r, out)
+    flt = ReportFilter(repo=repo, run_id=run_id, persona=persona, severity=severity, state=state, since=since,
+                       verified_only=verified_only)
+    try:
+        report_command(settings.db, flt, format.value, output, console)
+    except ReportError as e:
+        raise fail(str(e)) from None
 
 
 @app.command()

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 
 from rich.console import Console
@@ -14,6 +16,12 @@ from sqlmodel import select
 
 from reviewer import db
 from reviewer.db import Finding, Measurement, PersonaRun, Repository, ReviewRun
+
+
+
+class ReportError(Exception):
+    """Bad report options or a run that does not exist; one line for the user."""
+
 
 SEVERITY_ORDER = {s: i for i, s in enumerate(db.SEVERITIES)}
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
@@ -172,3 +180,37 @@ def print_run_summary(run: dict, console: Console) -> None:
                 m["persona"], m["name"], f"{m['value']:.4g}", m["unit"], str(m["repeats"] or 1), (m["command"] or "")[:60]
             )
         console.print(m_table)
+
+
+def validate(flt: ReportFilter) -> None:
+    if flt.severity and flt.severity not in db.SEVERITIES:
+        raise ReportError(f"unknown severity '{flt.severity}' (one of: {', '.join(db.SEVERITIES)})")
+    if flt.state and flt.state not in db.FINDING_STATES:
+        raise ReportError(f"unknown state '{flt.state}' (one of: {', '.join(db.FINDING_STATES)})")
+    if flt.since:
+        try:
+            date.fromisoformat(flt.since[:10])
+        except ValueError:
+            raise ReportError(f"--since must be an ISO date like 2026-11-29, got '{flt.since}'") from None
+
+
+def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | None, console: Console) -> None:
+    """`reviewer report`: validate, collect, render in the asked format to stdout or a file."""
+    validate(flt)
+    if fmt in ("markdown", "html"):
+        raise ReportError(f"--format {fmt} lands with the `reviewer loop` / `reviewer report` issue; use table or json")
+    runs = collect_runs(db_path, flt)
+    if flt.run_id is not None and not runs:
+        raise ReportError(f"no run with id {flt.run_id} in {db_path}")
+    if fmt == "json":
+        text = json.dumps({"runs": runs}, indent=2)
+        if output:
+            output.write_text(text + "\n")
+        else:
+            print(text)
+        return
+    out = Console(file=output.open("w"), width=160) if output else console
+    if not runs:
+        out.print(f"No reviews in {db_path} yet. Start one with `reviewer run <repo>`.")
+    for r in runs:
+        print_run_summary(r, out)
