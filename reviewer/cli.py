@@ -116,7 +116,17 @@ def loop(
     db: DbOption = None,
 ) -> None:
     """Review continuously: watch repositories for new commits and review each new commit once, one at a time."""
-    raise not_landed("loop")
+    if "loop" in NOT_LANDED:
+        raise not_landed("loop")
+    settings = settings_or_exit(llm=llm, model=model, db=db, personas=persona)
+    from reviewer.loop import LoopError, loop_command
+
+    try:
+        code = loop_command(settings, repos=repo or [], repos_file=repos_file, interval=interval, once=once,
+                            max_reviews=max_reviews, console=console)
+    except LoopError as e:
+        raise fail(str(e)) from None
+    raise typer.Exit(code)
 
 
 @app.command()
