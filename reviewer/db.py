@@ -16,12 +16,13 @@ from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 RUN_STATUSES = ("queued", "running", "completed", "failed", "interrupted")
 PERSONA_STATUSES = ("running", "completed", "failed", "interrupted", "step_budget", "token_budget", "timeout")
 SEVERITIES = ("critical", "high", "medium", "low", "info")
 FINDING_STATES = ("new", "persisting", "fixed", "regressed")
+QUEUE_STATUSES = ("queued", "running", "done", "failed")
 
 
 def utcnow() -> datetime:
@@ -86,6 +87,8 @@ class Finding(SQLModel, table=True):
     fingerprint: str | None = Field(default=None, index=True)
     state: str | None = None
     verified: bool | None = None
+    verification: str | None = None  # what re-running repro_command gave: exit code, seconds, output tail (v2)
+    duplicate_of: int | None = None  # id of the finding this near-duplicate was merged into; reports hide it (v2)
     created_at: datetime = Field(default_factory=utcnow)
 
 
@@ -104,9 +107,35 @@ class Measurement(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow)
 
 
+class ReviewQueue(SQLModel, table=True):
+    """Commits `reviewer loop` has seen and must review, one row per (repository, commit) (v2)."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    repository_id: int = Field(foreign_key="repository.id", index=True)
+    commit_sha: str = Field(index=True)
+    ref: str | None = None
+    status: str = Field(default="queued", index=True)  # QUEUE_STATUSES
+    attempts: int = 0
+    run_id: int | None = None  # the latest ReviewRun made for this row
+    enqueued_at: datetime = Field(default_factory=utcnow)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+
+
 # version -> function that upgrades a database from version-1 to version. Tables that do not exist are created by
 # create_all before these run; a migration only adds what create_all cannot (columns, data fixes). Never drop data.
 MIGRATIONS: dict[int, Callable[[Any], None]] = {}
+
+
+def _v2_lifecycle_columns(conn) -> None:
+    # v2 (`reviewer loop` / `reviewer report`): verification output and near-duplicate merging on findings; the
+    # reviewqueue table is new, so create_all makes it.
+    add_column(conn, "finding", "verification", "TEXT")
+    add_column(conn, "finding", "duplicate_of", "INTEGER")
+
+
+MIGRATIONS[2] = _v2_lifecycle_columns
 
 
 def add_column(conn, table: str, column: str, ddl_type: str) -> None:

@@ -27,16 +27,18 @@ def test_upgrade_keeps_rows_and_adds_columns(tmp_path, monkeypatch):
     db._engines.clear()
 
     # A future schema version that adds a column: the upgrade must add it and keep the old row.
-    def v2(conn):
+    future = db.SCHEMA_VERSION + 1
+
+    def add_note(conn):
         db.add_column(conn, "reviewrun", "note", "TEXT")
 
-    monkeypatch.setattr(db, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(db.MIGRATIONS, 2, v2)
+    monkeypatch.setattr(db, "SCHEMA_VERSION", future)
+    monkeypatch.setitem(db.MIGRATIONS, future, add_note)
     engine = db.get_engine(str(path))
     con = sqlite3.connect(path)
     assert "note" in {r[1] for r in con.execute("PRAGMA table_info(reviewrun)")}
     assert con.execute("SELECT commit_sha FROM reviewrun").fetchall() == [("abc",)]
-    assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "2"
+    assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(future)
     engine.dispose()
     db._engines.clear()
 
