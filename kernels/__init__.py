@@ -1,0 +1,6 @@
+"""Compute kernels for the backend: Triton where it can run, PyTorch otherwise. Imports torch (and triton if present)."""
+
+from kernels.fused_moe import fused_moe, fused_moe_triton, triton_usable
+from kernels.moe_reference import SharedExpert, fused_moe_torch, moe_reference
+
+__all__ = ["SharedExpert", "fused_moe", "fused_moe_torch", "fused_moe_triton", "moe_reference", "triton_usable"]

@@ -1,0 +1,416 @@
+"""Fused MoE experts: a Triton grouped GEMM over (token, expert) slots, with a PyTorch fallback.
+
+    out[t] = sum_k w[t,k] * down[e_tk] @ (silu(gate[e_tk] @ x[t]) * up[e_tk] @ x[t])  (+ shared expert)
+
+A "slot" is one (token, expert) pair: slots 0..M*K-1 are the routed ones (token = slot // K), slots
+M*K..M*K+M-1 the shared expert's (token = slot - M*K), which the kernels treat as expert number E.
+
+Launches (all shapes depend only on M, so the whole thing can be captured in a CUDA graph; nothing syncs):
+  1. `_align_kernel` (one program; skipped in direct mode): sorts slots by expert and cuts each expert's
+     slots into blocks of BM rows -> block table (expert, start, count), unused blocks marked -1.
+  2. `_gate_up_kernel`, grid (blocks, I/BN): one block's rows times one N-tile of gate and up, SiLU(gate)*up
+     stored to `inter[slot]`. Each expert's weight tile is read once per block, i.e. once when it has <= BM
+     tokens. The shared expert's sigmoid gate is accumulated in the same K loop.
+  3. `_down_kernel`, grid (blocks, H/BN): inter @ down^T, scaled by the routing weight in the epilogue,
+     stored in fp32 to `rows[slot]`.
+  4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows in a fixed order. No atomics: results are
+     deterministic, which greedy decoding relies on.
+Direct mode (small M, as vLLM does for small tokens*top_k): block b < M*K is slot b alone, the last block holds
+the shared expert's M slots; no sorting launch. Each expert is then read once per token routed to it, which
+costs nothing extra while M*K is small.
+
+Tile sizes come from `fused_moe_configs.json` (written by `bench/fused_moe.py --tune`), keyed by device name,
+shape and token count; nothing is tuned at serve time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from kernels.moe_reference import SharedExpert, fused_moe_torch, shared_expert_torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch fallback is used
+    triton = None
+
+CONFIG_PATH = Path(__file__).with_name("fused_moe_configs.json")
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Triton runs on CUDA tensors, or anywhere under its CPU interpreter (TRITON_INTERPRET=1)."""
+    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    shared: SharedExpert | None = None,
+    *,
+    use_triton: bool | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """MoE experts (+ optional shared expert) for hidden_states [M, H]; returns [M, H] in its dtype.
+
+    gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout), topk_weights / topk_ids [M, K].
+    use_triton=None picks Triton when it can run (CUDA, or TRITON_INTERPRET=1), else the PyTorch fallback.
+    config overrides the tuned tile sizes (used by the tuner).
+    """
+    _check_shapes(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+    if use_triton is None:
+        use_triton = triton_usable(hidden_states)
+    if not use_triton:
+        return fused_moe_torch(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+    if shared is not None and shared.gate_proj.shape[0] != down_proj.shape[-1]:
+        # The kernels treat the shared expert as expert E, which needs the same intermediate size.
+        routed = fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, None, config)
+        return (routed.float() + shared_expert_torch(hidden_states.to(gate_up_proj.dtype), shared)).to(routed.dtype)
+    return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config)
+
+
+def _check_shapes(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared):
+    if x.dim() != 2:
+        raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(x.shape)}")
+    num_experts, two_inter, hidden = gate_up_proj.shape
+    if hidden != x.shape[1] or two_inter % 2 or tuple(down_proj.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"expected gate_up_proj [E, 2I, H] and down_proj [E, H, I] with H={x.shape[1]}, got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [tokens, top_k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)} for {x.shape[0]} tokens")
+    if shared is not None:
+        inter = shared.gate_proj.shape[0]
+        if shared.up_proj.shape != (inter, hidden) or shared.down_proj.shape != (hidden, inter):
+            raise ValueError("shared expert weights must be gate/up [Is, H] and down [H, Is]")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, has_shared: bool) -> str:
+    return f"E{num_experts}_H{hidden}_I{inter}_K{top_k}_S{int(has_shared)}"
+
+
+def default_config(num_tokens: int, top_k: int) -> dict:
+    """Used when the tuned table has no entry for this device and shape."""
+    direct = num_tokens * top_k <= 16
+    block_m = 16 if num_tokens <= 128 else 32
+    return {"direct": direct, "BM": block_m,
+            "gate_up": {"BN": 32, "BK": 128, "warps": 4, "stages": 3},
+            "down": {"BN": 64, "BK": 128, "warps": 4, "stages": 3}}
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_table() -> dict:
+    return json.loads(CONFIG_PATH.read_text()) if CONFIG_PATH.exists() else {}
+
+
+@functools.lru_cache(maxsize=4096)
+def get_config(device_name: str, key: str, num_tokens: int, top_k: int) -> dict:
+    """Tuned entry for the smallest tuned token count >= num_tokens (else the largest tuned one)."""
+    by_tokens = _tuned_table().get(device_name, {}).get(key)
+    if not by_tokens:
+        return default_config(num_tokens, top_k)
+    counts = sorted(int(m) for m in by_tokens)
+    chosen = next((m for m in counts if m >= num_tokens), counts[-1])
+    cfg = dict(by_tokens[str(chosen)])
+    if cfg["direct"] and num_tokens > cfg["BM"]:  # direct mode puts all shared-expert rows in one block
+        cfg["direct"] = False
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_ranks(ids_ptr, c0, num_routed, CH: tl.constexpr):
+        """For CH slots from c0: expert ids, rank among same-expert slots of the chunk, last-of-its-expert flag."""
+        lane = tl.arange(0, CH)
+        slot = c0 + lane
+        ok = slot < num_routed
+        ids = tl.load(ids_ptr + slot, mask=ok, other=-1).to(tl.int32)
+        same = (ids[:, None] == ids[None, :]) & ok[None, :]
+        rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
+        last = ok & (tl.sum((same & (lane[None, :] > lane[:, None])).to(tl.int32), axis=1) == 0)
+        return slot, ok, ids, rank, last
+
+    # Token-count-dependent arguments are not specialised, so a new token count never recompiles while serving.
+    _RUNTIME_SIZES = ["num_routed", "num_tokens", "num_blocks_max"]
+
+    @triton.jit(do_not_specialize=_RUNTIME_SIZES)
+    def _align_kernel(ids_ptr, cursor_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
+                      num_routed, num_tokens, num_blocks_max, E,
+                      HAS_SHARED: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BM: tl.constexpr):
+        """One program: stable counting sort of the slots by expert, then the block table.
+
+        cursor_ptr is an [EP] int32 scratch array holding per-expert running counts, then running write
+        positions. Within a chunk of CH slots a slot's rank among same-expert slots comes from a CH x CH
+        comparison; across chunks from the cursor, which each expert's last slot in the chunk advances.
+        """
+        experts = tl.arange(0, EP)
+        tl.store(cursor_ptr + experts, tl.zeros([EP], tl.int32))
+        tl.debug_barrier()
+        for c0 in range(0, num_routed, CH):  # count slots per expert
+            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
+            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
+            tl.debug_barrier()
+            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
+            tl.debug_barrier()
+        counts = tl.load(cursor_ptr + experts, volatile=True)
+        if HAS_SHARED:
+            counts += tl.where(experts == E, num_tokens, 0)
+        seg_start = tl.cumsum(counts, axis=0) - counts
+        tl.debug_barrier()
+        tl.store(cursor_ptr + experts, seg_start)
+        tl.debug_barrier()
+        for c0 in range(0, num_routed, CH):  # scatter slots to their sorted positions
+            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
+            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
+            tl.store(sorted_ptr + base + rank, slot, mask=ok)
+            tl.debug_barrier()
+            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
+            tl.debug_barrier()
+        lane = tl.arange(0, CH)
+        if HAS_SHARED:
+            shared_start = tl.sum(tl.where(experts == E, seg_start, 0), axis=0)
+            for t0 in range(0, num_tokens, CH):
+                tok = t0 + lane
+                tl.store(sorted_ptr + shared_start + tok, num_routed + tok, mask=tok < num_tokens)
+        nblk = (counts + BM - 1) // BM
+        first_block = tl.cumsum(nblk, axis=0) - nblk
+        for j in range(0, tl.max(nblk, axis=0)):
+            has = j < nblk
+            tl.store(bexp_ptr + first_block + j, experts, mask=has)
+            tl.store(bstart_ptr + first_block + j, seg_start + j * BM, mask=has)
+            tl.store(bcount_ptr + first_block + j, tl.minimum(counts - j * BM, BM), mask=has)
+        for b0 in range(tl.sum(nblk, axis=0), num_blocks_max, CH):
+            blk = b0 + lane
+            unused = blk < num_blocks_max
+            tl.store(bexp_ptr + blk, tl.full([CH], -1, tl.int32), mask=unused)
+            tl.store(bstart_ptr + blk, tl.zeros([CH], tl.int32), mask=unused)
+            tl.store(bcount_ptr + blk, tl.zeros([CH], tl.int32), mask=unused)
+
+    @triton.jit
+    def _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr, num_routed, num_tokens, E,
+                    DIRECT: tl.constexpr, BM: tl.constexpr):
+        """Expert (E = shared, -1 = unused block), slot of each of the BM rows, and which rows are real."""
+        r = tl.arange(0, BM)
+        if DIRECT:
+            if pid_b < num_routed:
+                e = tl.load(ids_ptr + pid_b).to(tl.int32)
+                slots = pid_b + r
+                valid = r < 1
+            else:
+                e = E + 0 * pid_b
+                slots = num_routed + r
+                valid = r < num_tokens
+        else:
+            e = tl.load(bexp_ptr + pid_b)
+            start = tl.load(bstart_ptr + pid_b)
+            valid = r < tl.load(bcount_ptr + pid_b)
+            slots = tl.load(sorted_ptr + start + r, mask=valid, other=0)
+        return e, slots, valid
+
+    @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
+    def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, inter_ptr, sgate_ptr,
+                        ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
+                        num_routed, num_tokens, top_k, E, H, I,
+                        stride_x, stride_we, stride_wn, stride_sn, stride_inter,
+                        HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+                        EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
+                                      num_routed, num_tokens, E, DIRECT, BM)
+        if e < 0:
+            return
+        tok = tl.where(slots < num_routed, slots // top_k, slots - num_routed).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < I
+        if e == E:  # shared expert: its own nn.Linear weights
+            wg = sg_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
+            wu = su_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
+        else:
+            base = w_ptr + e.to(tl.int64) * stride_we
+            wg = base + offs_n[None, :] * stride_wn + offs_k[:, None]
+            wu = base + (offs_n[None, :] + I) * stride_wn + offs_k[:, None]
+        xp = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        acc_s = tl.zeros([BM], tl.float32)
+        for k0 in range(0, H, BK):
+            k_ok = (k0 + offs_k < H) | EVEN_K
+            xt = tl.load(xp, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if EVEN_N and EVEN_K:
+                gt = tl.load(wg)
+                ut = tl.load(wu)
+            else:
+                gt = tl.load(wg, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                ut = tl.load(wu, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_g = tl.dot(xt, gt, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xt, ut, acc_u, input_precision=PRECISION)
+            if HAS_SHARED_GATE:  # x @ shared_gate, for the shared expert's blocks (cheap, so done everywhere)
+                sgw = tl.load(sgw_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+                acc_s += tl.sum(xt.to(tl.float32) * sgw.to(tl.float32)[None, :], axis=1)
+            xp += BK
+            wg += BK
+            wu += BK
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(inter_ptr + slots.to(tl.int64)[:, None] * stride_inter + offs_n[None, :],
+                 h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        if HAS_SHARED_GATE:
+            if (e == E) & (pid_n == 0):
+                tl.store(sgate_ptr + tok, tl.sigmoid(acc_s), mask=valid)
+
+    @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
+    def _down_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, rows_ptr,
+                     ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
+                     num_routed, num_tokens, E, H, I,
+                     stride_inter, stride_we, stride_wn, stride_sn, stride_rows,
+                     HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+                     EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
+                                      num_routed, num_tokens, E, DIRECT, BM)
+        if e < 0:
+            return
+        slots64 = slots.to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        n_ok = offs_n < H
+        if e == E:
+            wp = sd_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
+        else:
+            wp = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        hp = inter_ptr + slots64[:, None] * stride_inter + offs_k[None, :]
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, I, BK):
+            k_ok = (k0 + offs_k < I) | EVEN_K
+            ht = tl.load(hp, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            if EVEN_N and EVEN_K:
+                wt = tl.load(wp)
+            else:
+                wt = tl.load(wp, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
+            hp += BK
+            wp += BK
+        routed = slots < num_routed
+        scale = tl.load(topk_w_ptr + slots64, mask=valid & routed, other=0.0).to(tl.float32)
+        if HAS_SHARED_GATE:
+            sg = tl.load(sgate_ptr + (slots64 - num_routed), mask=valid & (slots >= num_routed), other=0.0)
+            scale = tl.where(routed, scale, sg)
+        else:
+            scale = tl.where(routed, scale, 1.0)
+        tl.store(rows_ptr + slots64[:, None] * stride_rows + offs_n[None, :], acc * scale[:, None],
+                 mask=valid[:, None] & n_ok[None, :])
+
+    @triton.jit(do_not_specialize=["num_routed"])
+    def _sum_slots_kernel(rows_ptr, out_ptr, num_routed, top_k, H, stride_rows, stride_out,
+                          HAS_SHARED: tl.constexpr, BH: tl.constexpr):
+        """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BH + tl.arange(0, BH)
+        ok = offs < H
+        acc = tl.zeros([BH], tl.float32)
+        for k in range(0, top_k):
+            acc += tl.load(rows_ptr + (t * top_k + k) * stride_rows + offs, mask=ok, other=0.0)
+        if HAS_SHARED:
+            acc += tl.load(rows_ptr + (num_routed + t) * stride_rows + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name_of(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _device_name(x: torch.Tensor) -> str:
+    return _device_name_of(x.device)
+
+
+def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None):
+    """The Triton path (see the module docstring). Inputs as for `fused_moe`; no host synchronisation."""
+    if triton is None:
+        raise RuntimeError("triton is not installed; use fused_moe(), which falls back to PyTorch")
+    x = hidden_states.to(gate_up_proj.dtype).contiguous()  # as transformers' grouped_mm does
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up_proj.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_routed = num_tokens * top_k
+    has_shared = shared is not None
+    num_slots = num_routed + (num_tokens if has_shared else 0)
+    if gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
+        raise ValueError("expert weights must be contiguous along their last dimension")
+    if has_shared:
+        shared = SharedExpert(*(w.contiguous() if w is not None else None for w in shared))
+    cfg = config or get_config(_device_name(x), shape_key(num_experts, hidden, inter, top_k, has_shared),
+                               num_tokens, top_k)
+    direct = cfg["direct"] and num_tokens <= cfg["BM"]
+    block_m = cfg["BM"]
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    dev = x.device
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    if direct:
+        num_blocks = num_routed + int(has_shared)
+        sorted_slots = bexp = bstart = bcount = ids  # unused in direct mode
+    else:
+        num_blocks = num_slots // block_m + min(num_experts + int(has_shared), num_slots)
+        padded_experts = triton.next_power_of_2(num_experts + 1)
+        work = torch.empty(3 * num_blocks + num_slots + padded_experts, dtype=torch.int32, device=dev)
+        bexp, bstart, bcount = work[:num_blocks], work[num_blocks:2 * num_blocks], work[2 * num_blocks:3 * num_blocks]
+        sorted_slots = work[3 * num_blocks:3 * num_blocks + num_slots]
+        cursor = work[3 * num_blocks + num_slots:]
+        _align_kernel[(1,)](ids, cursor, sorted_slots, bexp, bstart, bcount,
+                            num_routed, num_tokens, num_blocks, num_experts,
+                            HAS_SHARED=has_shared, EP=padded_experts, CH=64, BM=block_m,
+                            num_warps=8)
+
+    inter_buf = torch.empty(num_slots, inter, dtype=x.dtype, device=dev)
+    rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=dev)
+    has_gate = has_shared and shared.gate is not None
+    sgate = torch.empty(num_tokens if has_gate else 1, dtype=torch.float32, device=dev)
+    sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
+        gate_up_proj, gate_up_proj, down_proj)
+    sgw = shared.gate.reshape(-1) if has_gate else x
+
+    gu = cfg["gate_up"]
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, gu["BN"]))](
+        x, gate_up_proj, sg, su, sgw, inter_buf, sgate, ids, sorted_slots, bexp, bstart, bcount,
+        num_routed, num_tokens, top_k, num_experts, hidden, inter,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(0),
+        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=hidden % gu["BK"] == 0, EVEN_N=inter % gu["BN"] == 0,
+        PRECISION=precision, BM=block_m, BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"], num_stages=gu["stages"])
+    dn = cfg["down"]
+    _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]))](
+        inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount,
+        num_routed, num_tokens, num_experts, hidden, inter,
+        inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0),
+        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % dn["BK"] == 0, EVEN_N=hidden % dn["BN"] == 0,
+        PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"], num_warps=dn["warps"], num_stages=dn["stages"])
+    out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
+    block_h = min(256, triton.next_power_of_2(hidden))
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        rows, out, num_routed, top_k, hidden, rows.stride(0), out.stride(0), HAS_SHARED=has_shared, BH=block_h,
+        num_warps=4)
+    return out
