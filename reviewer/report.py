@@ -1,22 +1,23 @@
-"""Reading reviews back: the JSON report contract and the terminal view.
+"""Reading reviews back: the JSON report contract, the terminal view, Markdown and HTML.
 
-`collect_runs` is the one query every output format starts from, so the formats never disagree about what a run holds.
+`collect_runs` is the one query every output format starts from, so the formats never disagree about what a run holds;
+`measurement_history` derives the per-measurement series (and the noise verdicts) from its result.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from sqlmodel import select
 
-from reviewer import db
+from reviewer import db, stats
 from reviewer.db import Finding, Measurement, PersonaRun, Repository, ReviewRun
-
 
 
 class ReportError(Exception):
@@ -25,6 +26,8 @@ class ReportError(Exception):
 
 SEVERITY_ORDER = {s: i for i, s in enumerate(db.SEVERITIES)}
 SEVERITY_STYLE = {"critical": "bold red", "high": "red", "medium": "yellow", "low": "cyan", "info": "dim"}
+STATE_STYLE = {"new": "blue", "persisting": "yellow", "fixed": "green", "regressed": "bold red"}
+VERIFIED_TEXT = {True: "yes", False: "no", None: "-"}
 
 
 @dataclass
@@ -44,11 +47,25 @@ def database_exists(path_or_url: str) -> bool:
     return Path(path_or_url.removeprefix("sqlite:///")).expanduser().exists()
 
 
+def measurement_samples(m: Measurement) -> list[float]:
+    """The raw repeats when they were stored, else the single value."""
+    samples = db.loads(m.samples, None)
+    if isinstance(samples, list) and samples and all(isinstance(v, (int, float)) for v in samples):
+        return [float(v) for v in samples]
+    return [float(m.value)]
+
+
 def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
     repo = s.get(Repository, run.repository_id)
     personas = s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id).order_by(PersonaRun.id)).all()
-    findings = s.exec(select(Finding).where(Finding.run_id == run.id).order_by(Finding.id)).all()
+    all_findings = s.exec(select(Finding).where(Finding.run_id == run.id).order_by(Finding.id)).all()
     measurements = s.exec(select(Measurement).where(Measurement.run_id == run.id).order_by(Measurement.id)).all()
+    # Near-duplicates merged into another finding are hidden; the kept one says how many it absorbed.
+    merged: dict[int, int] = {}
+    for f in all_findings:
+        if f.duplicate_of is not None:
+            merged[f.duplicate_of] = merged.get(f.duplicate_of, 0) + 1
+    findings = [f for f in all_findings if f.duplicate_of is None]
     if flt.persona:
         personas = [p for p in personas if p.persona == flt.persona]
         findings = [f for f in findings if f.persona == flt.persona]
@@ -100,6 +117,8 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
                 "fingerprint": f.fingerprint,
                 "state": f.state,
                 "verified": f.verified,
+                "verification": f.verification,
+                "duplicates": merged.get(f.id, 0),
             }
             for f in findings
         ],
@@ -112,6 +131,7 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
                 "command": m.command,
                 "repeats": m.repeats,
                 "spread": m.spread,
+                "samples": measurement_samples(m),
             }
             for m in measurements
         ],
@@ -133,20 +153,66 @@ def collect_runs(db_path: str, flt: ReportFilter | None = None) -> list[dict]:
                 return []
             query = query.where(ReviewRun.repository_id == repo.id)
         if flt.since:
-            from datetime import datetime
-
-            query = query.where(ReviewRun.started_at >= datetime.fromisoformat(flt.since))
+            since = datetime.fromisoformat(flt.since)  # a date or a date and time; UTC unless it says otherwise
+            query = query.where(ReviewRun.started_at >= (since if since.tzinfo else since.replace(tzinfo=timezone.utc)))
         return [run_to_dict(s, run, flt) for run in s.exec(query).all()]
 
 
-def print_run_summary(run: dict, console: Console) -> None:
-    """The end-of-run view: personas, findings by severity, measurements."""
+def measurement_history(runs: list[dict]) -> list[dict]:
+    """One series per (repository, persona, measurement name), a point per run in run order: the repeats' median,
+    min, max and spread, and `change` against the previous point (stats.compare: changed, p, ratio, method)."""
+    series: dict[tuple, dict] = {}
+    for run in runs:
+        per_run: dict[tuple, list[float]] = {}
+        units: dict[tuple, str] = {}
+        for m in run["measurements"]:
+            key = (run["repo"], m["persona"], m["name"])
+            per_run.setdefault(key, []).extend(m["samples"])
+            units[key] = m["unit"]
+        for key, samples in per_run.items():
+            entry = series.setdefault(key, {"repo": key[0], "persona": key[1], "name": key[2], "unit": units[key],
+                                            "points": []})
+            previous = entry["points"][-1] if entry["points"] else None
+            change = None
+            if previous is not None:
+                c = stats.compare(previous["samples"], samples)
+                change = {"changed": c.changed, "p": c.p, "ratio": c.ratio, "method": c.method}
+            entry["points"].append({
+                "run_id": run["id"], "commit": run["commit"], "started_at": run["started_at"], "samples": samples,
+                "n": len(samples), "median": stats.median(samples), "min": min(samples), "max": max(samples),
+                "spread": stats.spread(samples), "change": change,
+            })
+    return list(series.values())
+
+
+def change_text(change: dict | None) -> str:
+    """'+23% (p=0.008, beyond noise)', '+2% (within noise)', 'n/a' ..."""
+    if not change:
+        return "first"
+    pct = (change["ratio"] - 1) * 100
+    if change["method"] == "too few samples":
+        return f"{pct:+.1f}% (too few repeats to judge)"
+    p = f"p={change['p']:.2g}, " if change["p"] is not None else ""
+    return f"{pct:+.1f}% ({p}{'beyond noise' if change['changed'] else 'within noise'})"
+
+
+def _changes_for_run(history: list[dict] | None, run: dict) -> dict[tuple, dict]:
+    out = {}
+    for h in history or []:
+        for p in h["points"]:
+            if p["run_id"] == run["id"]:
+                out[(h["persona"], h["name"])] = p
+    return out
+
+
+def print_run_summary(run: dict, console: Console, history: list[dict] | None = None) -> None:
+    """The end-of-run view: personas, findings grouped by severity with state and verification, measurements."""
     console.print(
-        f"[bold]Run {run['id']}[/bold] {run['repo']} @ {(run['commit'] or '?')[:12]}  status: {run['status']}"
-        + (f"  llm: {run['llm']} ({run['model']})" if run["llm"] else "")
+        f"[bold]Run {run['id']}[/bold] {escape(str(run['repo']))} @ {(run['commit'] or '?')[:12]}  status: {run['status']}"
+        + (f"  llm: {escape(str(run['llm']))} ({escape(str(run['model']))})" if run["llm"] else "")
     )
     if run.get("error"):
-        console.print(f"[red]error:[/red] {run['error']}")
+        console.print(f"[red]error:[/red] {escape(run['error'])}")
     personas = Table(title="Personas", show_lines=False)
     for col in ("persona", "status", "steps", "tokens (prompt/completion)", "LLM s"):
         personas.add_column(col)
@@ -155,31 +221,98 @@ def print_run_summary(run: dict, console: Console) -> None:
             p["name"], p["status"], str(p["steps"]), f"{p['prompt_tokens']}/{p['completion_tokens']}", f"{p['llm_seconds']:.1f}"
         )
     console.print(personas)
-    findings = sorted(run["findings"], key=lambda f: SEVERITY_ORDER.get(f["severity"], 99))
-    table = Table(title=f"Findings ({len(findings)})")
+    table = Table(title=f"Findings ({len(run['findings'])})")
     for col in ("severity", "persona", "title", "where", "state", "verified"):
         table.add_column(col)
-    for f in findings:
-        where = f"{f['file']}:{f['line']}" if f["file"] and f["line"] else (f["file"] or "")
-        verified = {True: "yes", False: "no", None: "-"}[f["verified"]]
-        table.add_row(
-            f"[{SEVERITY_STYLE.get(f['severity'], '')}]{f['severity']}[/]",
-            f["persona"],
-            f["title"],
-            where,
-            f["state"] or "-",
-            verified,
-        )
+    for severity in (*db.SEVERITIES, None):
+        group = [f for f in run["findings"] if (f["severity"] if f["severity"] in SEVERITY_ORDER else None) == severity]
+        if not group:
+            continue
+        if table.row_count:
+            table.add_section()
+        for f in group:
+            where = f"{f['file']}:{f['line']}" if f["file"] and f["line"] else (f["file"] or "")
+            state = f["state"] or "-"
+            title = f["title"] + (f" (+{f['duplicates']} merged)" if f.get("duplicates") else "")
+            table.add_row(
+                f"[{SEVERITY_STYLE.get(f['severity'], '')}]{escape(f['severity'])}[/]",
+                escape(f["persona"]),
+                escape(title),
+                escape(where),
+                f"[{STATE_STYLE.get(state, '')}]{state}[/]" if state in STATE_STYLE else state,
+                VERIFIED_TEXT[f["verified"]],
+            )
     console.print(table)
     if run["measurements"]:
+        points = _changes_for_run(history, run)
         m_table = Table(title="Measurements")
-        for col in ("persona", "name", "value", "unit", "repeats", "command"):
+        for col in ("persona", "name", "value", "unit", "repeats", "spread", "vs previous run", "command"):
             m_table.add_column(col)
         for m in run["measurements"]:
+            point = points.get((m["persona"], m["name"]))
+            spread = f"{point['spread'] * 100:.1f}%" if point and point["n"] > 1 else "-"
             m_table.add_row(
-                m["persona"], m["name"], f"{m['value']:.4g}", m["unit"], str(m["repeats"] or 1), (m["command"] or "")[:60]
+                escape(m["persona"]), escape(m["name"]), f"{m['value']:.4g}", escape(m["unit"]), str(m["repeats"] or 1),
+                spread, change_text(point["change"]) if point else "-", escape((m["command"] or "")[:60]),
             )
         console.print(m_table)
+
+
+def _md(text: str | None) -> str:
+    """Text safe inside a Markdown table cell or list item."""
+    return (text or "").replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(runs: list[dict], history: list[dict], *, source: str) -> str:
+    """Markdown for pasting into an issue tracker: each run with its findings by severity, then the measurements."""
+    lines = [f"# Review report", "", f"{len(runs)} run(s) from `{source}`.", ""]
+    if not runs:
+        lines.append("No reviews match. Start one with `reviewer run <repo>`.")
+    for run in runs:
+        lines += [f"## Run {run['id']}: {run['repo']} @ `{(run['commit'] or '?')[:12]}` ({run['status']})", ""]
+        lines.append(f"Started {run['started_at']}" + (f", LLM {run['llm']} ({run['model']})" if run["llm"] else "") + ".")
+        if run.get("error"):
+            lines.append(f"Error: {_md(run['error'])}")
+        lines.append("")
+        if run["personas"]:
+            lines += ["| persona | status | steps | tokens (prompt/completion) |", "|---|---|---|---|"]
+            lines += [f"| {p['name']} | {p['status']} | {p['steps']} | {p['prompt_tokens']}/{p['completion_tokens']} |"
+                      for p in run["personas"]]
+            lines.append("")
+        lines += [f"### Findings ({len(run['findings'])})", ""]
+        for severity in db.SEVERITIES:
+            group = [f for f in run["findings"] if f["severity"] == severity]
+            if not group:
+                continue
+            lines += [f"#### {severity.capitalize()} ({len(group)})", ""]
+            for f in group:
+                where = f" in `{f['file']}{':' + str(f['line']) if f['line'] else ''}`" if f["file"] else ""
+                verified = {True: "verified", False: "not reproduced", None: "unverified"}[f["verified"]]
+                lines.append(f"- **{_md(f['title'])}**{where} ({f['persona']}, {f['category']}) - "
+                             f"state: **{f['state'] or '-'}**, {verified}")
+                if f["details"]:
+                    lines += ["", *[f"  > {line}" for line in f["details"].strip().splitlines()[:20]], ""]
+                if f["repro_command"]:
+                    lines.append(f"  - reproduce: `{_md(f['repro_command'])}`")
+            lines.append("")
+        if run["measurements"]:
+            points = _changes_for_run(history, run)
+            lines += ["### Measurements", "", "| persona | name | median | unit | n | spread | vs previous run |",
+                      "|---|---|---|---|---|---|---|"]
+            seen = set()
+            for m in run["measurements"]:
+                key = (m["persona"], m["name"])
+                if key in seen:
+                    continue
+                seen.add(key)
+                p = points.get(key)
+                if p is None:
+                    continue
+                spread = f"{p['spread'] * 100:.1f}%" if p["n"] > 1 else "-"
+                lines.append(f"| {m['persona']} | {_md(m['name'])} | {p['median']:.4g} | {m['unit']} | {p['n']} | "
+                             f"{spread} | {change_text(p['change'])} |")
+            lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 def validate(flt: ReportFilter) -> None:
@@ -190,27 +323,72 @@ def validate(flt: ReportFilter) -> None:
     if flt.since:
         try:
             date.fromisoformat(flt.since[:10])
+            datetime.fromisoformat(flt.since)
         except ValueError:
             raise ReportError(f"--since must be an ISO date like 2026-11-29, got '{flt.since}'") from None
+
+
+def known_repositories(db_path: str) -> list[str]:
+    if not database_exists(db_path):
+        return []
+    with db.session(db_path) as s:
+        return list(s.exec(select(Repository.url).order_by(Repository.id)).all())
+
+
+def filters_text(flt: ReportFilter) -> str:
+    given = [f"{k}={v}" for k, v in vars(flt).items() if v not in (None, False)]
+    return f" (filters: {', '.join(given)})" if given else ""
+
+
+def write_text(text: str, output: Path | None) -> None:
+    if output is None:
+        print(text, end="" if text.endswith("\n") else "\n")
+        return
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text if text.endswith("\n") else text + "\n")
+    except OSError as e:
+        raise ReportError(f"cannot write {output}: {e.strerror or e}") from None
 
 
 def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | None, console: Console) -> None:
     """`reviewer report`: validate, collect, render in the asked format to stdout or a file."""
     validate(flt)
-    if fmt in ("markdown", "html"):
-        raise ReportError(f"--format {fmt} lands with the `reviewer loop` / `reviewer report` issue; use table or json")
+    if fmt not in ("table", "markdown", "json", "html"):
+        raise ReportError(f"unknown format '{fmt}' (one of: table, markdown, json, html)")
+    if flt.repo and database_exists(db_path) and flt.repo not in (repos := known_repositories(db_path)):
+        known = ", ".join(repos) if repos else "none yet"
+        raise ReportError(f"no reviews of {flt.repo} in {db_path} (repositories: {known})")
     runs = collect_runs(db_path, flt)
     if flt.run_id is not None and not runs:
         raise ReportError(f"no run with id {flt.run_id} in {db_path}")
     if fmt == "json":
-        text = json.dumps({"runs": runs}, indent=2)
-        if output:
-            output.write_text(text + "\n")
-        else:
-            print(text)
+        write_text(json.dumps({"runs": runs}, indent=2), output)
         return
-    out = Console(file=output.open("w"), width=160) if output else console
+    # Noise verdicts compare each run with the previous one of its repository, whatever the run/date/finding filters.
+    history = measurement_history(collect_runs(db_path, ReportFilter(repo=flt.repo, persona=flt.persona)))
+    if fmt == "markdown":
+        write_text(render_markdown(runs, history, source=db_path), output)
+        return
+    if fmt == "html":
+        from reviewer.html_report import render_html
+
+        write_text(render_html(runs, history, source=db_path, filters=filters_text(flt)), output)
+        if output is not None:
+            console.print(f"Wrote {output} ({len(runs)} run(s)).")
+        return
+    if output is None:
+        print_table(runs, history, db_path, console)
+        return
+    try:
+        with output.open("w") as handle:
+            print_table(runs, history, db_path, Console(file=handle, width=160))
+    except OSError as e:
+        raise ReportError(f"cannot write {output}: {e.strerror or e}") from None
+
+
+def print_table(runs: list[dict], history: list[dict], db_path: str, out: Console) -> None:
     if not runs:
         out.print(f"No reviews in {db_path} yet. Start one with `reviewer run <repo>`.")
     for r in runs:
-        print_run_summary(r, out)
+        print_run_summary(r, out, history)
