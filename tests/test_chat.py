@@ -62,7 +62,7 @@ def test_xml_template_renders_tools_calls_and_results(tokenizers):
 
 def test_hermes_template_renders_json_calls(tokenizers):
     text, _ = chat.render_chat(tokenizers["hermes"], CONVERSATION, TOOLS)
-    assert '"name": "get_weather"' in text.split("</tools>")[0]  # the schema, listed by the template itself
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]  # the schema, listed by the template itself
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in text
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     assert not chat.starts_in_reasoning(text)
