@@ -1,0 +1,586 @@
+"""LLM clients: one `chat` call over OpenAI-format messages and tools, whatever server is behind it.
+
+`open_llm(settings)` turns each `--llm` entry into a client: `embedded` (starts `reviewer serve` as a subprocess and
+stops it afterwards), `openai`, `anthropic` (the official SDK; messages and tools are converted both ways), an
+OpenAI-compatible base URL, or `unix:///path.sock`. Several entries make a failover list. Retries with backoff live
+here, so the agent loop only ever sees a `ChatResponse` or one `LLMError` whose message is a single line for the user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+
+try:  # the openai SDK's own HTTP library: httpx2 in recent releases, httpx before
+    import httpx2 as sdk_httpx
+except ImportError:  # pragma: no cover - older SDKs
+    sdk_httpx = httpx
+
+DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
+DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
+# Context windows when neither the server nor the config says: hosted APIs are large, unknown local servers are not.
+DEFAULT_CONTEXT = {"openai": 128_000, "anthropic": 200_000, "local": 8192}
+# Keys an OpenAI-compatible /v1/models entry may use for the context window (ours, llama.cpp/LM Studio, vLLM).
+CONTEXT_KEYS = ("max_context", "context_length", "max_model_len", "context_window", "max_context_length")
+CHARS_PER_TOKEN = 3.5  # rough, for estimates when a server reports no usage
+
+
+class LLMError(Exception):
+    """The LLM cannot be used; the message is one line for the user."""
+
+
+class EndpointDown(LLMError):
+    """The endpoint did not answer (connection refused, reset, timed out): another endpoint may."""
+
+
+class ContextOverflow(LLMError):
+    """The server says the prompt does not fit its context window."""
+
+
+class ToolsUnsupported(LLMError):
+    """The server rejects the `tools` parameter: the agent falls back to tool calls written in text."""
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict | None  # None when the model's arguments were not a JSON object
+    raw_arguments: str
+
+
+@dataclass
+class ChatResponse:
+    content: str
+    tool_calls: list[ToolCall]
+    prompt_tokens: int
+    completion_tokens: int
+    seconds: float
+    finish_reason: str
+    usage_estimated: bool = False  # True when the server sent no usage and the counts are estimates
+
+
+def estimate_tokens(text: str) -> int:
+    return int(len(text) / CHARS_PER_TOKEN) + 1
+
+
+def parse_arguments(raw: str | None) -> dict | None:
+    if not raw or not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- errors and retries ---------------------------------------------------------------------------------------------
+
+STATUS_ERRORS = (openai.APIStatusError, anthropic.APIStatusError)
+# The SDKs' connection errors include their timeouts; a connection dropped in the middle of a stream surfaces as the
+# HTTP library's own TransportError.
+CONNECTION_ERRORS = (openai.APIConnectionError, anthropic.APIConnectionError, sdk_httpx.TransportError,
+                     httpx.TransportError)
+
+
+def error_message(e: Exception) -> str:
+    """The server's own words: the JSON error message when there is one."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        msg = inner.get("message") if isinstance(inner, dict) else inner
+        if msg:
+            return one_line(msg)
+    return one_line(getattr(e, "message", None) or str(e))
+
+
+def classify(e: Exception, where: str, sent_tools: bool) -> tuple[LLMError, bool, float | None]:
+    """(error to raise, retryable?, server-requested delay) for an SDK exception."""
+    if isinstance(e, CONNECTION_ERRORS):
+        cause = e.__cause__ or e.__context__ or e
+        what = "timed out" if "timeout" in type(e).__name__.lower() else one_line(str(cause) or type(cause).__name__)
+        return EndpointDown(f"cannot reach the LLM at {where}: {what}"), True, None
+    if not isinstance(e, STATUS_ERRORS):
+        return LLMError(f"LLM call to {where} failed: {type(e).__name__}: {one_line(str(e))}"), False, None
+    status, msg = e.status_code, error_message(e)
+    if status in (401, 403):
+        return LLMError(f"the LLM at {where} refused the API key (HTTP {status}): {msg}"), False, None
+    if status == 404:
+        return LLMError(f"the LLM at {where} answered 404 (unknown model or path?): {msg}"), False, None
+    if status in (408, 409, 429) or status >= 500:
+        retry_after = None
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            retry_after = min(float(e.response.headers.get("retry-after")), 60.0)
+        return LLMError(f"the LLM at {where} kept failing (HTTP {status}): {msg}"), True, retry_after
+    lowered = msg.lower()
+    if "context" in lowered or ("token" in lowered and ("maximum" in lowered or "too long" in lowered)):
+        return ContextOverflow(f"the prompt does not fit the LLM's context at {where}: {msg}"), False, None
+    if sent_tools and "tool" in lowered:
+        return ToolsUnsupported(f"the LLM at {where} does not take tools: {msg}"), False, None
+    return LLMError(f"the LLM at {where} rejected the request (HTTP {status}): {msg}"), False, None
+
+
+@dataclass
+class RetryPolicy:
+    attempts: int = 5  # for 429 / 5xx / timeouts
+    connect_attempts: int = 3  # for refused connections: a restarting server gets a moment, a dead one fails fast
+    base_delay: float = 1.0
+    max_delay: float = 30.0
+
+    def delay(self, attempt: int, requested: float | None) -> float:
+        if requested is not None:
+            return requested
+        return min(self.max_delay, self.base_delay * 2**attempt) * random.uniform(0.5, 1.0)
+
+
+# --- clients --------------------------------------------------------------------------------------------------------
+
+class LLMClient:
+    """Base: retries around one `_chat_once`; subclasses speak one API."""
+
+    name: str
+    model: str
+    context_window: int
+    kind: str = "local"  # "openai", "anthropic" or "local": decides defaults and parameter names
+
+    def __init__(self, name: str, model: str, context_window: int, retry: RetryPolicy | None = None):
+        self.name, self.model, self.context_window = name, model, context_window
+        self.retry = retry or RetryPolicy()
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, *,
+             on_delta: Callable[[str], None] | None = None, request_timeout: float | None = None,
+             **params) -> ChatResponse:
+        """One completion. `on_delta` sees the generated text as it streams; `params` are sampling settings
+        (temperature, top_p, max_tokens, ...). Raises LLMError (or a subclass) with a one-line message."""
+        attempt = 0
+        while True:
+            try:
+                return self._chat_once(messages, tools, on_delta, request_timeout, params)
+            except Exception as e:  # noqa: BLE001 - every SDK error is classified below
+                error, retryable, requested = classify(e, self.name, bool(tools))
+                limit = self.retry.connect_attempts if isinstance(error, EndpointDown) else self.retry.attempts
+                attempt += 1
+                if not retryable or attempt >= limit:
+                    raise error from None
+                time.sleep(self.retry.delay(attempt - 1, requested))
+
+    def _chat_once(self, messages, tools, on_delta, request_timeout, params) -> ChatResponse:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class OpenAIChat(LLMClient):
+    """Any OpenAI-compatible chat completions endpoint, through the official SDK."""
+
+    def __init__(self, name: str, sdk: openai.OpenAI, model: str, context_window: int, *, kind: str = "local",
+                 stream: bool = True, retry: RetryPolicy | None = None):
+        super().__init__(name, model, context_window, retry)
+        self.sdk, self.kind, self.stream = sdk, kind, stream
+
+    def _request_args(self, messages, tools, params, request_timeout) -> dict:
+        params = dict(params)
+        extra = {k: params.pop(k) for k in list(params) if k not in OPENAI_PARAMS}
+        if self.kind == "openai" and "max_tokens" in params:  # newer OpenAI models only take the new name
+            params["max_completion_tokens"] = params.pop("max_tokens")
+        args = dict(model=self.model, messages=messages, **params)
+        if tools:
+            args["tools"] = tools
+        if extra:  # e.g. top_k for local servers
+            args["extra_body"] = extra
+        if request_timeout is not None:
+            args["timeout"] = max(1.0, request_timeout)
+        return args
+
+    def _chat_once(self, messages, tools, on_delta, request_timeout, params) -> ChatResponse:
+        args = self._request_args(messages, tools, params, request_timeout)
+        start = time.perf_counter()
+        if not self.stream:
+            resp = self.sdk.chat.completions.create(**args)
+            choice = resp.choices[0]
+            msg = choice.message
+            calls = [ToolCall(tc.id or f"call_{i}", tc.function.name, parse_arguments(tc.function.arguments),
+                              tc.function.arguments or "") for i, tc in enumerate(msg.tool_calls or [])]
+            content = msg.content or ""
+            if on_delta and content:
+                on_delta(content)
+            return finish_response(content, calls, choice.finish_reason, resp.usage, messages, tools,
+                                   time.perf_counter() - start)
+        content: list[str] = []
+        parts: dict[int, dict] = {}  # tool call index -> {"id", "name", "arguments": [pieces]}
+        finish_reason, usage = "stop", None
+        with self.sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}) as chunks:
+            for chunk in chunks:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    delta = choice.delta
+                    finish_reason = choice.finish_reason or finish_reason
+                    piece = delta.content or ""
+                    reasoning = getattr(delta, "reasoning_content", None) or ""  # thinking models on vLLM
+                    for tc in delta.tool_calls or []:
+                        slot = parts.setdefault(tc.index if tc.index is not None else len(parts),
+                                                {"id": "", "name": "", "arguments": []})
+                        slot["id"] = tc.id or slot["id"]
+                        if tc.function:
+                            slot["name"] = tc.function.name or slot["name"]
+                            slot["arguments"].append(tc.function.arguments or "")
+                            piece += tc.function.arguments or ""
+                    content.append(delta.content or "")
+                    if on_delta and (piece or reasoning):
+                        on_delta(reasoning + piece)
+        calls = []
+        for i in sorted(parts):
+            raw = "".join(parts[i]["arguments"])
+            calls.append(ToolCall(parts[i]["id"] or f"call_{i}", parts[i]["name"], parse_arguments(raw), raw))
+        return finish_response("".join(content), calls, finish_reason, usage, messages, tools,
+                               time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.sdk.close()
+
+
+OPENAI_PARAMS = {"temperature", "top_p", "max_tokens", "seed", "stop", "presence_penalty", "frequency_penalty",
+                 "logit_bias", "reasoning_effort", "tool_choice"}
+
+
+def finish_response(content, calls, finish_reason, usage, messages, tools, seconds) -> ChatResponse:
+    if usage is not None and usage.prompt_tokens:
+        return ChatResponse(content, calls, usage.prompt_tokens, usage.completion_tokens or 0, seconds,
+                            finish_reason or "stop")
+    prompt = estimate_tokens(json.dumps(messages) + (json.dumps(tools) if tools else ""))
+    completion = estimate_tokens(content + "".join(c.raw_arguments for c in calls))
+    return ChatResponse(content, calls, prompt, completion, seconds, finish_reason or "stop", usage_estimated=True)
+
+
+class AnthropicChat(LLMClient):
+    """Anthropic's Messages API through the official SDK; OpenAI-format messages and tools converted both ways."""
+
+    kind = "anthropic"
+
+    def __init__(self, name: str, sdk: anthropic.Anthropic, model: str, context_window: int, *,
+                 stream: bool = True, retry: RetryPolicy | None = None):
+        super().__init__(name, model, context_window, retry)
+        self.sdk, self.stream = sdk, stream
+
+    def _chat_once(self, messages, tools, on_delta, request_timeout, params) -> ChatResponse:
+        system, converted = to_anthropic_messages(messages)
+        args: dict = dict(model=self.model, messages=converted, max_tokens=int(params.get("max_tokens") or 4096))
+        if system:
+            args["system"] = system
+        if tools:
+            args["tools"] = [to_anthropic_tool(t) for t in tools]
+        if params.get("stop"):
+            args["stop_sequences"] = [params["stop"]] if isinstance(params["stop"], str) else list(params["stop"])
+        if request_timeout is not None:
+            args["timeout"] = max(1.0, request_timeout)
+        start = time.perf_counter()
+        if self.stream:
+            with self.sdk.messages.stream(**args) as events:
+                for piece in events.text_stream:
+                    if on_delta:
+                        on_delta(piece)
+                message = events.get_final_message()
+        else:
+            message = self.sdk.messages.create(**args)
+            if on_delta:
+                on_delta("".join(b.text for b in message.content if b.type == "text"))
+        return from_anthropic_message(message, time.perf_counter() - start)
+
+
+def to_anthropic_tool(tool: dict) -> dict:
+    fn = tool["function"]
+    return {"name": fn["name"], "description": fn.get("description", ""),
+            "input_schema": fn.get("parameters") or {"type": "object", "properties": {}}}
+
+
+def to_anthropic_messages(messages: list[dict]) -> tuple[str, list[dict]]:
+    """OpenAI chat messages -> (system text, Anthropic messages). Tool results become tool_result blocks in a user
+    turn; consecutive turns of one role are merged because Anthropic wants them alternating."""
+    system: list[str] = []
+    out: list[dict] = []
+
+    def add(role: str, blocks: list[dict]) -> None:
+        if out and out[-1]["role"] == role:
+            out[-1]["content"].extend(blocks)
+        else:
+            out.append({"role": role, "content": blocks})
+
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "system":
+            system.append(content)
+        elif role == "tool":
+            add("user", [{"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": content or "(empty)"}])
+        elif role == "assistant":
+            blocks = [{"type": "text", "text": content}] if content else []
+            for tc in m.get("tool_calls") or []:
+                args = parse_arguments(tc["function"].get("arguments")) or {}
+                blocks.append({"type": "tool_use", "id": tc["id"], "name": tc["function"]["name"], "input": args})
+            add("assistant", blocks or [{"type": "text", "text": "(no reply)"}])
+        else:
+            add("user", [{"type": "text", "text": content or "(empty)"}])
+    return "\n\n".join(system), out
+
+
+def from_anthropic_message(message, seconds: float) -> ChatResponse:
+    text, calls = [], []
+    for block in message.content:
+        if block.type == "text":
+            text.append(block.text)
+        elif block.type == "tool_use":
+            calls.append(ToolCall(block.id, block.name, dict(block.input or {}), json.dumps(block.input or {})))
+    reason = {"end_turn": "stop", "tool_use": "tool_calls", "max_tokens": "length"}.get(message.stop_reason or "",
+                                                                                        message.stop_reason or "stop")
+    usage = message.usage
+    return ChatResponse("".join(text), calls, usage.input_tokens, usage.output_tokens, seconds, reason)
+
+
+class FailoverClient(LLMClient):
+    """Several endpoints: requests go to the current one and move to the next when it stops answering."""
+
+    def __init__(self, clients: list[LLMClient]):
+        self.clients, self.current = clients, 0
+
+    @property
+    def active(self) -> LLMClient:
+        return self.clients[self.current]
+
+    name = property(lambda self: self.active.name)
+    model = property(lambda self: self.active.model)
+    context_window = property(lambda self: min(c.context_window for c in self.clients))
+    kind = property(lambda self: self.active.kind)
+
+    def chat(self, messages, tools=None, **kwargs) -> ChatResponse:
+        failures = []
+        for _ in range(len(self.clients)):
+            try:
+                return self.active.chat(messages, tools, **kwargs)
+            except EndpointDown as e:
+                failures.append(str(e))
+                self.current = (self.current + 1) % len(self.clients)
+        raise LLMError("no LLM endpoint answered: " + "; ".join(failures))
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+# --- opening endpoints ----------------------------------------------------------------------------------------------
+
+def server_models(sdk: openai.OpenAI, where: str) -> list[dict]:
+    """The entries of GET /v1/models, with any extra fields the server adds; [] when the server has no such route."""
+    try:
+        return [m.model_dump() for m in sdk.models.list().data]
+    except STATUS_ERRORS as e:
+        if e.status_code in (401, 403):
+            raise classify(e, where, False)[0] from None
+        return []
+    except CONNECTION_ERRORS as e:
+        raise classify(e, where, False)[0] from None
+
+
+def context_from(entry: dict) -> int | None:
+    for key in CONTEXT_KEYS:
+        with contextlib.suppress(TypeError, ValueError):
+            value = int(entry.get(key))
+            if value > 0:
+                return value
+    return None
+
+
+def openai_endpoint(name: str, base_url: str, api_key: str, settings, *, kind: str = "local",
+                    http_client=None, stream: bool = True, retry: RetryPolicy | None = None) -> OpenAIChat:
+    """An OpenAI-compatible client, after asking the server which model it serves and how large its context is."""
+    sdk = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600.0, http_client=http_client)
+    models = server_models(sdk, name)
+    wanted = settings.model
+    entry = next((m for m in models if m.get("id") == wanted), None) or (models[0] if models and kind == "local" else {})
+    model = wanted or entry.get("id") or (DEFAULT_OPENAI_MODEL if kind == "openai" else "default")
+    configured = getattr(settings, "context_window", None)
+    window = configured or context_from(entry) or DEFAULT_CONTEXT[kind]
+    return OpenAIChat(name, sdk, model, window, kind=kind, stream=stream, retry=retry)
+
+
+def normalize_base_url(url: str) -> str:
+    """`http://host:8000` -> `http://host:8000/v1` (the SDK appends /chat/completions to whatever it is given)."""
+    parsed = httpx.URL(url)
+    return url.rstrip("/") + "/v1" if parsed.path in ("", "/") else url.rstrip("/")
+
+
+@contextlib.contextmanager
+def open_endpoint(spec: str, settings, console=None, **launcher) -> Iterator[LLMClient]:
+    """One `--llm` entry as a client; the embedded backend lives as long as the `with` block."""
+    local_key = settings.api_key or "not-needed"  # never send a hosted API key to a server we do not know
+    if spec == "embedded":
+        with start_embedded(settings, console, **launcher) as base_url:
+            client = openai_endpoint("embedded", base_url, local_key, settings)
+            try:
+                yield client
+            finally:
+                client.close()
+        return
+    if spec == "openai":
+        key = os.environ.get("OPENAI_API_KEY")
+        if not key:
+            raise LLMError("--llm openai needs OPENAI_API_KEY in the environment")
+        client = openai_endpoint("openai", os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1", key,
+                                 settings, kind="openai")
+    elif spec == "anthropic":
+        key = os.environ.get("ANTHROPIC_API_KEY")
+        if not key:
+            raise LLMError("--llm anthropic needs ANTHROPIC_API_KEY in the environment")
+        sdk = anthropic.Anthropic(api_key=key, max_retries=0, timeout=600.0)  # honours ANTHROPIC_BASE_URL
+        window = getattr(settings, "context_window", None) or DEFAULT_CONTEXT["anthropic"]
+        client = AnthropicChat("anthropic", sdk, settings.model or DEFAULT_ANTHROPIC_MODEL, window)
+    elif spec.startswith("unix://"):
+        path = spec.removeprefix("unix://")
+        if not Path(path).exists():
+            raise LLMError(f"cannot reach the LLM at {spec}: no socket at {path}")
+        http_client = openai.DefaultHttpxClient(transport=sdk_httpx.HTTPTransport(uds=path))
+        client = openai_endpoint(spec, "http://localhost/v1", local_key, settings, http_client=http_client)
+    elif spec.startswith(("http://", "https://")):
+        client = openai_endpoint(spec, normalize_base_url(spec), local_key, settings)
+    else:
+        raise LLMError(f"unknown --llm '{spec}': use embedded, openai, anthropic, http(s)://host:port/v1 "
+                       "or unix:///path.sock")
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def open_llm(settings, console=None, **launcher) -> Iterator[LLMClient]:
+    """The client for `settings.llm`: one endpoint, or a failover list of those that answered. Raises LLMError with
+    one line when none can be used. `launcher` goes to `start_embedded` (tests pass a command there)."""
+    specs = list(settings.llm) or ["embedded"]
+    with contextlib.ExitStack() as stack:
+        clients, failures = [], []
+        for spec in specs:
+            try:
+                clients.append(stack.enter_context(open_endpoint(spec, settings, console, **launcher)))
+            except LLMError as e:
+                if len(specs) == 1:
+                    raise
+                failures.append(str(e))
+                if console is not None:
+                    console.print(f"[yellow]skipping LLM endpoint[/yellow] {spec}: {e}", markup=True, highlight=False)
+        if not clients:
+            raise LLMError("no LLM endpoint could be used: " + "; ".join(failures))
+        yield clients[0] if len(clients) == 1 else FailoverClient(clients)
+
+
+# --- the embedded backend -------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the process group, then SIGKILL if it is still there after `grace` seconds."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@dataclass
+class Launch:
+    command: list[str]
+    base: str  # http://127.0.0.1:PORT
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def embedded_launch(settings, command: list[str] | None = None, log_path: Path | None = None) -> Launch:
+    """What to run: `reviewer serve` on a free port, or a given command where `{port}` is replaced."""
+    port = free_port()
+    if command:
+        argv = [c.replace("{port}", str(port)) for c in command]
+    else:
+        argv = [sys.executable, "-m", "reviewer.cli", "serve", "--model", settings.embedded_model, "--port", str(port)]
+    if log_path is None:
+        folder = Path(settings.workdir) if settings.workdir else Path(tempfile.gettempdir())
+        folder.mkdir(parents=True, exist_ok=True)
+        log_path = folder / f"reviewer-serve-{port}.log"
+    env = dict(os.environ)
+    if settings.api_key:  # through the environment, so it does not show in `ps`
+        env["REVIEWER_SERVE_API_KEY"] = settings.api_key
+    return Launch(argv, f"http://127.0.0.1:{port}", Path(log_path), env)
+
+
+@contextlib.contextmanager
+def start_embedded(settings, console=None, *, command: list[str] | None = None, log_path: Path | None = None,
+                   ready_timeout: float = 900.0) -> Iterator[str]:
+    """Run the local backend for the length of the `with` block; yields its base URL (…/v1). Its output goes to a
+    log file; if it dies or is not healthy within `ready_timeout`, LLMError names the log and quotes its tail."""
+    launch = embedded_launch(settings, command, log_path)
+    with open(launch.log_path, "wb") as log:
+        proc = subprocess.Popen(launch.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=launch.env, start_new_session=True)
+    try:
+        wait_healthy(proc, launch, ready_timeout, console)
+        yield launch.base + "/v1"
+    finally:
+        stop_process(proc)
+
+
+def wait_healthy(proc: subprocess.Popen, launch: Launch, ready_timeout: float, console=None) -> None:
+    start = time.monotonic()
+    status = console.status("starting the embedded LLM backend") if console is not None else contextlib.nullcontext()
+    with status as spinner:
+        while True:
+            code = proc.poll()
+            if code is not None:
+                tail = log_tail(launch.log_path)
+                raise LLMError(f"the embedded LLM backend exited with code {code} before it was ready "
+                               f"(log: {launch.log_path})" + (f"; last lines:\n{tail}" if tail else ""))
+            try:
+                if httpx.get(launch.base + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            waited = time.monotonic() - start
+            if waited > ready_timeout:
+                raise LLMError(f"the embedded LLM backend was not ready after {ready_timeout:.0f} s "
+                               f"(log: {launch.log_path})")
+            if spinner is not None:
+                spinner.update(f"starting the embedded LLM backend ({waited:.0f} s, log: {launch.log_path})")
+            time.sleep(0.25)
