@@ -107,6 +107,21 @@ class Measurement(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow)
 
 
+class SandboxEvent(SQLModel, table=True):
+    """Something the sandbox blocked or contained while a persona's command ran (a refused connection, a limit that
+    bit, a process left behind, isolation turned off). A new table: create_all makes it, no version bump needed."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="reviewrun.id", index=True)
+    persona_run_id: int | None = Field(default=None, foreign_key="personarun.id", index=True)
+    persona: str
+    kind: str = Field(index=True)  # reviewer.limits.KINDS: network_refused, timeout, pids_limit, disk_limit, ...
+    detail: str
+    command: str | None = None  # the command it happened in (first 2000 characters)
+    inferred: bool = False  # read from the command's output (a kernel refusal) rather than observed by the sandbox
+    created_at: datetime = Field(default_factory=utcnow)
+
+
 class ReviewQueue(SQLModel, table=True):
     """Commits `reviewer loop` has seen and must review, one row per (repository, commit) (v2)."""
 
@@ -117,6 +132,7 @@ class ReviewQueue(SQLModel, table=True):
     status: str = Field(default="queued", index=True)  # QUEUE_STATUSES
     attempts: int = 0
     run_id: int | None = None  # the latest ReviewRun made for this row
+    claimed_by: str | None = None  # "host:pid" of the loop reviewing it (crash recovery)
     enqueued_at: datetime = Field(default_factory=utcnow)
     started_at: datetime | None = None
     finished_at: datetime | None = None

@@ -1,0 +1,449 @@
+"""`reviewer loop`: watch repositories, review each new commit once, one review at a time per machine.
+
+One pass: ask every repository for its default branch's head (`git ls-remote`, with a timeout); a head that has not
+been reviewed (no completed or failed run, no queue row) becomes a row of the `reviewqueue` table; then the queued rows
+of the watched repositories are reviewed oldest first. A repository that cannot be read is logged and backed off
+(doubling delays up to MAX_BACKOFF); the others go on.
+
+Every review happens while this process holds the machine-wide review lock (reviewer/lock.py), from claiming the queue
+row to writing the verification. That gives crash recovery a simple rule: whoever holds the lock is the only one
+reviewing on this machine, so a run or queue row of this machine still marked `running` belongs to a process that
+died (kill -9, power loss). It is marked `interrupted` (its persona rows too; everything it recorded stays) and its
+commit is queued again. SIGINT and SIGTERM stop a review cleanly (reviewer/review.py marks the persona and run
+interrupted), put its queue row back, and end the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from sqlmodel import select
+
+from reviewer import db
+from reviewer.db import PersonaRun, Repository, ReviewQueue, ReviewRun
+from reviewer.lock import lock_path, review_lock
+from reviewer.workspace import WorkspaceError, is_url, list_remote, local_repository_url
+
+MAX_BACKOFF = 3600.0
+MAX_ATTEMPTS = 3  # a commit whose review was started this often without finishing is given up (status failed)
+REVIEWED = ("completed", "failed")  # run statuses that count as "this commit was reviewed"
+EXIT_OK, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class LoopError(Exception):
+    """Bad loop options (repos file, interval, personas, database); one line (or one line per bad file line)."""
+
+
+class ReviewInterrupted(KeyboardInterrupt):
+    """A signal landed during a review: its rows are marked interrupted and its queue row is queued again."""
+
+
+@dataclass
+class Watched:
+    url: str  # as stored in the database: a URL, or file:// + absolute path for a local repository
+    origin: str  # where it came from, for messages: "--repo" or "repos.txt:3"
+    failures: int = 0
+    next_poll: float = 0.0  # time.monotonic() when it may be polled again
+    last_error: str | None = None
+
+
+def now_text() -> str:
+    return datetime.now().strftime("%H:%M:%S")
+
+
+def log(console: Console, message: str, style: str = "") -> None:
+    text = f"[dim]{now_text()}[/dim] " + (f"[{style}]{escape(message)}[/]" if style else escape(message))
+    console.print(text, highlight=False, soft_wrap=True)
+
+
+# --- which repositories ------------------------------------------------------------------------------------------------
+
+def repository_url(text: str, base: Path | None = None) -> str:
+    """A URL as given, or a local repository's file:// URL (the same one `reviewer run PATH` stores)."""
+    if is_url(text):
+        scheme = text.split("://", 1)[0].lower() if "://" in text else "ssh"
+        if scheme not in ("https", "http", "ssh", "git", "file"):
+            raise WorkspaceError(f"unsupported URL scheme '{scheme}://' (use https, ssh, git or file)")
+        return text
+    path = Path(text).expanduser()
+    if base is not None and not path.is_absolute():
+        path = base / path
+    return local_repository_url(str(path))
+
+
+def read_repos_file(path: Path) -> list[Watched]:
+    """One repository per line; blank lines and `#` comments are skipped; relative paths are relative to the file.
+    Every bad line is named with its number, all at once."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise LoopError(f"cannot read repos file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise LoopError(f"repos file {path} is not text") from None
+    watched, bad = [], []
+    for number, raw in enumerate(lines, start=1):
+        line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
+        if not line:
+            continue
+        if len(line.split()) > 1:
+            bad.append(f"line {number}: '{line}' has spaces; put one repository URL or path per line")
+            continue
+        try:
+            watched.append(Watched(repository_url(line, base=path.parent), origin=f"{path.name}:{number}"))
+        except WorkspaceError as e:
+            bad.append(f"line {number}: {e}")
+    if bad:
+        raise LoopError(f"repos file {path} has {len(bad)} bad line(s): " + "; ".join(bad))
+    if not watched:
+        raise LoopError(f"repos file {path} names no repository")
+    return watched
+
+
+def watched_repositories(repos: list[str], repos_file: Path | None) -> list[Watched]:
+    found: list[Watched] = []
+    for text in repos:
+        try:
+            found.append(Watched(repository_url(text.strip()), origin="--repo"))
+        except WorkspaceError as e:
+            raise LoopError(f"--repo {text}: {e}") from None
+    if repos_file is not None:
+        found += read_repos_file(repos_file)
+    if not found:
+        raise LoopError("no repository to watch: give --repo URL (repeatable) or --repos-file FILE")
+    unique = {}
+    for w in found:
+        unique.setdefault(w.url, w)
+    return list(unique.values())
+
+
+# --- the queue ---------------------------------------------------------------------------------------------------------
+
+def me() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def already_reviewed(s, repository_id: int, commit: str) -> bool:
+    if s.exec(select(ReviewQueue).where(ReviewQueue.repository_id == repository_id,
+                                        ReviewQueue.commit_sha == commit)).first():
+        return True  # queued, running, done or given up: nothing new to add
+    return s.exec(select(ReviewRun).where(ReviewRun.repository_id == repository_id, ReviewRun.commit_sha == commit,
+                                          ReviewRun.status.in_(REVIEWED))).first() is not None  # type: ignore[attr-defined]
+
+
+def poll(w: Watched, db_path: str, interval: float, console: Console) -> bool:
+    """Ask one repository for its head; queue it if new. False (and the repository backed off) when it cannot be read."""
+    try:
+        refs, branch = list_remote(w.url)
+        if "HEAD" not in refs:
+            raise WorkspaceError(f"{w.url} has no commits on its default branch")
+    except WorkspaceError as e:
+        w.failures += 1
+        delay = min(max(interval, 1.0) * 2 ** w.failures, MAX_BACKOFF)
+        w.next_poll = time.monotonic() + delay
+        w.last_error = str(e)
+        log(console, f"{w.url} ({w.origin}): {e}; failure {w.failures}, next try in {delay:.0f} s", "red")
+        return False
+    if w.failures:
+        log(console, f"{w.url} is reachable again after {w.failures} failure(s)", "green")
+    w.failures, w.last_error = 0, None
+    w.next_poll = time.monotonic() + interval
+    commit = refs["HEAD"]
+    with db.session(db_path) as s:
+        repo = db.get_or_create_repository(s, w.url)
+        if already_reviewed(s, repo.id, commit):
+            s.commit()
+            return True
+        s.add(ReviewQueue(repository_id=repo.id, commit_sha=commit, ref=branch))
+        s.commit()
+    log(console, f"{w.url}: new commit {commit[:12]}" + (f" on {branch}" if branch else "") + " queued", "bold")
+    return True
+
+
+def next_queued(s, urls: list[str]) -> ReviewQueue | None:
+    repo_ids = s.exec(select(Repository.id).where(Repository.url.in_(urls))).all()  # type: ignore[attr-defined]
+    return s.exec(select(ReviewQueue).where(ReviewQueue.status == "queued", ReviewQueue.repository_id.in_(repo_ids))
+                  .order_by(ReviewQueue.id)).first()  # type: ignore[attr-defined]
+
+
+# --- crash recovery ----------------------------------------------------------------------------------------------------
+
+def process_start_time(pid: int) -> float | None:
+    """When a process started (seconds since the epoch), from /proc; None where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def owner_alive(pid: int | None, since: datetime | None) -> bool:
+    """Is the process that started a run still that process? (A pid can be reused after a crash or a reboot.)"""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    started = process_start_time(pid)
+    if started is None or since is None:
+        return True
+    since_epoch = (since if since.tzinfo else since.replace(tzinfo=timezone.utc)).timestamp()
+    return started <= since_epoch + 1.0
+
+
+def run_host(run: ReviewRun) -> str | None:
+    try:
+        return json.loads(run.machine or "{}").get("hostname")
+    except (ValueError, AttributeError):
+        return None
+
+
+def recover(db_path: str, watched_urls: list[str], console: Console) -> int:
+    """Call with the machine lock held. Runs of this machine left `running` by a dead process become `interrupted`
+    (their persona rows too); their queue rows, and those of watched repositories, are queued again."""
+    host = socket.gethostname()
+    recovered = 0
+    with db.session(db_path) as s:
+        for run in s.exec(select(ReviewRun).where(ReviewRun.status == "running")).all():
+            if run.pid == os.getpid() or (run_host(run) not in (None, host)):
+                continue  # ours, or another machine's (a shared database)
+            if run_host(run) is None and owner_alive(run.pid, run.started_at):
+                continue  # no machine recorded: trust a live owner
+            if run_host(run) == host and owner_alive(run.pid, run.started_at):
+                # We hold the lock, so a live owner is not reviewing: it is between its last row and its exit.
+                continue
+            why = f"the reviewing process (pid {run.pid}) ended without finishing the run (killed or crashed)"
+            for p in s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id, PersonaRun.status == "running")).all():
+                p.status, p.error, p.finished_at = "interrupted", why, db.utcnow()
+                s.add(p)
+            run.status, run.error, run.finished_at = "interrupted", why, db.utcnow()
+            s.add(run)
+            recovered += 1
+            url = s.get(Repository, run.repository_id).url
+            log(console, f"run {run.id} ({url} @ {(run.commit_sha or '?')[:12]}) was left running by pid {run.pid}: "
+                         "marked interrupted", "yellow")
+            if url in watched_urls:
+                row = s.exec(select(ReviewQueue).where(ReviewQueue.repository_id == run.repository_id,
+                                                       ReviewQueue.commit_sha == run.commit_sha)).first()
+                if row is None:
+                    s.add(ReviewQueue(repository_id=run.repository_id, commit_sha=run.commit_sha, ref=run.ref,
+                                      run_id=run.id, attempts=1))
+                    log(console, f"queued {(run.commit_sha or '?')[:12]} of {url} again", "yellow")
+        for row in s.exec(select(ReviewQueue).where(ReviewQueue.status == "running")).all():
+            claimed_host = (row.claimed_by or "").rsplit(":", 1)[0]
+            if claimed_host not in ("", host) or row.claimed_by == me():
+                continue
+            row.status, row.claimed_by = "queued", None
+            row.error = "the loop reviewing it ended without finishing (killed or crashed); queued again"
+            s.add(row)
+            recovered += 1
+            log(console, f"queue item {row.id} ({row.commit_sha[:12]}) was left running: queued again", "yellow")
+        s.commit()
+    return recovered
+
+
+# --- one review ----------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def private_review_lock(machine_lock: Path) -> Iterator[None]:
+    """reviewer.review.run_command takes the machine lock itself; the loop already holds it (from claim to
+    verification), so for the length of the call run_command is pointed at a lock file of this process alone.
+    The one machine-wide lock stays ours throughout."""
+    private = machine_lock.with_name(f"{machine_lock.name}.loop-{os.getpid()}")
+    previous = os.environ.get("REVIEWER_LOCK_FILE")
+    os.environ["REVIEWER_LOCK_FILE"] = str(private)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("REVIEWER_LOCK_FILE", None)
+        else:
+            os.environ["REVIEWER_LOCK_FILE"] = previous
+        for leftover in (private, private.with_name(private.name + ".holder.json")):
+            leftover.unlink(missing_ok=True)
+
+
+def review_queued(row_id: int, settings, machine_lock: Path, console: Console) -> tuple[str, int | None]:
+    """Review one claimed queue row (the lock is held). Returns (queue status, run id)."""
+    from reviewer.review import EXIT_INTERRUPTED as REVIEW_INTERRUPTED
+    from reviewer.review import run_command
+
+    with db.session(settings.db) as s:
+        row = s.get(ReviewQueue, row_id)
+        url = s.get(Repository, row.repository_id).url
+        commit = row.commit_sha
+        last_run = s.exec(select(ReviewRun.id).order_by(ReviewRun.id.desc())).first() or 0  # type: ignore[union-attr]
+    log(console, f"reviewing {url} @ {commit[:12]} (queue item {row_id}, attempt {row.attempts})", "bold")
+    with private_review_lock(machine_lock):
+        code = run_command(url, settings, ref=commit, no_wait=True, console=console)
+    with db.session(settings.db) as s:
+        run_id = s.exec(select(ReviewRun.id).where(ReviewRun.id > last_run, ReviewRun.pid == os.getpid(),
+                                                   ReviewRun.commit_sha == commit)
+                        .order_by(ReviewRun.id.desc())).first()  # type: ignore[union-attr]
+    if code == REVIEW_INTERRUPTED:
+        raise KeyboardInterrupt  # the review marked itself interrupted; the loop stops and requeues
+    if run_id is None:
+        return "failed", None  # it could not start (the commit vanished, a bad persona...): run_command said why
+    verify_run(settings, run_id, console)
+    return "done", run_id
+
+
+def verify_run(settings, run_id: int, console: Console) -> None:
+    """Re-run the repro commands of the run's findings that the review did not verify itself."""
+    from reviewer.verify import verify_findings
+
+    counts = verify_findings(settings.db, run_id, settings=settings, on_progress=lambda m: log(console, m, "dim"))
+    if any(counts.values()):
+        log(console, f"run {run_id}: {counts['reproduced']} finding(s) reproduced, {counts['not_reproduced']} did not"
+                     + (f", {counts['unchecked']} not checked" if counts["unchecked"] else ""))
+
+
+def set_row(db_path: str, row_id: int, **values) -> None:
+    with db.session(db_path) as s:
+        row = s.get(ReviewQueue, row_id)
+        for k, v in values.items():
+            setattr(row, k, v)
+        s.add(row)
+        s.commit()
+
+
+def review_next(watched: list[Watched], settings, console: Console) -> bool:
+    """Take the machine, recover what dead processes left, claim the oldest queued row and review it.
+    False when nothing was queued."""
+    machine_lock = lock_path(settings)
+    urls = [w.url for w in watched]
+    with review_lock(machine_lock, wait=True, holder={"target": "reviewer loop", "loop_pid": os.getpid()},
+                     on_wait=lambda m: log(console, m, "dim")) as update_holder:
+        recover(settings.db, urls, console)
+        with db.session(settings.db) as s:
+            row = next_queued(s, urls)
+            if row is None:
+                return False
+            if row.attempts >= MAX_ATTEMPTS:
+                row.status, row.finished_at = "failed", db.utcnow()
+                row.error = f"given up after {row.attempts} attempts that did not finish"
+                s.add(row)
+                s.commit()
+                log(console, f"queue item {row.id} ({row.commit_sha[:12]}): {row.error}", "red")
+                return True
+            row.status, row.claimed_by, row.started_at = "running", me(), db.utcnow()
+            row.attempts += 1
+            s.add(row)
+            s.commit()
+            row_id = row.id
+            url = s.get(Repository, row.repository_id).url
+        update_holder(target=url, commit=row.commit_sha, queue_item=row_id)
+        try:
+            status, run_id = review_queued(row_id, settings, machine_lock, console)
+        except KeyboardInterrupt:
+            set_row(settings.db, row_id, status="queued", claimed_by=None,
+                    error="interrupted (SIGINT/SIGTERM); queued again")
+            raise ReviewInterrupted from None
+        except Exception as e:  # noqa: BLE001 - a bug in one review must not end the loop; the row says what
+            set_row(settings.db, row_id, status="failed", claimed_by=None, finished_at=db.utcnow(),
+                    error=f"{type(e).__name__}: {e}")
+            log(console, f"queue item {row_id}: review crashed: {type(e).__name__}: {e}", "red")
+            return True
+        set_row(settings.db, row_id, status=status, run_id=run_id, claimed_by=None, finished_at=db.utcnow(),
+                error=None if status == "done" else "the review could not start (see the log)")
+    return True
+
+
+# --- the loop ------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt), so both stop the loop through the same clean path."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def check_options(settings, interval: float, max_reviews: int | None) -> None:
+    from reviewer.personas import PersonaError, select_personas
+
+    if interval <= 0:
+        raise LoopError(f"--interval must be a positive number of seconds, got {interval:g}")
+    if max_reviews is not None and max_reviews < 1:
+        raise LoopError(f"--max-reviews must be at least 1, got {max_reviews}")
+    try:
+        if not select_personas(list(settings.personas), settings.personas_dir):
+            raise LoopError("no persona selected")
+    except PersonaError as e:
+        raise LoopError(str(e)) from None
+    try:
+        db.get_engine(settings.db)
+    except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line
+        raise LoopError(f"cannot open the database {settings.db}: {str(e).splitlines()[0]}") from None
+
+
+def loop_command(settings, *, repos: list[str], repos_file: Path | None, interval: float, once: bool,
+                 max_reviews: int | None, console: Console) -> int:
+    """`reviewer loop`. Exit code: 0 done (or stopped by a signal while idle), 1 when a repository could not be read
+    during a --once pass, 130 when a signal interrupted a review (it is queued again)."""
+    check_options(settings, interval, max_reviews)
+    watched = watched_repositories(repos, repos_file)
+    urls = [w.url for w in watched]
+    log(console, f"watching {len(watched)} repositor{'y' if len(watched) == 1 else 'ies'}"
+                 f" ({'one pass' if once else f'every {interval:g} s'}); database {settings.db}")
+    reviews = 0
+    try:
+        with signals_as_interrupt():
+            while True:
+                due = [w for w in watched if w.next_poll <= time.monotonic()]
+                unreachable = [w for w in due if not poll(w, settings.db, interval, console)]
+                while max_reviews is None or reviews < max_reviews:
+                    if not review_next(watched, settings, console):
+                        break
+                    reviews += 1
+                if max_reviews is not None and reviews >= max_reviews:
+                    log(console, f"stopping after {reviews} review(s) (--max-reviews)")
+                    return EXIT_OK
+                if once:
+                    pending = queued_count(settings.db, urls)
+                    log(console, f"pass done: {reviews} review(s)"
+                                 + (f", {len(unreachable)} repositor{'y' if len(unreachable) == 1 else 'ies'} "
+                                    "could not be read" if unreachable else "")
+                                 + (f", {pending} still queued" if pending else ""))
+                    return EXIT_SOME_FAILED if unreachable else EXIT_OK
+                wake = min(w.next_poll for w in watched)
+                time.sleep(max(0.0, wake - time.monotonic()))
+    except ReviewInterrupted:
+        log(console, "stopped by signal during a review; it is queued again", "yellow")
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        log(console, "stopped by signal" + (f" after {reviews} review(s)" if reviews else ""), "yellow")
+        return EXIT_OK
+
+
+def queued_count(db_path: str, urls: list[str]) -> int:
+    with db.session(db_path) as s:
+        repo_ids = s.exec(select(Repository.id).where(Repository.url.in_(urls))).all()  # type: ignore[attr-defined]
+        return len(s.exec(select(ReviewQueue.id).where(ReviewQueue.status == "queued",
+                                                       ReviewQueue.repository_id.in_(repo_ids))).all())  # type: ignore[attr-defined]
