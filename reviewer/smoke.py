@@ -202,8 +202,10 @@ def first_line_matching(text: str, pattern: str) -> str | None:
 
 def pip_error(output: str) -> str:
     """The most telling line of a failed pip run."""
-    return (first_line_matching(output, r"^ERROR:") or first_line_matching(output, r"error:")
-            or (output.strip().splitlines() or ["(no output)"])[-1]).strip()
+    error = first_line_matching(output, r"^ERROR:")
+    if error and not error.endswith(":"):  # "ERROR: Exception:" only introduces pip's own traceback
+        return error
+    return (output.strip().splitlines() or ["(no output)"])[-1].strip()
 
 
 def smoke_python(smoke: Smoke, marker: str) -> None:
@@ -421,7 +423,7 @@ def build_and_test(smoke: Smoke, kind: str, install: str | None, test: str | Non
         return
     ids = failed_ids(res.output)
     what = "does not finish" if res.timed_out else "fails"
-    title = f"Tests {what}" + (f" ({ids[0]}" + (f" and {len(ids) - 1} more)" if len(ids) > 1 else ")") if ids else "")
+    title = ("Tests do not finish" if res.timed_out else "Tests fail") + (f" ({ids[0]}" + (f" and {len(ids) - 1} more)" if len(ids) > 1 else ")") if ids else "")
     smoke.finding(title=title, severity="high", category="tests",
                   details=f"`{test}` {what} on a fresh clone" + (": " + ", ".join(ids[:20]) if ids else "."),
                   evidence=tail(res.output, EVIDENCE_CHARS), repro_command=test)
