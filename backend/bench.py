@@ -1,0 +1,352 @@
+"""`reviewer bench`: plain vs speculative decoding on one target, side by side in one run.
+
+Prints the seed's table (tau, per-position acceptance, T_d, T_t, L_target, eta predicted vs measured, tok/s with and
+without the drafter, transformers' own generate for reference, identical-output checks, and for MoE targets the
+distinct experts a verify block wakes per layer) as text, and writes it as JSON with the command, date and machine.
+
+    python -m backend.bench --model tiny-hybrid --drafter random --device cpu --prompts 4 --max-tokens 64
+    backend.bench.main(model="embedded", drafter="auto", device="cpu", prompts=4, max_tokens=128, json_out=Path(...))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from backend.dflash import find_shipped_drafter, load_drafter, random_drafter
+from backend.engine import Engine, SamplingParams
+
+TINY_MODELS = ("tiny-hybrid", "tiny-llama")
+PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)
+    "Write a Python function that reverses the words in a sentence.",
+    "Explain what a virtual environment is in Python and why it is useful.",
+    "Review this code for bugs:\n\ndef first(xs):\n    return xs[1]\n",
+    "How do I run only one test with pytest?",
+    "Write a shell command that counts the lines of every .py file in a folder.",
+    "What does `git rebase -i` do? Give a short example.",
+    "Write a unit test for a function add(a, b) that returns a + b.",
+    "Explain the difference between a list and a tuple in Python.",
+]
+
+
+# ---- targets ------------------------------------------------------------------------------------------------------
+
+
+def tiny_model(kind: str, *, vocab: int = 128, hidden: int = 64, layers: int = 4, experts: int = 16, seed: int = 0):
+    """Tiny random targets built from transformers' own classes (tests and CPU benchmarks of the machinery).
+    tiny-hybrid: Qwen3.5/3.6-MoE layout, Gated DeltaNet layers + one gated full-attention layer every 4, `experts`
+    routed experts (top-2) + a shared expert. tiny-llama: a dense Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    if kind == "tiny-hybrid":
+        config = Qwen3_5MoeTextConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4, linear_conv_kernel_dim=4,
+            num_experts=experts, num_experts_per_tok=2,
+            layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+            initializer_range=0.1, max_position_embeddings=4096,
+        )
+        return Qwen3_5MoeForCausalLM(config).eval()
+    if kind == "tiny-llama":
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             initializer_range=0.1, max_position_embeddings=4096)
+        return LlamaForCausalLM(config).eval()
+    raise ValueError(f"unknown tiny model {kind!r}; choose from {TINY_MODELS}")
+
+
+def load_target(spec: str, device: str):
+    """(model, tokenizer or None, name, max_context) for a tiny config, `embedded`, a HF folder or a .gguf file."""
+    if spec in TINY_MODELS:
+        model = tiny_model(spec).to(device)
+        return model, None, spec, 4096
+    from backend.loading import load_model
+
+    loaded = load_model(spec, device=device)
+    return loaded.model, loaded.tokenizer, loaded.name, loaded.max_context
+
+
+def make_prompts(tokenizer, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    if tokenizer is None:  # random targets: random prompts
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, vocab, (64,), generator=gen).tolist() for _ in range(n)]
+    out = []
+    for i in range(n):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+def stop_ids(model, tokenizer) -> tuple[int, ...]:
+    if tokenizer is None:
+        return ()
+    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.append(im_end)
+    return tuple(sorted({int(i) for i in ids if i is not None}))
+
+
+def make_drafter(spec: str, model, name: str, block_size: int | None):
+    if spec == "none":
+        return None, "none"
+    if spec == "random":
+        return random_drafter(model, block_size=block_size or 8), "random (untrained, 1 layer)"
+    path = find_shipped_drafter(name) if spec == "auto" else Path(spec)
+    if path is None:
+        raise SystemExit(f"no drafter is shipped for {name}; pass --drafter random, none, or a checkpoint folder")
+    drafter = load_drafter(path)
+    if block_size:
+        drafter.block_size = block_size
+    return drafter, str(path)
+
+
+# ---- measurement --------------------------------------------------------------------------------------------------
+
+
+class ExpertCounter:
+    """Counts the distinct routed experts each MoE layer wakes per forward, split by tokens in the forward."""
+
+    def __init__(self, model):
+        self.by_size: dict[int, list[int]] = {}
+        self.num_experts = None
+        self.handles = []
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k"):
+                self.num_experts = getattr(module, "num_experts", None)
+                self.handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, module, args, output):
+        indices = output[-1]
+        self.by_size.setdefault(indices.shape[0], []).append(int(indices.unique().numel()))
+
+    def mean(self, tokens: int) -> float | None:
+        seen = self.by_size.get(tokens)
+        return sum(seen) / len(seen) if seen else None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf_generate(model, prompts, max_tokens, stops, device):
+    outs, tokens, t0 = [], 0, time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            x = torch.tensor([p], device=device)
+            kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=stops[0] if stops else 0)
+            kw["eos_token_id"] = list(stops) if stops else None
+            if not stops:
+                kw["min_new_tokens"] = max_tokens
+            # an explicit mask: otherwise generate masks every prompt token equal to pad_token_id
+            o = model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
+            if o and o[-1] in stops:
+                o = o[:-1]  # the engine does not emit the stop token
+            outs.append(o)
+            tokens += len(o)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    return {"outputs": outs, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+
+
+def run_engine(engine, prompts, max_tokens, stops):
+    outs, stats_list = [], []
+    t0 = time.perf_counter()
+    for p in prompts:
+        out = [t for b in engine.generate(p, SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)) for t in b]
+        outs.append(out)
+        stats_list.append(engine.last_stats)
+    wall = time.perf_counter() - t0
+    tokens = sum(s.generated_tokens for s in stats_list)
+    decode = sum(s.decode_seconds for s in stats_list)
+    res = {"outputs": outs, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+           "decode_s": decode, "decode_tok_s": tokens / decode if decode else 0.0,
+           "prefill_s": sum(s.prefill_seconds for s in stats_list)}
+    cycles = sum(s.cycles for s in stats_list)
+    if cycles:
+        width = max(len(s.accepted_per_position) for s in stats_list)
+        per_pos = [sum(s.accepted_per_position[k] for s in stats_list if k < len(s.accepted_per_position))
+                   for k in range(width)]
+        sizes: dict[int, int] = {}
+        for s in stats_list:
+            for n, c in s.verify_sizes.items():
+                sizes[n] = sizes.get(n, 0) + c
+        accepted = sum(s.accepted_tokens for s in stats_list)
+        res.update({
+            "cycles": cycles, "draft_tokens": sum(s.draft_tokens for s in stats_list), "accepted_tokens": accepted,
+            "tau": (accepted + cycles) / cycles,
+            "acceptance_per_position": [c / cycles for c in per_pos],
+            "T_d_ms": 1e3 * sum(s.draft_seconds for s in stats_list) / cycles,
+            "T_t_ms": 1e3 * sum(s.verify_seconds for s in stats_list) / cycles,
+            "rollback_ms": 1e3 * sum(s.rollback_seconds for s in stats_list) / cycles,
+            "verify_sizes": dict(sorted(sizes.items())),
+            "out_of_draft_vocab": sum(s.out_of_draft_vocab for s in stats_list),
+        })
+    return res
+
+
+def machine_info(device: str) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
+         max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
+         adaptive: str = "both", compare_hf: bool = True, command: str | None = None) -> dict:
+    """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
+    drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both"."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, tokenizer, name, max_context = load_target(model, device)
+    draft_model, drafter_desc = make_drafter(drafter, target, name, block_size)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    prompt_ids = make_prompts(tokenizer, prompts, vocab)
+    stops = stop_ids(target, tokenizer)
+    warm = [prompt_ids[0][:8]]
+
+    result = {"command": command or " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(device),
+              "model": {"spec": model, "name": name, "class": type(target).__name__,
+                        "layers": target.config.get_text_config().num_hidden_layers,
+                        "params_m": round(sum(p.numel() for p in target.parameters()) / 1e6, 2),
+                        "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")},
+              "drafter": {"spec": drafter, "source": drafter_desc},
+              "prompts": prompts, "max_tokens": max_tokens, "runs": {}}
+    runs = result["runs"]
+    if compare_hf:
+        run_hf_generate(target, warm, 4, stops, device)
+        runs["hf_generate"] = run_hf_generate(target, prompt_ids, max_tokens, stops, device)
+    plain = Engine(target, max_context=max_context)
+    run_engine(plain, warm, 4, stops)
+    runs["plain"] = run_engine(plain, prompt_ids, max_tokens, stops)
+    l_target = runs["plain"]["decode_s"] / max(runs["plain"]["tokens"], 1)
+    result["L_target_ms"] = 1e3 * l_target
+    if draft_model is not None:
+        result["drafter"].update({"block_size": draft_model.block_size,
+                                  "layers": len(draft_model.layers) if hasattr(draft_model, "layers") else None,
+                                  "block_attention": getattr(getattr(draft_model, "cfg", None), "block_attention", None),
+                                  "target_layer_ids": getattr(draft_model, "target_layer_ids", None)})
+        modes = {"off": [False], "on": [True], "both": [False, True]}[adaptive]
+        counter = ExpertCounter(target)
+        for adaptive_on in modes:
+            key = "speculative_adaptive" if adaptive_on else "speculative"
+            engine = Engine(target, drafter=draft_model, max_context=max_context, adaptive_verify=adaptive_on)
+            run_engine(engine, warm, 4, stops)
+            counter.by_size.clear()
+            r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops)
+            r["identical_to_plain"] = r["outputs"] == runs["plain"]["outputs"]
+            if r.get("cycles"):
+                r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
+                r["eta_measured"] = r["decode_tok_s"] / runs["plain"]["decode_tok_s"]
+            if counter.handles:
+                full = draft_model.block_size
+                r["experts_per_layer"] = {"of": counter.num_experts, "verify_block": counter.mean(full),
+                                          "verify_block_tokens": full, "decode_step": None}
+        if counter.handles:  # a plain decode step, for comparison
+            counter.by_size.clear()
+            run_engine(Engine(target, max_context=max_context), prompt_ids[:1], 8, stops)
+            for key in ("speculative", "speculative_adaptive"):
+                if key in runs:
+                    runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
+        counter.close()
+    if compare_hf:
+        runs["plain"]["identical_to_hf_generate"] = runs["plain"]["outputs"] == runs["hf_generate"]["outputs"]
+    for r in runs.values():
+        r["outputs"] = [len(o) for o in r["outputs"]]  # lengths only in the report; the checks above saw the tokens
+    print(format_table(result))
+    if json_out:
+        json_out = Path(json_out)
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_out}")
+    return result
+
+
+def format_table(res: dict) -> str:
+    m, runs = res["model"], res["runs"]
+    lines = [f"reviewer bench  {res['date']}  {res['machine']['device']} "
+             f"({res['machine'].get('gpu') or res['machine'].get('cpu')}, {res['machine']['torch_threads']} threads)",
+             f"target  {m['name']} ({m['class']}, {m['layers']} layers, {m['params_m']}M params, {m['dtype']})",
+             f"drafter {res['drafter']['source']}"
+             + (f", block {res['drafter']['block_size']}, {res['drafter']['block_attention']} block attention"
+                if res["drafter"].get("block_size") else ""),
+             f"{res['prompts']} prompts x up to {res['max_tokens']} tokens, greedy", "",
+             f"{'run':<28}{'tokens':>7}{'tok/s':>9}{'decode tok/s':>14}  identical"]
+    labels = {"hf_generate": "transformers generate", "plain": "engine, plain",
+              "speculative": "engine, speculative", "speculative_adaptive": "engine, spec + adaptive k"}
+    for key, r in runs.items():
+        same = r.get("identical_to_plain", r.get("identical_to_hf_generate"))
+        ref = " (vs plain)" if "identical_to_plain" in r else (" (vs generate)" if same is not None else "")
+        lines.append(f"{labels[key]:<28}{r['tokens']:>7}{r['tok_s']:>9.1f}"
+                     f"{(r['decode_tok_s'] if 'decode_tok_s' in r else r['tok_s']):>14.1f}  "
+                     f"{'-' if same is None else ('yes' if same else 'NO')}{ref}")
+    lines.append(f"\nL_target (plain decode time per token) {res['L_target_ms']:.2f} ms")
+    for key in ("speculative", "speculative_adaptive"):
+        r = runs.get(key)
+        if not r or not r.get("cycles"):
+            continue
+        lines += [f"\n{labels[key]}: {r['cycles']} cycles, tau {r['tau']:.2f}, "
+                  f"T_d {r['T_d_ms']:.2f} ms, T_t {r['T_t_ms']:.2f} ms, rollback {r['rollback_ms']:.2f} ms",
+                  f"  eta predicted tau*L_target/(T_t+T_d) = {r['eta_predicted']:.2f}, measured {r['eta_measured']:.2f}",
+                  "  acceptance by draft position: "
+                  + " ".join(f"{k + 1}:{a:.2f}" for k, a in enumerate(r["acceptance_per_position"])),
+                  f"  verify sizes (tokens: cycles) {r['verify_sizes']}"]
+        e = r.get("experts_per_layer")
+        if e and e.get("verify_block") is not None:
+            lines.append(f"  experts woken per MoE layer: {e['verify_block']:.1f} of {e['of']} for a "
+                         f"{e['verify_block_tokens']}-token verify block, {e['decode_step'] or 0:.1f} for a decode step")
+        if r.get("out_of_draft_vocab"):
+            lines.append(f"  committed tokens outside the draft vocabulary: {r['out_of_draft_vocab']}")
+    return "\n".join(lines)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-hybrid", help=f"{', '.join(TINY_MODELS)}, embedded, a HF folder or .gguf")
+    ap.add_argument("--drafter", default="random", help="random, none, auto (shipped for the model) or a folder")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--adaptive", default="both", choices=["off", "on", "both"])
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
+         json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf,
+         command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,227 @@
+"""The speculative cycle: lossless greedy decoding with every accept length, cache states equal to plain decoding's
+after every cycle (KV, conv, recurrent), and speculative sampling that keeps the target's distribution."""
+
+import pytest
+import torch
+
+from backend import speculative as spec
+from backend.dflash import Draft, random_drafter
+from backend.engine import Engine, SamplingParams
+from backend.bench import tiny_model
+
+
+def tiny_qwen35_moe():
+    return tiny_model("tiny-hybrid")
+
+
+def tiny_llama(**kw):
+    return tiny_model("tiny-llama", **kw)
+
+
+class ScriptedContext:
+    """Tracks only how many positions the drafter's context covers."""
+
+    def __init__(self):
+        self.covered = 0
+
+    def add_pending(self, features):
+        self.covered += features.shape[1]
+
+    def crop(self, n):
+        self.covered = min(self.covered, n)
+
+
+class ScriptedDrafter:
+    """Proposes the target's own greedy continuation (`reference`: prompt + continuation, by absolute position),
+    with a wrong token at draft index errors[cycle % len(errors)] (== block_size - 1: no error), so each cycle's
+    accept length is chosen by the test."""
+
+    def __init__(self, reference, block_size, errors, vocab):
+        self.reference, self.block_size, self.errors, self.vocab = reference, block_size, errors, vocab
+        self.cycle = 0
+        self.expected_accepts = []
+
+    def check_target(self, model):
+        pass
+
+    def new_context(self):
+        return ScriptedContext()
+
+    def select_features(self, hidden_states):
+        return hidden_states[0][..., :1]
+
+    def draft(self, ctx, token, temperature, top_p, rng):
+        start = ctx.covered  # the block's known token sits at this position
+        assert self.reference[start] == token
+        tokens = list(self.reference[start + 1 : start + self.block_size])
+        tokens += [0] * (self.block_size - 1 - len(tokens))
+        error = self.errors[self.cycle % len(self.errors)]
+        if error < self.block_size - 1:
+            tokens[error] = (tokens[error] + 1) % self.vocab
+        self.expected_accepts.append(error)
+        self.cycle += 1
+        return Draft(tokens=tokens, confidence=[0.5] * len(tokens), probs=None)
+
+
+def _layer_states(cache):
+    """Every cache layer's tensors: ('kv', keys, values) or ('linear', conv, recurrent)."""
+    out = []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            conv, rec = layer.conv_states, layer.recurrent_states
+            out.append(("linear", conv[0] if isinstance(conv, dict) else conv, rec[0] if isinstance(rec, dict) else rec))
+        else:
+            out.append(("kv", layer.keys, layer.values))
+    return out
+
+
+def _assert_same_states(a, b):
+    sa, sb = _layer_states(a), _layer_states(b)
+    assert [s[0] for s in sa] == [s[0] for s in sb]
+    for i, ((kind, x1, y1), (_, x2, y2)) in enumerate(zip(sa, sb)):
+        assert x1.shape == x2.shape and y1.shape == y2.shape, (i, kind, x1.shape, x2.shape)
+        torch.testing.assert_close(x1, x2, atol=1e-4, rtol=1e-4, msg=f"layer {i} {kind} state 0")
+        torch.testing.assert_close(y1, y2, atol=1e-4, rtol=1e-4, msg=f"layer {i} {kind} state 1")
+
+
+def _run_lockstep(model, block, n_new):
+    """Speculative decoding with a scripted drafter, checked after every cycle against plain decoding of the same
+    tokens. Returns (output, reference, committed block lengths, drafter, stats)."""
+    prompt = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = Engine(model)
+    reference = [t for b in plain.generate(prompt, SamplingParams(max_tokens=n_new)) for t in b]
+
+    # error positions cycle through 0..block-1 (block-1: the whole draft is right), twice
+    drafter = ScriptedDrafter(prompt + reference, block, errors=list(range(block)) * 2, vocab=model.config.vocab_size)
+    engine = Engine(model, drafter=drafter)
+    lockstep = Engine(model)
+    lock_gen = lockstep.generate(prompt, SamplingParams(max_tokens=n_new))
+    lock_out = []
+    out, blocks = [], []
+    for chunk in engine.generate(prompt, SamplingParams(max_tokens=n_new)):
+        out += chunk
+        blocks.append(len(chunk))
+        while len(lock_out) < len(out):  # advance plain decoding to the same committed tokens
+            lock_out += next(lock_gen)
+        assert engine.cache_ids == lockstep.cache_ids
+        _assert_same_states(engine.cache, lockstep.cache)
+    lock_gen.close()
+    return out, reference, blocks, drafter, engine.last_stats
+
+
+@pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
+def test_every_accept_length_matches_plain_decoding(make_model):
+    block, n_new = 5, 40
+    out, reference, blocks, drafter, stats = _run_lockstep(make_model(), block, n_new)
+    assert out == reference
+    # the first block is the prefill's token; then each cycle commits accepted + 1
+    accepts = [n - 1 for n in blocks[1:]]
+    expected = drafter.expected_accepts[: len(accepts)]
+    expected[-1] = min(expected[-1], accepts[-1])  # the last cycle may be shortened by max_tokens
+    assert accepts == expected
+    assert set(range(block)) <= set(accepts)  # every accept length 0..block-1 happened
+    assert stats.cycles == len(accepts) and stats.accepted_tokens == sum(accepts)
+    assert stats.accepted_per_position[0] == sum(a >= 1 for a in accepts)
+    assert stats.generated_tokens == n_new and stats.finish_reason == "length"
+
+
+def test_state_check_catches_a_missing_rollback(monkeypatch):
+    """Negative control: without the Gated DeltaNet rollback the per-cycle state comparison must fail."""
+    monkeypatch.setattr(spec.ReplayRollback, "finish", lambda self, *a, **k: None)
+    with pytest.raises(AssertionError, match="linear"):
+        _run_lockstep(tiny_qwen35_moe(), 5, 20)
+
+
+@pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
+def test_random_drafter_is_lossless_and_reuses_prefix(make_model):
+    model = make_model()
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    plain, specd = Engine(model), Engine(model, drafter=random_drafter(model, block_size=4))
+    first = [t for b in specd.generate(prompt, SamplingParams(max_tokens=25)) for t in b]
+    assert first == [t for b in plain.generate(prompt, SamplingParams(max_tokens=25)) for t in b]
+    follow = prompt + first + [3, 4, 5]  # the next turn extends the conversation
+    second = [t for b in specd.generate(follow, SamplingParams(max_tokens=20)) for t in b]
+    assert specd.last_stats.cached_tokens == len(prompt) + len(first) - 1
+    assert second == [t for b in Engine(model).generate(follow, SamplingParams(max_tokens=20)) for t in b]
+
+
+def test_adaptive_verify_length_is_lossless():
+    model = tiny_qwen35_moe()
+    prompt = list(range(1, 20))
+    ref = [t for b in Engine(model).generate(prompt, SamplingParams(max_tokens=30)) for t in b]
+    engine = Engine(model, drafter=random_drafter(model, block_size=6), adaptive_verify=True)
+    out = [t for b in engine.generate(prompt, SamplingParams(max_tokens=30)) for t in b]
+    assert out == ref
+    assert len(engine.last_stats.verify_sizes) >= 2  # it probed more than one verify length
+
+
+def test_stop_token_inside_an_accepted_block():
+    model = tiny_llama()
+    prompt = list(range(3, 23))
+    ref = [t for b in Engine(model).generate(prompt, SamplingParams(max_tokens=30)) for t in b]
+    stop = ref[7]
+    first = ref.index(stop)
+    drafter = ScriptedDrafter(prompt + ref, 6, errors=[5], vocab=model.config.vocab_size)  # accept everything
+    engine = Engine(model, drafter=drafter)
+    out = [t for b in engine.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=(stop,))) for t in b]
+    assert out == ref[:first] and engine.last_stats.finish_reason == "stop"
+    assert engine.cache_ids == prompt + ref[:first]  # nothing past the stop token stays in the cache
+
+
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_rejection_sampling_keeps_target_distribution(top_p):
+    """Synthetic target/draft distributions with context-independent rows: the committed tokens of one cycle must be
+    independent draws from the target's rows, whatever the draft distribution."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, k = 4, 2
+    p = spec.sampling_probs(torch.randn(k + 1, vocab, generator=gen) * 1.5, 1.0, top_p)
+    q = spec.sampling_probs(torch.randn(k, vocab, generator=gen) * 1.5, 1.0, top_p)
+    counts = torch.zeros(vocab, vocab)
+    n = 20000
+    for _ in range(n):
+        draft = torch.multinomial(q, 1, generator=gen)[:, 0]
+        accepted, nxt = spec.rejection_accept(draft, q, p, gen)
+        committed = draft[:accepted].tolist() + [nxt]
+        if len(committed) >= 2:
+            counts[committed[0], committed[1]] += 1
+        else:  # rejected at position 0: the second token would come from the next cycle; draw it from p[1]
+            counts[committed[0], int(torch.multinomial(p[1], 1, generator=gen))] += 1
+    joint = p[0][:, None] * p[1][None, :]
+    assert _chi_square_pvalue(counts.flatten(), joint.flatten()) > 1e-3
+
+
+def test_speculative_sampling_end_to_end_matches_target_distribution():
+    """A tiny target with 4 tokens and an untrained drafter: the distribution of the first three generated tokens
+    (which span the prefill's token and a speculative cycle's positions 0 and 1) equals the target's."""
+    model = tiny_llama(vocab=4, hidden=32, layers=1, seed=3)
+    prompt = [1, 2, 3, 0, 1]
+    drafter = random_drafter(model, block_size=3, seed=5)
+    with torch.no_grad():  # an overconfident, wrong drafter makes rejections (and residual draws) common
+        drafter.fc.weight.mul_(50)
+    engine = Engine(model, drafter=drafter)
+    n = 1500
+    counts = torch.zeros(4, 4, 4)
+    for seed in range(n):
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=seed)  # one cycle verifies 2 drafts
+        out = [t for b in engine.generate(prompt, params) for t in b]
+        counts[out[0], out[1], out[2]] += 1
+    # exact target probabilities of every 3-token continuation
+    with torch.no_grad():
+        probs = torch.zeros(4, 4, 4)
+        for a in range(4):
+            for b in range(4):
+                logits = model(torch.tensor([prompt + [a, b]])).logits[0].float()
+                pr = torch.softmax(logits, -1)
+                probs[a, b] = pr[-3, a] * pr[-2, b] * pr[-1]
+    assert torch.allclose(probs.sum(), torch.tensor(1.0), atol=1e-5)
+    assert engine.last_stats.cycles >= 1
+    assert _chi_square_pvalue(counts.flatten(), probs.flatten()) > 1e-3
