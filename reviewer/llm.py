@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import anthropic
 import httpx
 import openai
 
@@ -96,11 +95,18 @@ def one_line(text: str, limit: int = 300) -> str:
 
 # --- errors and retries ---------------------------------------------------------------------------------------------
 
-STATUS_ERRORS = (openai.APIStatusError, anthropic.APIStatusError)
-# The SDKs' connection errors include their timeouts; a connection dropped in the middle of a stream surfaces as the
-# HTTP library's own TransportError.
-CONNECTION_ERRORS = (openai.APIConnectionError, anthropic.APIConnectionError, sdk_httpx.TransportError,
-                     httpx.TransportError)
+def sdk_errors() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(HTTP status errors, connection errors) of the SDKs in use. The connection errors include the SDKs' timeouts;
+    a connection dropped in the middle of a stream surfaces as the HTTP library's own TransportError. The anthropic
+    SDK is imported only for `--llm anthropic` (it takes seconds to import), so its classes count only once loaded."""
+    status: list[type] = [openai.APIStatusError]
+    connection: list[type] = [openai.APIConnectionError, sdk_httpx.TransportError, httpx.TransportError]
+    if "anthropic" in sys.modules:
+        import anthropic
+
+        status.append(anthropic.APIStatusError)
+        connection.append(anthropic.APIConnectionError)
+    return tuple(status), tuple(connection)
 
 
 def error_message(e: Exception) -> str:
@@ -116,11 +122,12 @@ def error_message(e: Exception) -> str:
 
 def classify(e: Exception, where: str, sent_tools: bool) -> tuple[LLMError, bool, float | None]:
     """(error to raise, retryable?, server-requested delay) for an SDK exception."""
-    if isinstance(e, CONNECTION_ERRORS):
+    status_errors, connection_errors = sdk_errors()
+    if isinstance(e, connection_errors):
         cause = e.__cause__ or e.__context__ or e
         what = "timed out" if "timeout" in type(e).__name__.lower() else one_line(str(cause) or type(cause).__name__)
         return EndpointDown(f"cannot reach the LLM at {where}: {what}"), True, None
-    if not isinstance(e, STATUS_ERRORS):
+    if not isinstance(e, status_errors):
         return LLMError(f"LLM call to {where} failed: {type(e).__name__}: {one_line(str(e))}"), False, None
     status, msg = e.status_code, error_message(e)
     if status in (401, 403):
@@ -278,7 +285,7 @@ class AnthropicChat(LLMClient):
 
     kind = "anthropic"
 
-    def __init__(self, name: str, sdk: anthropic.Anthropic, model: str, context_window: int, *,
+    def __init__(self, name: str, sdk, model: str, context_window: int, *,
                  stream: bool = True, retry: RetryPolicy | None = None):
         super().__init__(name, model, context_window, retry)
         self.sdk, self.stream = sdk, stream
@@ -392,11 +399,11 @@ def server_models(sdk: openai.OpenAI, where: str) -> list[dict]:
     """The entries of GET /v1/models, with any extra fields the server adds; [] when the server has no such route."""
     try:
         return [m.model_dump() for m in sdk.models.list().data]
-    except STATUS_ERRORS as e:
+    except openai.APIStatusError as e:
         if e.status_code in (401, 403):
             raise classify(e, where, False)[0] from None
         return []
-    except CONNECTION_ERRORS as e:
+    except openai.APIConnectionError as e:
         raise classify(e, where, False)[0] from None
 
 
@@ -450,6 +457,8 @@ def open_endpoint(spec: str, settings, console=None, **launcher) -> Iterator[LLM
         key = os.environ.get("ANTHROPIC_API_KEY")
         if not key:
             raise LLMError("--llm anthropic needs ANTHROPIC_API_KEY in the environment")
+        import anthropic
+
         sdk = anthropic.Anthropic(api_key=key, max_retries=0, timeout=600.0)  # honours ANTHROPIC_BASE_URL
         window = getattr(settings, "context_window", None) or DEFAULT_CONTEXT["anthropic"]
         client = AnthropicChat("anthropic", sdk, settings.model or DEFAULT_ANTHROPIC_MODEL, window)
