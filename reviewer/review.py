@@ -321,8 +321,9 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".strip(": ")
 
 
-def error_exit(console: Console, message: str, code: int = EXIT_USAGE) -> int:
-    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+def error_exit(message: str, code: int = EXIT_USAGE) -> int:
+    """One line on stderr, like every other `reviewer` error."""
+    Console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return code
 
 
@@ -372,7 +373,7 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
     try:
         personas, tgt = check_inputs(target, settings, ref)
     except UserError as e:
-        return error_exit(ui, str(e))
+        return error_exit(str(e))
     llm_personas = [p for p in personas if not p.deterministic]
     where = f"{tgt.url} @ {tgt.commit[:12]}" + (f" ({tgt.ref})" if tgt.ref else f" ({tgt.branch})" if tgt.branch else "")
     run_id = None
@@ -386,20 +387,20 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
                     from reviewer.agent import run_agent  # noqa: F401  (the agent loop is checked before the LLM starts)
                     from reviewer.llm import LLMError, open_llm
                 except ImportError as e:
-                    return error_exit(ui, f"LLM personas ({', '.join(p.name for p in llm_personas)}) need the agent "
+                    return error_exit(f"LLM personas ({', '.join(p.name for p in llm_personas)}) need the agent "
                                           f"loop, which is not installed here ({e}); run with --persona smoke")
                 try:
                     llm = stack.enter_context(open_llm(settings, ui))
                 except LLMError as e:
-                    return error_exit(ui, str(e))
+                    return error_exit(str(e))
             try:
                 db.get_engine(settings.db)
             except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line, nothing written
-                return error_exit(ui, f"cannot open the database {settings.db}: {one_line(e)}")
+                return error_exit(f"cannot open the database {settings.db}: {one_line(e)}")
             run_id = create_run(settings, tgt, ref, llm)
             status = review_personas(run_id, personas, tgt, settings, llm, ui, where)
     except LockBusy as e:
-        return error_exit(ui, str(e), EXIT_BUSY)
+        return error_exit(str(e), EXIT_BUSY)
     except KeyboardInterrupt:
         if run_id is None:
             ui.print("interrupted before the review started; nothing was written")
