@@ -22,8 +22,15 @@ _ORIGINAL_FORWARD = "_unfused_forward"
 
 
 def _is_silu(module: nn.Module) -> bool:
+    """The module's act_fn computes SiLU (checked on values: transformers' activation classes vary by version)."""
     act = getattr(module, "act_fn", None)
-    return isinstance(act, nn.SiLU) or getattr(act, "__name__", "") == "silu"
+    if not callable(act):
+        return False
+    probe = torch.linspace(-6, 6, 25)
+    try:
+        return torch.allclose(act(probe), torch.nn.functional.silu(probe))
+    except Exception:
+        return False
 
 
 def is_fusable_moe_block(module: nn.Module) -> bool:

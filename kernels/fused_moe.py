@@ -228,34 +228,42 @@ if triton is not None:
     @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, inter_ptr, sgate_ptr,
                         ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
-                        num_routed, num_tokens, top_k, E, H, I,
-                        stride_x, stride_we, stride_wn, stride_sn, stride_inter,
-                        HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+                        num_routed, num_tokens, top_k, E, H, I, k_per_split,
+                        stride_x, stride_we, stride_wn, stride_sn, stride_inter, stride_split,
+                        HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Grid (block, N-tile, K-split). SPLIT_K == 1: inter[slot] = silu(x@g) * (x@u) in x's dtype.
+        SPLIT_K > 1 (more programs when few experts are active): fp32 partial g | u sums per split,
+        which the down kernel adds up (fixed order) before applying SiLU."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                                       num_routed, num_tokens, E, DIRECT, BM)
         if e < 0:
             return
+        slots64 = slots.to(tl.int64)
         tok = tl.where(slots < num_routed, slots // top_k, slots - num_routed).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < I
+        k_lo = pid_s * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, H)
         if e == E:  # shared expert: its own nn.Linear weights
-            wg = sg_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
-            wu = su_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
+            wg = sg_ptr + offs_n[None, :] * stride_sn + (k_lo + offs_k)[:, None]
+            wu = su_ptr + offs_n[None, :] * stride_sn + (k_lo + offs_k)[:, None]
         else:
             base = w_ptr + e.to(tl.int64) * stride_we
-            wg = base + offs_n[None, :] * stride_wn + offs_k[:, None]
-            wu = base + (offs_n[None, :] + I) * stride_wn + offs_k[:, None]
-        xp = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+            wg = base + offs_n[None, :] * stride_wn + (k_lo + offs_k)[:, None]
+            wu = base + (offs_n[None, :] + I) * stride_wn + (k_lo + offs_k)[:, None]
+        xp = x_ptr + tok[:, None] * stride_x + (k_lo + offs_k)[None, :]
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
-        acc_s = tl.zeros([BM], tl.float32)
-        for k0 in range(0, H, BK):
-            k_ok = (k0 + offs_k < H) | EVEN_K
+        # The loaded tiles feed only the dots: the plain pipelined-matmul shape (an extra use of the x tile
+        # here gave wrong, run-to-run varying results with Hopper's async wgmma in Triton 3.6).
+        for k0 in range(k_lo, k_hi, BK):
+            k_ok = (k0 + offs_k < k_hi) | EVEN_K
             xt = tl.load(xp, mask=valid[:, None] & k_ok[None, :], other=0.0)
             if EVEN_N and EVEN_K:
                 gt = tl.load(wg)
@@ -265,27 +273,38 @@ if triton is not None:
                 ut = tl.load(wu, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_g = tl.dot(xt, gt, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xt, ut, acc_u, input_precision=PRECISION)
-            if HAS_SHARED_GATE:  # x @ shared_gate, for the shared expert's blocks (cheap, so done everywhere)
-                sgw = tl.load(sgw_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-                acc_s += tl.sum(xt.to(tl.float32) * sgw.to(tl.float32)[None, :], axis=1)
             xp += BK
             wg += BK
             wu += BK
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(inter_ptr + slots.to(tl.int64)[:, None] * stride_inter + offs_n[None, :],
-                 h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-        if HAS_SHARED_GATE:
-            if (e == E) & (pid_n == 0):
+        out_mask = valid[:, None] & n_ok[None, :]
+        if SPLIT_K == 1:
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
+            tl.store(inter_ptr + slots64[:, None] * stride_inter + offs_n[None, :],
+                     h.to(inter_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            part = inter_ptr + pid_s.to(tl.int64) * stride_split + slots64[:, None] * stride_inter + offs_n[None, :]
+            tl.store(part, acc_g, mask=out_mask)
+            tl.store(part + I, acc_u, mask=out_mask)
+        if HAS_SHARED_GATE:  # sigmoid(x @ shared_gate) for the shared expert's rows, by one program
+            if (e == E) & (pid_n == 0) & (pid_s == 0):
+                acc_s = tl.zeros([BM], tl.float32)
+                for k0 in range(0, H, BK):
+                    kk = k0 + offs_k
+                    xs = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :],
+                                 mask=valid[:, None] & (kk < H)[None, :], other=0.0)
+                    sgw = tl.load(sgw_ptr + kk, mask=kk < H, other=0.0)
+                    acc_s += tl.sum(xs.to(tl.float32) * sgw.to(tl.float32)[None, :], axis=1)
                 tl.store(sgate_ptr + tok, tl.sigmoid(acc_s), mask=valid)
 
     @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
     def _down_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, rows_ptr,
                      ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                      num_routed, num_tokens, E, H, I,
-                     stride_inter, stride_we, stride_wn, stride_sn, stride_rows,
-                     HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
-                     EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+                     stride_inter, stride_split, stride_we, stride_wn, stride_sn, stride_rows,
+                     HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, GATE_UP_SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Grid (block, N-tile): rows[slot] = routing weight * (inter[slot] @ down^T), fp32."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
@@ -304,7 +323,16 @@ if triton is not None:
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, I, BK):
             k_ok = (k0 + offs_k < I) | EVEN_K
-            ht = tl.load(hp, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            h_mask = valid[:, None] & k_ok[None, :]
+            if GATE_UP_SPLIT == 1:
+                ht = tl.load(hp, mask=h_mask, other=0.0)
+            else:  # add the gate_up kernel's split-K partial sums, then SiLU(gate) * up
+                g = tl.zeros([BM, BK], tl.float32)
+                u = tl.zeros([BM, BK], tl.float32)
+                for s in tl.static_range(GATE_UP_SPLIT):
+                    g += tl.load(hp + s * stride_split, mask=h_mask, other=0.0)
+                    u += tl.load(hp + s * stride_split + I, mask=h_mask, other=0.0)
+                ht = (g * tl.sigmoid(g) * u).to(w_ptr.dtype.element_ty)
             if EVEN_N and EVEN_K:
                 wt = tl.load(wp)
             else:
@@ -346,6 +374,32 @@ def _device_name(x: torch.Tensor) -> str:
     return _device_name_of(x.device)
 
 
+def num_blocks_bound(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Blocks the block table can need: sum_e ceil(c_e / BM) <= sum_e c_e // BM + (number of active experts)."""
+    return num_slots // block_m + min(num_experts, num_slots)
+
+
+def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, block_m: int):
+    """Sort (token, expert) slots by expert and cut them into blocks of <= block_m rows, on the device.
+
+    Returns (sorted_slots [slots], block_expert, block_start, block_count [num_blocks_bound]), int32; the shared
+    expert is expert `num_experts` with slots M*K..M*K+M-1; unused blocks have expert -1 and count 0.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_routed = num_tokens * top_k
+    num_slots = num_routed + (num_tokens if has_shared else 0)
+    num_blocks = num_blocks_bound(num_slots, num_experts + int(has_shared), block_m)
+    padded_experts = triton.next_power_of_2(num_experts + 1)
+    work = torch.empty(3 * num_blocks + num_slots + padded_experts, dtype=torch.int32, device=topk_ids.device)
+    bexp, bstart, bcount = work[:num_blocks], work[num_blocks:2 * num_blocks], work[2 * num_blocks:3 * num_blocks]
+    sorted_slots = work[3 * num_blocks:3 * num_blocks + num_slots]
+    cursor = work[3 * num_blocks + num_slots:]
+    _align_kernel[(1,)](topk_ids.contiguous(), cursor, sorted_slots, bexp, bstart, bcount,
+                        num_routed, num_tokens, num_blocks, num_experts,
+                        HAS_SHARED=has_shared, EP=padded_experts, CH=64, BM=block_m, num_warps=8)
+    return sorted_slots, bexp, bstart, bcount
+
+
 def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None):
     """The Triton path (see the module docstring). Inputs as for `fused_moe`; no host synchronisation."""
     if triton is None:
@@ -375,18 +429,17 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_blocks = num_routed + int(has_shared)
         sorted_slots = bexp = bstart = bcount = ids  # unused in direct mode
     else:
-        num_blocks = num_slots // block_m + min(num_experts + int(has_shared), num_slots)
-        padded_experts = triton.next_power_of_2(num_experts + 1)
-        work = torch.empty(3 * num_blocks + num_slots + padded_experts, dtype=torch.int32, device=dev)
-        bexp, bstart, bcount = work[:num_blocks], work[num_blocks:2 * num_blocks], work[2 * num_blocks:3 * num_blocks]
-        sorted_slots = work[3 * num_blocks:3 * num_blocks + num_slots]
-        cursor = work[3 * num_blocks + num_slots:]
-        _align_kernel[(1,)](ids, cursor, sorted_slots, bexp, bstart, bcount,
-                            num_routed, num_tokens, num_blocks, num_experts,
-                            HAS_SHARED=has_shared, EP=padded_experts, CH=64, BM=block_m,
-                            num_warps=8)
+        sorted_slots, bexp, bstart, bcount = align_slots(ids, num_experts, has_shared, block_m)
+        num_blocks = bexp.numel()
 
-    inter_buf = torch.empty(num_slots, inter, dtype=x.dtype, device=dev)
+    gu, dn = cfg["gate_up"], cfg["down"]
+    split = gu.get("split", 1)
+    if split == 1:
+        inter_buf = torch.empty(num_slots, inter, dtype=x.dtype, device=dev)
+    else:  # fp32 partial sums [split, slot, gate | up]
+        inter_buf = torch.empty(split, num_slots, 2 * inter, dtype=torch.float32, device=dev)
+    stride_split = num_slots * 2 * inter
+    k_per_split = triton.cdiv(hidden, split * gu["BK"]) * gu["BK"]
     rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=dev)
     has_gate = has_shared and shared.gate is not None
     sgate = torch.empty(num_tokens if has_gate else 1, dtype=torch.float32, device=dev)
@@ -394,20 +447,20 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         gate_up_proj, gate_up_proj, down_proj)
     sgw = shared.gate.reshape(-1) if has_gate else x
 
-    gu = cfg["gate_up"]
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, gu["BN"]))](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, gu["BN"]), split)](
         x, gate_up_proj, sg, su, sgw, inter_buf, sgate, ids, sorted_slots, bexp, bstart, bcount,
-        num_routed, num_tokens, top_k, num_experts, hidden, inter,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(0),
-        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=hidden % gu["BK"] == 0, EVEN_N=inter % gu["BN"] == 0,
-        PRECISION=precision, BM=block_m, BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"], num_stages=gu["stages"])
-    dn = cfg["down"]
+        num_routed, num_tokens, top_k, num_experts, hidden, inter, k_per_split,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(-2), stride_split,
+        HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split, EVEN_K=hidden % (gu["BK"] * split) == 0,
+        EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m, BN=gu["BN"], BK=gu["BK"],
+        num_warps=gu["warps"], num_stages=gu["stages"])
     _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]))](
         inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount,
         num_routed, num_tokens, num_experts, hidden, inter,
-        inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0),
-        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % dn["BK"] == 0, EVEN_N=hidden % dn["BN"] == 0,
-        PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"], num_warps=dn["warps"], num_stages=dn["stages"])
+        inter_buf.stride(-2), stride_split, down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0),
+        HAS_SHARED_GATE=has_gate, DIRECT=direct, GATE_UP_SPLIT=split, EVEN_K=inter % dn["BK"] == 0,
+        EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
+        num_warps=dn["warps"], num_stages=dn["stages"])
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
     block_h = min(256, triton.next_power_of_2(hidden))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](

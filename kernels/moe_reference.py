@@ -75,7 +75,8 @@ def fused_moe_torch(
     counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
 
     # rows[slot] = routed expert output for slot (token t = slot // top_k), scaled by its routing weight, in fp32
-    rows = torch.empty(flat_ids.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+    acc = torch.promote_types(x.dtype, torch.float32)  # accumulate in fp32 (or fp64 for fp64 inputs)
+    rows = torch.empty(flat_ids.numel(), x.shape[1], dtype=acc, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -84,9 +85,9 @@ def fused_moe_torch(
         start += n
         xs = x[slots // top_k]
         gate_up = xs @ gate_up_proj[e].t()
-        h = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
-        rows[slots] = (h @ down_proj[e].t()).float()
-    rows *= topk_weights.reshape(-1, 1).float()
+        h = (F.silu(gate_up[:, :inter].to(acc)) * gate_up[:, inter:].to(acc)).to(x.dtype)
+        rows[slots] = (h @ down_proj[e].t()).to(acc)
+    rows *= topk_weights.reshape(-1, 1).to(acc)
     out = rows.view(num_tokens, top_k, -1).sum(dim=1)
 
     if shared is not None:
@@ -95,9 +96,10 @@ def fused_moe_torch(
 
 
 def shared_expert_torch(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
-    """The shared expert's output for every token, in fp32, with the kernel's rounding points."""
-    h = (F.silu((x @ shared.gate_proj.t()).float()) * (x @ shared.up_proj.t()).float()).to(x.dtype)
-    y = (h @ shared.down_proj.t()).float()
+    """The shared expert's output for every token, in fp32 (fp64 for fp64 inputs), with the kernel's rounding."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    h = (F.silu((x @ shared.gate_proj.t()).to(acc)) * (x @ shared.up_proj.t()).to(acc)).to(x.dtype)
+    y = (h @ shared.down_proj.t()).to(acc)
     if shared.gate is not None:
-        y = y * torch.sigmoid((x @ shared.gate.t()).float())
+        y = y * torch.sigmoid((x @ shared.gate.t()).to(acc))
     return y
