@@ -336,15 +336,13 @@ def main():
           f"{torch.__version__}; triton {fm.triton.__version__ if fm.triton else None}; {args.layers} layers",
           flush=True)
 
-    if args.check:
-        check(layers, cfg, device, [1, 2, 3, 8, 16, 33, 64, 200, 512] if not args.smoke else [1, 5, 40])
-    if args.tune:
+    if args.tune:  # (each candidate is checked against a float64 reference while tuning)
         table = tune(layers, cfg, device, [int(t) for t in args.tune_tokens.split(",")], args.tune_budget)
         (out_dir / "fused_moe_configs.json").write_text(json.dumps(table, indent=1) + "\n")
         fm.get_config.cache_clear()
         fm._tuned_table = lambda: table  # use the fresh table for the rest of this run
-        if args.check:
-            check(layers, cfg, device, [1, 16, 64] if not args.smoke else [1, 5])
+    if args.check:  # the configurations the benchmark will use, at and between the tuned token counts
+        check(layers, cfg, device, [1, 2, 3, 4, 8, 16, 33, 64, 200, 512] if not args.smoke else [1, 5, 40])
     if args.bench:
         copy_bw = copy_bandwidth(device)
         print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
