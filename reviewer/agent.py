@@ -193,11 +193,13 @@ class Agent:
         params = dict(persona.model_settings or {})
         self.text_mode = params.pop("tool_format", "native") == "text"
         window = llm.context_window
-        self.reply_tokens = min(int(params.get("max_tokens") or min(4096, window // 4)), window // 2)
+        # Room for the reply, and the most one tool result may add: both scale with the window, so a small local
+        # model (8k) keeps most of its context for the conversation and a large one is not starved.
+        self.reply_tokens = min(int(params.get("max_tokens") or min(4096, window // 6)), window // 2)
         params["max_tokens"] = self.reply_tokens
         self.params = params
         self.deadline = time.monotonic() + timeout
-        max_output = min(12_000, max(2_000, int(window * CHARS_PER_TOKEN / 4)))
+        max_output = min(12_000, max(2_000, int(window * CHARS_PER_TOKEN / 8)))
         self.toolbox = Toolbox(workspace, recorder, max_output=max_output, max_command_timeout=command_timeout,
                                deadline=self.deadline)
         system = persona.system_prompt + (describe_tools_as_text() if self.text_mode else "")

@@ -372,3 +372,26 @@ def test_builtin_personas_load_and_say_the_rules():
         for rule in ("record_finding", "repro_command", "finish", "evidence", "one tool call"):
             assert rule in prompt, (name, rule)
         assert "exits non-zero" in prompt or "exit non-zero" in prompt
+
+
+def test_persona_can_ask_for_text_tool_calls(scripted_llm, workspace):
+    persona = Persona(name="texty", description="", system_prompt="Prompt.", model_settings={"tool_format": "text",
+                                                                                            "temperature": 0.1})
+    server = scripted_llm([text('<tool_call>{"name": "finish", "arguments": {"summary": "plain"}}</tool_call>')])
+    result = run(server, workspace, ListRecorder(), persona=persona)
+    assert result.status == "completed" and result.summary == "plain"
+    [req] = server.requests
+    assert "tools" not in req and "tool_format" not in req and req["temperature"] == 0.1
+    assert req["messages"][0]["content"].startswith("Prompt.\n\n## How to call a tool")
+
+
+def test_ctrl_c_ends_the_persona_as_interrupted_with_the_transcript_saved(scripted_llm, workspace):
+    def interrupt_at_step_2(event):
+        if event.step == 2:
+            raise KeyboardInterrupt
+
+    server = scripted_llm([], after=tool("bash", command="echo working"))
+    recorder = ListRecorder()
+    result = run(server, workspace, recorder, on_step=interrupt_at_step_2)
+    assert result.status == "interrupted" and result.steps == 2
+    assert recorder.saves[-1]["steps"] == 2 and "working" in recorder.saves[-1]["messages"][-1]["content"]
