@@ -227,7 +227,7 @@ def render_html(runs: list[dict], history: list[dict], *, source: str, filters: 
             personas = ", ".join(f"{escape(p['name'])}: {escape(p['status'])}" for p in r["personas"])
             out.append(f"<tr><td>#{r['id']}</td><td><code>{escape((r['commit'] or '?')[:12])}</code></td>"
                        f"<td>{escape(r['status'])}</td><td>{escape(short_time(r['started_at']))}</td><td>{personas}</td>"
-                       f"<td>{len(r['findings'])}</td></tr>")
+                       f"<td>{findings_count(r['findings'])}</td></tr>")
         out.append("</table>")
         out.append(f"<h3>Findings in run #{latest['id']} @ <code>{escape((latest['commit'] or '?')[:12])}</code></h3>")
         if not latest["findings"]:
@@ -250,6 +250,12 @@ def render_html(runs: list[dict], history: list[dict], *, source: str, filters: 
         out.append("</section>")
     out.append("</main></body></html>")
     return "\n".join(out)
+
+
+def findings_count(findings: list[dict]) -> str:
+    """'2', or '1 (+1 fixed)': fixed copies are not open findings."""
+    fixed = sum(1 for f in findings if f.get("state") == "fixed")
+    return f"{len(findings) - fixed}" + (f" (+{fixed} fixed)" if fixed else "")
 
 
 def _latest_per_repo(runs: list[dict]) -> list[dict]:

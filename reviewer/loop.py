@@ -34,7 +34,7 @@ from sqlmodel import select
 from reviewer import db
 from reviewer.db import PersonaRun, Repository, ReviewQueue, ReviewRun
 from reviewer.lock import lock_path, review_lock
-from reviewer.workspace import WorkspaceError, is_url, list_remote, local_repository_url
+from reviewer.workspace import WorkspaceError, is_url, list_remote, local_repository_url, resolve_target
 
 MAX_BACKOFF = 3600.0
 MAX_ATTEMPTS = 3  # a commit whose review was started this often without finishing is given up (status failed)
@@ -280,17 +280,27 @@ def private_review_lock(machine_lock: Path) -> Iterator[None]:
             leftover.unlink(missing_ok=True)
 
 
-def review_queued(row_id: int, settings, machine_lock: Path, console: Console) -> tuple[str, int | None]:
-    """Review one claimed queue row (the lock is held). Returns (queue status, run id)."""
+class ReviewNotStarted(Exception):
+    """run_command returned without making a run: the LLM, the personas or the database, not this commit, is the
+    problem. The row goes back to the queue and this pass stops draining."""
+
+
+def review_queued(row_id: int, settings, machine_lock: Path, console: Console) -> tuple[str, int | None, str | None]:
+    """Review one claimed queue row (the lock is held). Returns (queue status, run id, error)."""
     from reviewer.review import EXIT_INTERRUPTED as REVIEW_INTERRUPTED
     from reviewer.review import run_command
 
     with db.session(settings.db) as s:
         row = s.get(ReviewQueue, row_id)
         url = s.get(Repository, row.repository_id).url
-        commit = row.commit_sha
+        commit, attempt = row.commit_sha, row.attempts
         last_run = s.exec(select(ReviewRun.id).order_by(ReviewRun.id.desc())).first() or 0  # type: ignore[union-attr]
-    log(console, f"reviewing {url} @ {commit[:12]} (queue item {row_id}, attempt {row.attempts})", "bold")
+    log(console, f"reviewing {url} @ {commit[:12]} (queue item {row_id}, attempt {attempt})", "bold")
+    try:
+        resolve_target(url, commit)  # a commit that vanished (force-push) fails its own row, nothing else
+    except WorkspaceError as e:
+        log(console, f"cannot review {commit[:12]}: {e}", "red")
+        return "failed", None, str(e)
     with private_review_lock(machine_lock):
         code = run_command(url, settings, ref=commit, no_wait=True, console=console)
     with db.session(settings.db) as s:
@@ -300,9 +310,9 @@ def review_queued(row_id: int, settings, machine_lock: Path, console: Console) -
     if code == REVIEW_INTERRUPTED:
         raise KeyboardInterrupt  # the review marked itself interrupted; the loop stops and requeues
     if run_id is None:
-        return "failed", None  # it could not start (the commit vanished, a bad persona...): run_command said why
+        raise ReviewNotStarted(f"the review could not start (exit code {code}; the reason is printed above)")
     verify_run(settings, run_id, console)
-    return "done", run_id
+    return "done", run_id, None
 
 
 def verify_run(settings, run_id: int, console: Console) -> None:
@@ -324,9 +334,9 @@ def set_row(db_path: str, row_id: int, **values) -> None:
         s.commit()
 
 
-def review_next(watched: list[Watched], settings, console: Console) -> bool:
-    """Take the machine, recover what dead processes left, claim the oldest queued row and review it.
-    False when nothing was queued."""
+def review_next(watched: list[Watched], settings, console: Console) -> str:
+    """Take the machine, recover what dead processes left, claim the oldest queued row and review it. Returns
+    "reviewed", "empty" (nothing queued) or "blocked" (a review could not start; try again next pass)."""
     machine_lock = lock_path(settings)
     urls = [w.url for w in watched]
     with review_lock(machine_lock, wait=True, holder={"target": "reviewer loop", "loop_pid": os.getpid()},
@@ -335,35 +345,40 @@ def review_next(watched: list[Watched], settings, console: Console) -> bool:
         with db.session(settings.db) as s:
             row = next_queued(s, urls)
             if row is None:
-                return False
+                return "empty"
             if row.attempts >= MAX_ATTEMPTS:
                 row.status, row.finished_at = "failed", db.utcnow()
                 row.error = f"given up after {row.attempts} attempts that did not finish"
                 s.add(row)
                 s.commit()
                 log(console, f"queue item {row.id} ({row.commit_sha[:12]}): {row.error}", "red")
-                return True
+                return "reviewed"
             row.status, row.claimed_by, row.started_at = "running", me(), db.utcnow()
             row.attempts += 1
             s.add(row)
             s.commit()
-            row_id = row.id
+            row_id, commit, attempts = row.id, row.commit_sha, row.attempts
             url = s.get(Repository, row.repository_id).url
-        update_holder(target=url, commit=row.commit_sha, queue_item=row_id)
+        update_holder(target=url, commit=commit, queue_item=row_id)
         try:
-            status, run_id = review_queued(row_id, settings, machine_lock, console)
+            status, run_id, error = review_queued(row_id, settings, machine_lock, console)
         except KeyboardInterrupt:
             set_row(settings.db, row_id, status="queued", claimed_by=None,
                     error="interrupted (SIGINT/SIGTERM); queued again")
             raise ReviewInterrupted from None
+        except ReviewNotStarted as e:
+            # Not this commit's fault: it keeps its place, and its attempt is not counted.
+            set_row(settings.db, row_id, status="queued", claimed_by=None, attempts=attempts - 1, error=str(e))
+            log(console, f"queue item {row_id}: {e}; it stays queued", "red")
+            return "blocked"
         except Exception as e:  # noqa: BLE001 - a bug in one review must not end the loop; the row says what
             set_row(settings.db, row_id, status="failed", claimed_by=None, finished_at=db.utcnow(),
                     error=f"{type(e).__name__}: {e}")
             log(console, f"queue item {row_id}: review crashed: {type(e).__name__}: {e}", "red")
-            return True
+            return "reviewed"
         set_row(settings.db, row_id, status=status, run_id=run_id, claimed_by=None, finished_at=db.utcnow(),
-                error=None if status == "done" else "the review could not start (see the log)")
-    return True
+                error=error)
+    return "reviewed"
 
 
 # --- the loop ------------------------------------------------------------------------------------------------------
@@ -405,8 +420,8 @@ def check_options(settings, interval: float, max_reviews: int | None) -> None:
 
 def loop_command(settings, *, repos: list[str], repos_file: Path | None, interval: float, once: bool,
                  max_reviews: int | None, console: Console) -> int:
-    """`reviewer loop`. Exit code: 0 done (or stopped by a signal while idle), 1 when a repository could not be read
-    during a --once pass, 130 when a signal interrupted a review (it is queued again)."""
+    """`reviewer loop`. Exit code: 0 done (or stopped by a signal while idle), 1 when, in a --once pass, a repository
+    could not be read or a review could not start, 130 when a signal interrupted a review (it is queued again)."""
     check_options(settings, interval, max_reviews)
     watched = watched_repositories(repos, repos_file)
     urls = [w.url for w in watched]
@@ -418,8 +433,11 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
             while True:
                 due = [w for w in watched if w.next_poll <= time.monotonic()]
                 unreachable = [w for w in due if not poll(w, settings.db, interval, console)]
+                blocked = False
                 while max_reviews is None or reviews < max_reviews:
-                    if not review_next(watched, settings, console):
+                    outcome = review_next(watched, settings, console)
+                    if outcome != "reviewed":
+                        blocked = outcome == "blocked"
                         break
                     reviews += 1
                 if max_reviews is not None and reviews >= max_reviews:
@@ -431,7 +449,7 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
                                  + (f", {len(unreachable)} repositor{'y' if len(unreachable) == 1 else 'ies'} "
                                     "could not be read" if unreachable else "")
                                  + (f", {pending} still queued" if pending else ""))
-                    return EXIT_SOME_FAILED if unreachable else EXIT_OK
+                    return EXIT_SOME_FAILED if unreachable or blocked else EXIT_OK
                 wake = min(w.next_poll for w in watched)
                 time.sleep(max(0.0, wake - time.monotonic()))
     except ReviewInterrupted:

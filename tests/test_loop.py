@@ -288,3 +288,17 @@ def test_unreachable_repository_backs_off_and_recovers(env):
     assert query(dbp, "SELECT status, attempts FROM reviewqueue") == [("queued", 0)]
     with pytest.raises(LoopError):
         read_repos_file(env / "nope.txt")
+
+
+def test_a_review_that_cannot_start_stays_queued(env):
+    """An unreachable LLM is not the commit's fault: the row keeps its place (attempt not counted), exit code 1."""
+    repo = make_project(env / "quick", test_seconds=0)
+    dbp = env / "r.db"
+    result = runner.invoke(cli.app, ["loop", "--db", str(dbp), "--once", "--repo", str(repo), "--persona", "docs",
+                                     "--llm", "http://127.0.0.1:1/v1"])
+    assert result.exit_code == 1
+    out = " ".join(result.output.split())
+    assert "cannot reach the LLM at http://127.0.0.1:1/v1" in out
+    assert "it stays queued" in out and "1 still queued" in out
+    assert query(str(dbp), "SELECT status, attempts FROM reviewqueue") == [("queued", 0)]
+    assert query(str(dbp), "SELECT id FROM reviewrun") == []
