@@ -283,6 +283,10 @@ class Agent:
             else:
                 self.messages.append({"role": "user", "content": f"{TEXT_RESULT_PREFIX}{call.name or 'tool call'}:\n"
                                                                  f"{output}"})
+        remaining = self.max_steps - self.steps
+        if finished is None and remaining in (1, 3) and self.messages[-1]["role"] != "assistant":
+            self.messages[-1]["content"] += (f"\n\n[{remaining} step{'s' if remaining > 1 else ''} left: record what you "
+                                             "have confirmed, then call finish]")
         self.save()
         self.on_step(StepEvent(self.persona.name, self.steps, calls[0].name if calls else None,
                                self.prompt_tokens, self.completion_tokens, self.llm_seconds))

@@ -116,8 +116,10 @@ def test_garbage_replies_end_with_the_step_budget_and_count_format_errors(script
     assert result.status == "step_budget" and result.format_errors == 4 and result.steps == 4
     assert "4 of 4 replies had no usable tool call" in result.error
     assert len(server.requests) == 4
-    # every reply after the first saw the correction
+    # every reply after the first saw the correction, and the model was told when its steps ran low
     assert all("Your reply contained no tool call" in last_message(r)["content"] for r in server.requests[1:])
+    assert ["steps left" in last_message(r)["content"] or "step left" in last_message(r)["content"]
+            for r in server.requests] == [False, True, False, True]
 
 
 def test_text_fallback_fenced_bash_tool_call_json_and_qwen_xml(scripted_llm, workspace):
