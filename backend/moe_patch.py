@@ -16,7 +16,7 @@ import types
 import torch
 from torch import nn
 
-from kernels import SharedExpert, fused_moe
+from kernels import SharedExpert, fused_moe, route_topk, triton_usable
 
 _ORIGINAL_FORWARD = "_unfused_forward"
 
@@ -68,11 +68,32 @@ def _shared_expert(block: nn.Module) -> SharedExpert | None:
                         gate.weight if gate is not None else None)
 
 
+# Routers whose math kernels.route_topk reproduces: softmax, top-k, renormalise (Qwen3-MoE: if norm_topk_prob).
+FUSABLE_ROUTERS = {"Qwen3_5MoeTopKRouter", "Qwen3MoeTopKRouter"}
+
+
+def _fused_router_renormalizes(gate: nn.Module) -> bool | None:
+    """Whether the fused routing kernel may replace this router (and if it renormalises); None: keep the model's.
+
+    Also None while hooks watch the router (e.g. transformers recording router logits for an aux loss)."""
+    if type(gate).__name__ not in FUSABLE_ROUTERS or gate._forward_hooks or gate._forward_pre_hooks:
+        return None
+    return bool(getattr(gate, "norm_topk_prob", True))
+
+
 def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Drop-in forward for a sparse-MoE block: the model's router, then one fused call for all experts."""
+    """Drop-in forward for a sparse-MoE block: routing, then one fused call for all experts.
+
+    On the Triton path a known router runs as its linear layer plus one routing kernel (same math); otherwise,
+    and on the PyTorch fallback, the model's own router module runs."""
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
-    _, routing_weights, selected_experts = self.gate(x)
+    renormalize = _fused_router_renormalizes(self.gate) if triton_usable(x) else None
+    if renormalize is None:
+        _, routing_weights, selected_experts = self.gate(x)
+    else:
+        logits = torch.nn.functional.linear(x, self.gate.weight)
+        routing_weights, selected_experts = route_topk(logits, self.gate.top_k, renormalize)
     out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, routing_weights, selected_experts,
                     _shared_expert(self))
     return out.reshape(shape)

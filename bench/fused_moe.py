@@ -1,7 +1,8 @@
 """Benchmark (not a test) of one Qwen3.6-35B-A3B MoE layer: router + routed experts + shared expert, bf16.
 
-Compares, in one run: our fused Triton kernel (backend.moe_patch.fused_block_forward), and transformers'
-`eager` loop, `grouped_mm` and `batched_mm` experts on the same Qwen3_5MoeSparseMoeBlock layers.
+Compares, in one run: ours (backend.moe_patch.fused_block_forward: router linear + kernels.route_topk + the
+fused experts kernel, shared expert included), and the stock block with transformers' `eager` loop,
+`grouped_mm` and `batched_mm` experts, on the same Qwen3_5MoeSparseMoeBlock layers.
 
 Router: random weights (normal, std 0.02, like every other weight) and random normal inputs, so routing is
 close to uniform (more unique experts than a trained router: the seed saw ~48 at 16 tokens with a real one).
@@ -37,7 +38,7 @@ from transformers import Qwen3_5MoeTextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock  # noqa: E402
 
 from backend.moe_patch import _shared_expert, fused_block_forward  # noqa: E402
-from kernels import SharedExpert, fused_moe_torch  # noqa: E402
+from kernels import SharedExpert, fused_moe_torch, route_topk  # noqa: E402
 
 fm = importlib.import_module("kernels.fused_moe")
 BASELINES = ["eager", "grouped_mm", "batched_mm"]
@@ -159,6 +160,16 @@ def check(layers, cfg, device, token_counts):
             err = ((tuned.double() - ref).norm() / ref.norm()).item()
             worst = max(worst, err if torch.isfinite(tuned).all() else float("inf"))
             line.append(f"tuned {err:.2e}")
+            # the whole patched block: fused routing kernel + experts, against the same reference
+            logits = torch.nn.functional.linear(x, blk.gate.weight)
+            w2, ids2 = route_topk(logits, ids.shape[1])
+            probs = torch.softmax(logits, -1, dtype=torch.float)
+            same = torch.equal(probs.gather(1, ids2), probs.gather(1, ids))
+            block = fused_block_forward(blk, x[None])[0]
+            err = ((block.double() - ref).norm() / ref.norm()).item()
+            worst = max(worst, err if same and torch.isfinite(block).all() else float("inf"))
+            line.append(f"router same experts {same}, weights max diff {(w2.float() - w.float()).abs().max():.1e}; "
+                        f"patched block {err:.2e}")
             for impl in ("grouped_mm", "eager"):  # the stock block's own error, for scale
                 set_impl([blk], impl)
                 hf = blk(x[None])[0].double()
