@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     )
     model: str | None = Field(None, description="model name to ask the LLM for")
     api_key: str | None = Field(None, description="key sent to a `reviewer serve` backend that requires one")
+    context_window: int | None = Field(None, ge=512, description="the model's context window in tokens, when the server does not say")
     personas: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(DEFAULT_PERSONAS))
     personas_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list, description="extra folders of persona .md files")
     max_steps: int | None = Field(None, ge=1, le=1000, description="override every persona's step budget")
