@@ -397,6 +397,9 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
                 db.get_engine(settings.db)
             except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line, nothing written
                 return error_exit(f"cannot open the database {settings.db}: {one_line(e)}")
+            from reviewer.loop import recover
+
+            recover(settings.db, [], ui)  # runs a killed reviewer left `running` on this machine: interrupted
             run_id = create_run(settings, tgt, ref, llm)
             status = review_personas(run_id, personas, tgt, settings, llm, ui, where)
     except LockBusy as e:
@@ -455,9 +458,7 @@ def review_personas(run_id: int, personas: list[Persona], tgt: Target, settings,
             if status == "failed":
                 failures.append(f"{persona.name}: {error}")
             if status == "interrupted":
-                update_row(settings.db, ReviewRun, run_id, status="interrupted", finished_at=db.utcnow(),
-                           error=f"interrupted during persona {persona.name}")
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt  # run_persona has marked the persona and the run
     status = "failed" if failures else "completed"
     update_row(settings.db, ReviewRun, run_id, status=status, finished_at=db.utcnow(),
                error="; ".join(failures) if failures else None)
@@ -511,6 +512,9 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
         detail = "".join(traceback.format_exception(e)[-3:]).strip() if not isinstance(e, WorkspaceError) else error
         update_row(settings.db, PersonaRun, persona_run_id, status=status, error=detail, finished_at=db.utcnow())
     finally:
+        if status == "interrupted":
+            # Rows first, cleanup after: a second signal (or a SIGKILL after SIGTERM) must not leave them `running`.
+            close_open_rows(settings.db, run_id, "interrupted", f"interrupted during persona {persona.name}")
         note = error or summary or ""
         if ws is not None and status == "failed":
             note += f" (workspace kept: {ws.path})"

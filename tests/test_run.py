@@ -205,12 +205,31 @@ def test_a_looping_model_is_stopped_by_the_step_budget(example, tmp_path, script
 
 # --- one review per machine -----------------------------------------------------------------------------------------
 
+def left_running_by_a_killed_reviewer(db: Path) -> int:
+    """A run row as `kill -9` leaves it: status running, owned by a pid that no longer exists, on this machine."""
+    import socket
+
+    from reviewer import db as store
+    from reviewer.db import ReviewRun
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with store.session(str(db)) as s:
+        repo = store.get_or_create_repository(s, "file:///elsewhere")
+        run = ReviewRun(repository_id=repo.id, status="running", pid=dead.pid,
+                        machine=json.dumps({"hostname": socket.gethostname()}))
+        s.add(run)
+        s.commit()
+        return run.id
+
+
 def test_second_review_waits_or_fails_fast(tmp_path):
     # A repository whose only test takes a few seconds: the first review holds the machine that long.
     repo = make_repo(tmp_path / "slow", {"Makefile": "test:\n\tsleep 5\n"})
     lock_file = tmp_path / "machine.lock"
     env = {"REVIEWER_LOCK_FILE": str(lock_file)}
     db = tmp_path / "reviews.db"
+    stale = left_running_by_a_killed_reviewer(db)
     first = reviewer_process(str(repo), "--db", str(db), "--persona", "smoke", env_extra=env, cwd=tmp_path)
     holder = lock_file.with_name(lock_file.name + ".holder.json")
     deadline = time.monotonic() + 60
@@ -234,8 +253,9 @@ def test_second_review_waits_or_fails_fast(tmp_path):
     rest, err = waiting.communicate(timeout=120)
     assert waiting.returncode == 0, rest + err
     runs = report_json(db)["runs"]
-    assert [r["status"] for r in runs] == ["completed", "completed"]
-    assert runs[1]["started_at"] >= runs[0]["finished_at"]  # never overlapped
+    assert [r["status"] for r in runs] == ["interrupted", "completed", "completed"]
+    assert runs[0]["id"] == stale and "ended without finishing" in runs[0]["error"]  # recovered under the lock
+    assert runs[2]["started_at"] >= runs[1]["finished_at"]  # never overlapped
     assert not holder.exists()
 
 
