@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import itertools
 import json
 import os
 import statistics
@@ -86,7 +85,6 @@ def copy_bandwidth(device, nbytes=2 << 30):
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     t = time_launch_us(lambda: dst.copy_(src), device, trials=9, inner=5)
-    del src, dst
     return 2 * nbytes / (t * 1e-6)
 
 

@@ -8,9 +8,11 @@ M*K..M*K+M-1 the shared expert's (token = slot - M*K), which the kernels treat a
 Launches (all shapes depend only on M, so the whole thing can be captured in a CUDA graph; nothing syncs):
   1. `_align_kernel` (one program; skipped in direct mode): sorts slots by expert and cuts each expert's
      slots into blocks of BM rows -> block table (expert, start, count), unused blocks marked -1.
-  2. `_gate_up_kernel`, grid (blocks, I/BN): one block's rows times one N-tile of gate and up, SiLU(gate)*up
-     stored to `inter[slot]`. Each expert's weight tile is read once per block, i.e. once when it has <= BM
-     tokens. The shared expert's sigmoid gate is accumulated in the same K loop.
+  2. `_gate_up_kernel`, grid (blocks, I/BN, split): one block's rows times one N-tile of gate and up,
+     SiLU(gate)*up stored to `inter[slot]`. Each expert's weight tile is read once per block, i.e. once when it
+     has <= BM tokens. With split > 1 (few active experts: more programs) each program covers a slice of K and
+     stores fp32 partial sums, which the down kernel adds up before the SiLU. One program also computes the
+     shared expert's sigmoid gate.
   3. `_down_kernel`, grid (blocks, H/BN): inter @ down^T, scaled by the routing weight in the epilogue,
      stored in fp32 to `rows[slot]`.
   4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows in a fixed order. No atomics: results are
