@@ -259,6 +259,14 @@ def recover(db_path: str, watched_urls: list[str], console: Console) -> int:
     return recovered
 
 
+def remove_stale_private_locks(machine_lock: Path) -> None:
+    """The per-process lock files private_review_lock makes are left behind by a killed loop; remove the dead ones."""
+    for leftover in machine_lock.parent.glob(f"{machine_lock.name}.loop-*"):
+        pid_text = leftover.name.rsplit("-", 1)[1].removesuffix(".holder.json")
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not owner_alive(int(pid_text), None):
+            leftover.unlink(missing_ok=True)
+
+
 # --- one review ----------------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -342,6 +350,7 @@ def review_next(watched: list[Watched], settings, console: Console) -> str:
     with review_lock(machine_lock, wait=True, holder={"target": "reviewer loop", "loop_pid": os.getpid()},
                      on_wait=lambda m: log(console, m, "dim")) as update_holder:
         recover(settings.db, urls, console)
+        remove_stale_private_locks(machine_lock)
         with db.session(settings.db) as s:
             row = next_queued(s, urls)
             if row is None:

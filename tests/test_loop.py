@@ -88,6 +88,7 @@ def wait_for(db_path: Path, sql: str, timeout: float = 180.0):
     raise AssertionError(f"timed out waiting for: {sql}")
 
 
+@pytest.mark.slow  # installs the example project four times (two reviews, two verifications)
 def test_three_passes_track_the_finding_across_commits(env):
     repo = make_example_repo(env / "tinystats")
     url = repo.resolve().as_uri()
@@ -178,6 +179,8 @@ def test_kill_9_mid_review_then_restart_requeues_it(env):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
+    leftovers = list(env.glob(f"review.lock.loop-{proc.pid}*"))
+    assert leftovers  # the killed loop's private lock file is still there...
     assert query(str(dbp), "SELECT status FROM reviewrun") == [("running",)]
     assert query(str(dbp), "SELECT status, attempts FROM reviewqueue") == [("running", 1)]
     measured = query(str(dbp), "SELECT run_id, name, value FROM measurement")
@@ -192,6 +195,27 @@ def test_kill_9_mid_review_then_restart_requeues_it(env):
     # Nothing lost: what the killed review recorded is still there.
     assert set(measured) <= set(query(str(dbp), "SELECT run_id, name, value FROM measurement"))
     assert query(str(dbp), "SELECT status, attempts, run_id FROM reviewqueue") == [("done", 2, runs[1][0])]
+    assert not any(p.exists() for p in leftovers)  # ...and gone after the restart
+
+
+def test_watching_reviews_each_new_commit_and_stops_on_sigterm_while_idle(env):
+    repo = make_project(env / "quick", test_seconds=0)
+    dbp = env / "reviews.db"
+    proc = start_loop(env, dbp, "--repo", str(repo), "--interval", "0.5")
+    try:
+        wait_for(dbp, "SELECT id FROM reviewqueue WHERE status = 'done'")
+        head = commit_change(repo, "second")
+        wait_for(dbp, f"SELECT id FROM reviewqueue WHERE status = 'done' AND commit_sha = '{head}'")
+        time.sleep(1.5)  # a few idle polls: the unchanged head is not queued again
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "stopped by signal after 2 review(s)" in out
+    assert [r[0] for r in query(str(dbp), "SELECT status FROM reviewrun")] == ["completed", "completed"]
+    assert len(query(str(dbp), "SELECT id FROM reviewqueue")) == 2
 
 
 def test_sigterm_finishes_cleanly_and_requeues(env):
