@@ -66,6 +66,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.adaptive_verify = adaptive_verify
         self.decoder_layers = spec.decoder_layers(model)
+        self.hybrid = spec.model_is_hybrid(model)  # has Gated DeltaNet (linear-attention) layers
         self.last_stats = GenerationStats()
         if drafter is not None:
             drafter.check_target(model)
@@ -97,7 +98,7 @@ class Engine:
         if self.cache is None:
             return 0, None
         common = _common_prefix(self.cache_ids, prompt)
-        if not spec.is_hybrid(self.cache):
+        if not self.hybrid:
             keep = min(common, len(prompt) - 1)  # at least one token must run to produce the next logits
             self._truncate(keep)
             return keep, None
@@ -173,7 +174,11 @@ class Engine:
                 if logits is None:
                     stats.finish_reason = "cancelled"
                     return
-                if spec.is_hybrid(self.cache):
+                if spec.is_hybrid(self.cache) != self.hybrid:
+                    # a transformers release whose cache keeps linear-attention state where we do not look:
+                    # prefix reuse and rollback would silently be wrong, so refuse
+                    raise RuntimeError("unrecognized linear-attention cache layout in this transformers version")
+                if self.hybrid:
                     self.prompt_checkpoint = spec.PromptCheckpoint(
                         tuple(prompt), spec.snapshot_linear_states(self.cache), logits.clone())
             _sync(self.device)

@@ -85,38 +85,53 @@ def _is_linear(layer) -> bool:
     return hasattr(layer, "recurrent_states")
 
 
-def is_hybrid(cache) -> bool:
-    return cache is not None and any(_is_linear(layer) for layer in cache.layers)
-
-
-def _state_slots(layer):
-    """(holder, key) pairs for a linear-attention cache layer's tensors. transformers 5.23 keeps them in dicts keyed
-    by state index ({0: tensor}); older layouts keep a tensor per attribute."""
+def linear_slots(cache) -> list[tuple[object, object]]:
+    """(holder, key) for every Gated DeltaNet conv/recurrent state tensor in the cache. transformers 5.23 keeps them
+    on per-layer cache objects, in dicts keyed by state index ({0: tensor}); older layouts keep a tensor per layer
+    attribute, or lists on the cache itself (Qwen3-Next style: cache.conv_states[layer_idx])."""
+    slots = []
+    for layer in getattr(cache, "layers", []):
+        if not _is_linear(layer):
+            continue
+        for name in ("conv_states", "recurrent_states"):
+            value = getattr(layer, name, None)
+            if isinstance(value, dict):
+                slots += [(value, key) for key, t in value.items() if t is not None]
+            elif value is not None:
+                slots.append((layer, name))
     for name in ("conv_states", "recurrent_states"):
-        value = getattr(layer, name, None)
-        if isinstance(value, dict):
-            yield from ((value, key) for key, t in value.items() if t is not None)
-        elif value is not None:
-            yield (layer, name)
+        value = getattr(cache, name, None)
+        if isinstance(value, list):
+            slots += [(value, i) for i, t in enumerate(value) if isinstance(t, torch.Tensor) and t.numel()]
+    return slots
+
+
+def is_hybrid(cache) -> bool:
+    return cache is not None and bool(linear_slots(cache))
+
+
+def model_is_hybrid(model) -> bool:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
 
 
 def _get(holder, key):
-    return holder[key] if isinstance(holder, dict) else getattr(holder, key)
+    return holder[key] if isinstance(holder, (dict, list)) else getattr(holder, key)
 
 
 def snapshot_linear_states(cache) -> list[torch.Tensor]:
-    return [_get(h, k).clone() for layer in cache.layers if _is_linear(layer) for h, k in _state_slots(layer)]
+    return [_get(h, k).clone() for h, k in linear_slots(cache)]
 
 
 def restore_linear_states(cache, snapshot: list[torch.Tensor]) -> None:
-    slots = [(h, k) for layer in cache.layers if _is_linear(layer) for h, k in _state_slots(layer)]
+    slots = linear_slots(cache)
     if len(slots) != len(snapshot):
         raise RuntimeError("linear-attention cache layout changed since the snapshot")
     for (holder, key), saved in zip(slots, snapshot):
         current = _get(holder, key)
         if current.shape == saved.shape:
             current.copy_(saved)  # in place: transformers marks these as static addresses
-        elif isinstance(holder, dict):
+        elif isinstance(holder, (dict, list)):
             holder[key] = saved.clone()
         else:
             setattr(holder, key, saved.clone())
@@ -311,12 +326,12 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
             stats.finish_reason = "cancelled"
             break
         t0 = time.perf_counter()
-        draft = drafter.draft(ctx, token, params.temperature, params.top_p, rng)
-        t1 = _now(device)
         k = min(block_size - 1, budget - produced - 1)  # the target's own token must fit in the budget too
+        draft = drafter.draft(ctx, token, params.temperature, params.top_p, rng) if k else None
+        t1 = _now(device)
         if engine.adaptive_verify and k > 0:
             k = choose_verify_length(draft.confidence[:k], engine.verify_cost, t1 - t0)
-        proposal = draft.tokens[:k]
+        proposal = draft.tokens[:k] if k else []
         block = [token] + proposal
         if k:
             rollback.begin(engine.cache)
@@ -327,7 +342,8 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
             accepted, bonus = greedy_accept(draft_t, target_logits)
         else:
             p = sampling_probs(target_logits, params.temperature, params.top_p)
-            accepted, bonus = rejection_accept(draft_t, draft.probs[:k], p, rng)
+            q = draft.probs[:k] if k else p[:0]
+            accepted, bonus = rejection_accept(draft_t, q, p, rng)
         t2 = _now(device)
         engine.verify_cost.observe(k + 1, t2 - t1)
 
