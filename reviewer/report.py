@@ -265,7 +265,7 @@ def _md(text: str | None) -> str:
 
 def render_markdown(runs: list[dict], history: list[dict], *, source: str) -> str:
     """Markdown for pasting into an issue tracker: each run with its findings by severity, then the measurements."""
-    lines = [f"# Review report", "", f"{len(runs)} run(s) from `{source}`.", ""]
+    lines = ["# Review report", "", f"{len(runs)} run(s) from `{source}`.", ""]
     if not runs:
         lines.append("No reviews match. Start one with `reviewer run <repo>`.")
     for run in runs:
