@@ -282,10 +282,9 @@ class DiskWatch:
     def __init__(self, paths: list[Path], limits: Limits):
         self.paths = [p for p in paths if p.exists()]
         self.limits = limits
-        self.baseline = disk_usage(self.paths) if limits.disk_bytes else 0
         self.next_walk = 0.0
         self.next_free = 0.0
-        self.last_usage = self.baseline
+        self.last_usage = 0
 
     def check(self, now: float) -> str | None:
         """None while within limits, else what was exceeded."""
