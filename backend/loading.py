@@ -118,8 +118,13 @@ def convert_gguf(gguf: Path, name: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s once (dequantizing the GGUF); later starts load the cached copy from %s", gguf, target)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except ImportError as exc:
+        raise ModelLoadError(f"loading a GGUF needs the `gguf` and `accelerate` packages: {exc}") from exc
+    except Exception as exc:  # gguf raises assorted errors on a corrupt or unsupported file
+        raise ModelLoadError(f"cannot read the GGUF file {gguf}: {type(exc).__name__}: {exc}") from exc
     # transformers marks GGUF-loaded models as "quantized" and refuses to save them, but the weights are already plain
     # float tensors: drop the marker so save_pretrained writes an ordinary checkpoint.
     model.hf_quantizer = None

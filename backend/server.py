@@ -252,7 +252,10 @@ def resolve_drafter(spec: str | None, loaded: LoadedModel):
         if spec is None:
             log.info("no shipped drafter for %s: plain decoding", loaded.name)
             return None
-    return dflash.load_drafter(spec)
+    try:
+        return dflash.load_drafter(spec)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the drafter {spec}: {exc}") from exc
 
 
 # ---- request plumbing --------------------------------------------------------------------------------------------------
@@ -300,10 +303,16 @@ def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None,
         raise APIError(400, f"max_tokens is {max_tokens} but the context window holds {window} tokens",
                        code="invalid_value", param="max_tokens")
     room = window - prompt_len  # a request for more than fits stops with finish_reason "length"
+    temperature = 1.0 if temperature is None else float(temperature)  # None: the APIs' documented default
+    top_p = 1.0 if top_p is None else float(top_p)
+    # A temperature this close to 0, or a nucleus this small, picks the top token anyway: decode greedily, because
+    # dividing logits by 4e-47 overflows and a top_p of 2e-308 rounds to 0 in float32 (both found by schemathesis).
+    if temperature < 1e-4 or top_p < 1e-6:
+        temperature, top_p = 0.0, 1.0
     return SamplingParams(
         max_tokens=min(max_tokens or room, room),
-        temperature=1.0 if temperature is None else float(temperature),  # the APIs' documented default
-        top_p=1.0 if top_p is None else float(top_p),
+        temperature=temperature,
+        top_p=top_p,
         seed=None if seed is None else seed % 2**63,
         stop_token_ids=state.stop_ids,
     )
@@ -326,9 +335,8 @@ async def start_job(state: ServerState, request: Request, prompt_ids: list[int],
             raise APIError(499, "client disconnected while waiting")
         if time.monotonic() >= deadline:
             job.cancelled = True
-            raise APIError(503, f"the server is busy: this request waited {state.queue_timeout:g} s for the engine "
-                                f"(batch 1, {state.worker.jobs.qsize()} requests queued); retry later",
-                           code="queue_timeout")
+            raise APIError(503, f"the server is busy: this request waited {state.queue_timeout:g} s for the engine, "
+                                "which serves one request at a time; retry later", code="queue_timeout")
     return job
 
 
@@ -846,6 +854,9 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
     except ModelLoadError as exc:
         print(f"reviewer serve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if drafter not in (None, "", "auto", "none") and not os.path.exists(os.path.expanduser(drafter)):
+        print(f"reviewer serve: drafter not found: {drafter} (give a drafter folder, 'auto' or 'none')", file=sys.stderr)
+        raise SystemExit(2)
     allow_remote_without_key = allow_remote_without_key or os.environ.get("REVIEWER_ALLOW_REMOTE_WITHOUT_KEY") == "1"
     if uds is None and not is_loopback(host) and not api_key and not allow_remote_without_key:
         print(f"reviewer serve: refusing to listen on {host} (not a loopback address) without --api-key; "
@@ -870,7 +881,10 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
                             timeout_graceful_shutdown=5)
     server = Server(config)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal exit here
+        pass
     if state.load_error:
         print(f"reviewer serve: the model failed to load: {state.load_error}", file=sys.stderr)
         raise SystemExit(1)

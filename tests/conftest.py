@@ -104,25 +104,33 @@ def build_tokenizer(extra_tokens=()):
 
 
 def _random_model(kind: str, vocab: int, eos: int):
+    """Random weights; the LM-head rows of the special tokens are zeroed so that greedy decoding never ends a turn on
+    its own (long generations run to max_tokens, which the cancellation and queue tests rely on)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=eos, initializer_range=0.2)
+                  num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=eos, initializer_range=0.2,
+                  tie_word_embeddings=False)
     if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common))
-    if kind == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-    if kind == "qwen3_5_moe":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif kind == "qwen3_5_moe":
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
             vocab_size=vocab, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
-            num_experts_per_tok=2, max_position_embeddings=2048, eos_token_id=eos, initializer_range=0.2))
-    raise ValueError(kind)
+            num_experts_per_tok=2, max_position_embeddings=2048, eos_token_id=eos, initializer_range=0.2,
+            tie_word_embeddings=False))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        model.lm_head.weight[:len(SPECIAL)] = 0.0  # the special tokens are ids 0..2
+    return model
 
 
 def _scripted_model(tokenizer, template: str, script: list[str]):
@@ -197,12 +205,15 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
 
-    def http(self, **kwargs):
-        """An httpx.Client aimed at this server (over the unix socket when there is one)."""
-        import httpx
+    def http(self, library: str = "httpx", **kwargs):
+        """An HTTP client aimed at this server (over the unix socket when there is one). The `openai` SDK takes an
+        httpx.Client; the `anthropic` SDK takes an httpx2.Client (library="httpx2")."""
+        import importlib
 
-        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
-        return httpx.Client(base_url=self.root, transport=transport, timeout=60, **kwargs)
+        lib = importlib.import_module(library)
+        transport = lib.HTTPTransport(uds=self.uds) if self.uds else None
+        kwargs.setdefault("timeout", 60)
+        return lib.Client(base_url=self.root, transport=transport, **kwargs)
 
     def wait_ready(self, timeout: float = 120) -> "LiveServer":
         import httpx
