@@ -58,6 +58,7 @@ class DbRecorder:
         self.on_record = on_record or (lambda kind, row: None)
         self.findings = 0
         self.measurements = 0
+        self.titles: list[str] = []  # "[severity] title" of each finding, for the next personas' task
 
     def record_finding(self, *, title, severity, category, details, evidence=None, repro_command=None, file=None,
                        line=None) -> int:
@@ -78,6 +79,7 @@ class DbRecorder:
             s.add(row)
             s.commit()
         self.findings += 1
+        self.titles.append(f"[{row.severity}] {row.title}")
         self.on_record("finding", row)
         return row.id
 
@@ -379,24 +381,20 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
     run_id = None
     try:
         with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
+            llm = None
+            # A remote LLM is checked before waiting for the machine (a typo should not cost a whole queue wait); the
+            # embedded one is started only once the machine is ours, since loading it would disturb another review.
+            local_llm = "embedded" in settings.llm
+            if llm_personas and not local_llm:
+                llm = open_llm_or_fail(stack, settings, ui, llm_personas)
             stack.enter_context(review_lock(lock_path(settings), wait=not no_wait, on_wait=lambda m: ui.print(m, highlight=False),
                                             holder={"target": tgt.url, "commit": tgt.commit}))
-            llm = None
-            if llm_personas:
-                try:
-                    from reviewer.agent import run_agent  # noqa: F401  (the agent loop is checked before the LLM starts)
-                    from reviewer.llm import LLMError, open_llm
-                except ImportError as e:
-                    return error_exit(f"LLM personas ({', '.join(p.name for p in llm_personas)}) need the agent "
-                                          f"loop, which is not installed here ({e}); run with --persona smoke")
-                try:
-                    llm = stack.enter_context(open_llm(settings, ui))
-                except LLMError as e:
-                    return error_exit(str(e))
+            if llm_personas and local_llm:
+                llm = open_llm_or_fail(stack, settings, ui, llm_personas)
             try:
                 db.get_engine(settings.db)
             except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line, nothing written
-                return error_exit(f"cannot open the database {settings.db}: {one_line(e)}")
+                raise UserError(f"cannot open the database {settings.db}: {one_line(e)}") from None
             from reviewer.loop import recover
 
             recover(settings.db, [], ui)  # runs a killed reviewer left `running` on this machine: interrupted
@@ -404,6 +402,8 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
             status = review_personas(run_id, personas, tgt, settings, llm, ui, where)
     except LockBusy as e:
         return error_exit(str(e), EXIT_BUSY)
+    except UserError as e:
+        return error_exit(str(e))
     except KeyboardInterrupt:
         if run_id is None:
             ui.print("interrupted before the review started; nothing was written")
@@ -430,6 +430,20 @@ def close_open_rows(db_path: str, run_id: int, status: str, error: str) -> None:
             run.status, run.error, run.finished_at = status, error, db.utcnow()
             s.add(run)
         s.commit()
+
+
+def open_llm_or_fail(stack: contextlib.ExitStack, settings, ui: Console, llm_personas: list[Persona]):
+    """The LLM client for the review (kept open by `stack`); UserError when it cannot be reached."""
+    try:
+        from reviewer.agent import run_agent  # noqa: F401  (the agent loop is checked before the LLM starts)
+        from reviewer.llm import LLMError, open_llm
+    except ImportError as e:
+        raise UserError(f"LLM personas ({', '.join(p.name for p in llm_personas)}) need the agent loop, which is not "
+                        f"installed here ({e}); run with --persona smoke") from None
+    try:
+        return stack.enter_context(open_llm(settings, ui))
+    except LLMError as e:
+        raise UserError(str(e)) from None
 
 
 def create_run(settings, tgt: Target, ref: str | None, llm) -> int:
@@ -504,6 +518,7 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
                    finished_at=db.utcnow(), **values)
         if summary and persona.deterministic:
             baseline.append(f"{persona.name}: {summary}")
+            baseline.extend(f"{persona.name} found: {t}" for t in recorder.titles)
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
         update_row(settings.db, PersonaRun, persona_run_id, status=status, error=error, finished_at=db.utcnow())

@@ -170,6 +170,7 @@ def test_scripted_review_feeds_real_workspace_output_back(example, tmp_path, scr
     task = llm.requests[0]["messages"][1]["content"]
     assert "Repository: " + example.resolve().as_uri() in task
     assert "Small descriptive statistics" in task and "1 failed, 7 passed" in task
+    assert "smoke found: [high] 1 of 8 tests fail (tests/test_core.py::test_percentile_unsorted)" in task
     # The tool output came from the workspace and went back to the model in the next request.
     assert "# tinystats" in seen["readme"] and "pip install -e '.[test]'" in seen["readme"]
     assert "FAILED tests/test_core.py::test_percentile_unsorted" in seen["tests"]
