@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian packages the tests need (sandbox: bubblewrap; HTML report: chromium; scale-out: postgresql).
-SYSTEM_PACKAGES := git bubblewrap
+SYSTEM_PACKAGES := git bubblewrap chromium
 # A CUDA machine gets the default torch; elsewhere the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo

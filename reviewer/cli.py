@@ -30,7 +30,6 @@ err_console = Console(stderr=True)
 
 # Commands whose issue has not landed yet: they say so and exit non-zero instead of pretending.
 NOT_LANDED = {
-    "loop": "continuous reviews land with the `reviewer loop` / `reviewer report` issue",
     "train": "drafter training lands with the `reviewer train` issue",
 }
 
@@ -116,8 +115,6 @@ def loop(
     db: DbOption = None,
 ) -> None:
     """Review continuously: watch repositories for new commits and review each new commit once, one at a time."""
-    if "loop" in NOT_LANDED:
-        raise not_landed("loop")
     settings = settings_or_exit(llm=llm, model=model, db=db, personas=persona)
     from reviewer.loop import LoopError, loop_command
 

@@ -85,7 +85,7 @@ def test_unknown_run_id_is_one_clear_line(tmp_path):
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("command", ["loop", "train"])
+@pytest.mark.parametrize("command", ["train"])
 def test_unlanded_commands_say_so_and_fail(command):
     result = runner.invoke(app, [command])
     assert result.exit_code != 0

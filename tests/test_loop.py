@@ -24,9 +24,8 @@ from reviewer.verify import verify_findings
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
-# The real CLI as a program. (Drops the "not landed" guard in case cli.py still has it.)
-LOOP_CLI = ("import sys; from reviewer import cli; cli.NOT_LANDED.pop('loop', None); "
-            "sys.argv = ['reviewer'] + sys.argv[1:]; cli.main()")
+# The real CLI as a program.
+LOOP_CLI = "import sys; from reviewer import cli; sys.argv = ['reviewer'] + sys.argv[1:]; cli.main()"
 
 
 @pytest.fixture
@@ -34,7 +33,6 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("REVIEWER_LOCK_FILE", str(tmp_path / "review.lock"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(cli.NOT_LANDED, "loop", raising=False)
     return tmp_path
 
 
