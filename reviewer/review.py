@@ -332,7 +332,7 @@ def error_exit(message: str, code: int = EXIT_USAGE) -> int:
 def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona], Target]:
     """Everything that can be wrong with what the user typed, before the lock and before the database."""
     try:
-        personas = select_personas(list(settings.personas), settings.personas_dir)
+        personas = select_personas(list(dict.fromkeys(settings.personas)), settings.personas_dir)  # each once
     except PersonaError as e:
         raise UserError(str(e)) from None
     if not personas:
