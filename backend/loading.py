@@ -159,7 +159,6 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", max_context
     """Load `spec` ("embedded", a HF folder, or a .gguf file) onto `device`. Blocking; seconds to minutes."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub, even for a missing optional file
     check_model_spec(spec)
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
