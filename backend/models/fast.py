@@ -1,0 +1,200 @@
+"""FastModel: what the engine drives on the fast path. Owns the cache length, runs prefill / decode / verify over one of
+the model files (llama.py, qwen3_5_moe.py), rolls back to an accepted prefix, and on CUDA replays each decode step and
+each block verify from a CUDA graph.
+
+    fm = FastModel(model, max_context=8192)
+    logits, feats = fm.prefill(prompt_ids, hidden_ids=drafter.target_layer_ids)   # logits [V] after the prompt
+    logits, _ = fm.decode(token)                                                  # one plain step
+    logits, feats = fm.verify([token, *draft])                                     # logits [T, V]
+    fm.accept(accepted + 1)                                                        # keep that many block tokens
+    snap = fm.snapshot(); ...; fm.restore(snap)                                    # prompt checkpoints
+
+Invariant: fm.length tokens are in the caches. Between verify() and accept() the caches hold the block tentatively
+(attention KV written, Gated DeltaNet states not advanced); every other call is refused until accept().
+
+CUDA graphs: one per (kind, tokens, attention span, hidden_ids), captured on first use. The attention span is the
+cache length rounded up to a power of two (>= 256), so a graph serves every length up to it: the causal mask comes
+from the positions, which live in a static device buffer like the tokens. Capturing runs the forward (warm-up and
+capture); the Gated DeltaNet states are saved before and put back after, so capture never changes the caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Snapshot:
+    length: int
+    linear: object  # LinearSnapshot, or None for models without linear-attention state
+
+
+class FastModel:
+    def __init__(self, model, max_context: int, max_block: int = 16, *, cuda_graphs: bool | None = None,
+                 prefill_chunk: int = 1024, min_span: int = 256):
+        self.model = model
+        self.config = model.config
+        self.device = model.embed.device
+        self.dtype = model.embed.dtype
+        self.max_context = int(max_context)
+        self.max_block = int(max_block)
+        self.prefill_chunk = prefill_chunk
+        self.min_span = min_span
+        self.vocab_size = model.config.vocab_size
+        model.setup_caches(self.max_context, self.max_block)
+        self.length = 0
+        self._pending = 0  # block size of a verify awaiting accept()
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self._graphs: dict[tuple, tuple] = {}
+        self._tokens = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    @property
+    def hybrid(self) -> bool:
+        """True when the model carries Gated DeltaNet state: then a cache can only be cut back to its full length,
+        an accepted block prefix, or a snapshot."""
+        return self.model.linear is not None
+
+    # ---- state ----------------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.length, self._pending = 0, 0
+        if self.hybrid:
+            self.model.linear.reset()
+
+    def truncate(self, n: int) -> None:
+        """Forget tokens past the first n. Always possible for pure-attention models; hybrid models keep no per-token
+        record of their linear states, so for them only n == length (or restore() a snapshot)."""
+        self._check_idle()
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate {self.length} cached tokens to {n}")
+        if self.hybrid and n != self.length:
+            raise ValueError("a hybrid (Gated DeltaNet) cache cannot be cut back; restore a snapshot instead")
+        self.length = n
+
+    def snapshot(self) -> Snapshot:
+        self._check_idle()
+        linear = self.model.linear.snapshot(self.length) if self.hybrid else None
+        return Snapshot(self.length, linear)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Back to a snapshot. The attention KV of its first snap.length tokens must be unchanged since it was taken
+        (the caller restores only onto a common prefix, as backend/engine.py does for prompt checkpoints)."""
+        self._check_idle()
+        if snap.length > self.length:
+            raise ValueError("the snapshot lies past the cached tokens")
+        if snap.linear is not None:
+            self.model.linear.restore(snap.linear)
+        self.length = snap.length
+
+    def _check_idle(self) -> None:
+        if self._pending:
+            raise RuntimeError("a verified block awaits accept()")
+
+    # ---- forward passes ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, tokens, hidden_ids: tuple[int, ...] = ()):
+        """Append `tokens` (prompt or any run of known tokens). Returns (logits [V] after the last one, features
+        [T, F] for all of them, or None without hidden_ids)."""
+        self._check_idle()
+        ids = _as_ids(tokens, self.device)
+        if ids.numel() == 0:
+            raise ValueError("nothing to prefill")
+        feats, logits = [], None
+        for start in range(0, ids.numel(), self.prefill_chunk):
+            piece = ids[start:start + self.prefill_chunk]
+            logits, f = self._forward(piece, record=False, all_logits=False, hidden_ids=tuple(hidden_ids),
+                                      graph=False)
+            feats.append(f)
+        return logits[-1], (torch.cat(feats) if hidden_ids else None)
+
+    @torch.inference_mode()
+    def decode(self, token: int, hidden_ids: tuple[int, ...] = ()):
+        """One plain step. Returns (logits [V], features [1, F] or None)."""
+        self._check_idle()
+        logits, feats = self._forward(_as_ids([token], self.device), record=False, all_logits=False,
+                                      hidden_ids=tuple(hidden_ids), graph=self.cuda_graphs)
+        return logits[-1], feats
+
+    @torch.inference_mode()
+    def verify(self, tokens, hidden_ids: tuple[int, ...] = ()):
+        """Run a block (the last committed token + drafts) with logits for every position. The caches hold the block
+        tentatively until accept(n). Returns (logits [T, V], features [T, F] or None)."""
+        self._check_idle()
+        ids = _as_ids(tokens, self.device)
+        T = ids.numel()
+        if not 1 <= T <= self.max_block:
+            raise ValueError(f"a verify block holds 1..{self.max_block} tokens, got {T}")
+        out = self._forward(ids, record=self.hybrid, all_logits=True, hidden_ids=tuple(hidden_ids),
+                            graph=self.cuda_graphs)
+        self._pending = T
+        return out
+
+    def accept(self, keep: int) -> None:
+        """Keep the first `keep` tokens of the verified block (1..T): the caches then hold exactly those."""
+        if not self._pending:
+            raise RuntimeError("accept() without a verified block")
+        if not 1 <= keep <= self._pending:
+            raise ValueError(f"keep must be in [1, {self._pending}], got {keep}")
+        if self.hybrid:
+            self.model.linear.accept(keep)
+        self.length += keep - self._pending
+        self._pending = 0
+
+    def _forward(self, ids: torch.Tensor, *, record: bool, all_logits: bool, hidden_ids: tuple, graph: bool):
+        T = ids.numel()
+        if self.length + T > self.max_context:
+            raise ValueError(f"{self.length} cached + {T} new tokens exceed the context of {self.max_context}")
+        if not graph:
+            positions = torch.arange(self.length, self.length + T, device=self.device)
+            out = self.model(ids, positions, self.length + T, record=record, all_logits=all_logits,
+                             hidden_ids=hidden_ids)
+        else:
+            out = self._replay(ids, record, all_logits, hidden_ids)
+        self.length += T
+        return out
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------------------------
+
+    def _span(self, end: int) -> int:
+        span = max(self.min_span, 1 << (end - 1).bit_length())
+        return min(span, self.max_context)
+
+    def _replay(self, ids, record, all_logits, hidden_ids):
+        T = ids.numel()
+        self._tokens[:T].copy_(ids)
+        torch.arange(self.length, self.length + T, device=self.device, out=self._positions[:T])
+        key = (T, self._span(self.length + T), record, all_logits, hidden_ids)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(*key)
+        graph, (logits, feats) = entry
+        graph.replay()
+        return logits.clone(), (feats.clone() if feats is not None else None)
+
+    def _capture(self, T, span, record, all_logits, hidden_ids):
+        saved = self.model.linear.snapshot(self.length) if self.hybrid else None
+        run = lambda: self.model(self._tokens[:T], self._positions[:T], span, record=record,  # noqa: E731
+                                 all_logits=all_logits, hidden_ids=hidden_ids)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up off the capture (Triton compiles, cuBLAS picks kernels)
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = run()
+        if saved is not None:
+            self.model.linear.restore(saved)
+        return graph, out
+
+
+def _as_ids(tokens, device) -> torch.Tensor:
+    if isinstance(tokens, torch.Tensor):
+        return tokens.reshape(-1).to(device=device, dtype=torch.long)
+    return torch.tensor([int(t) for t in tokens], dtype=torch.long, device=device)

@@ -1,0 +1,205 @@
+"""Llama (SmolLM2, the embedded model, and the Llama family) for the fast path: the architecture and nothing else.
+
+Same math and rounding points as transformers' LlamaForCausalLM (RMSNorm in fp32 then cast, RoPE tables in fp32 cast
+to the model dtype, SDPA attention with grouped KV heads); weights come from a loaded transformers model, so every
+format transformers reads (safetensors, GGUF through backend/loading.py) works. q/k/v and gate/up projections are
+fused into one matrix each (fewer, larger matmuls). Keys/values live in a static KVCache.
+
+    model = Llama.from_hf(hf_model, max_context=8192)
+    logits, features = model(tokens, positions, kv_len, all_logits=False, hidden_ids=(3, 7))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.static_cache import KVCache
+
+# RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
+# them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, c) -> LlamaConfig:
+        return cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                   num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                   num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                   rms_norm_eps=c.rms_norm_eps, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                   attention_bias=bool(getattr(c, "attention_bias", False)),
+                   mlp_bias=bool(getattr(c, "mlp_bias", False)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_tables(inv_freq: torch.Tensor, scaling: float, max_context: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_context, rotary_dim] (computed in fp32, then cast, as transformers does per forward)."""
+    freqs = torch.arange(max_context, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq.float()[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, T, D]; cos, sin [T, rotary_dim] (rotary_dim <= D: the rest passes through, for partial RoPE)."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    out = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
+
+
+def attention(q, k, v, positions, kv_len: int) -> torch.Tensor:
+    """q [Hq, T, D] at `positions`; k, v [Hkv, kv_len, D] (cache columns 0..kv_len-1). Causal by position, so columns
+    past the current length (stale or unwritten) are never attended. Returns [T, Hq * D]."""
+    T = q.shape[1]
+    mask = torch.arange(kv_len, device=q.device)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None],
+                                         enable_gqa=q.shape[0] != k.shape[0])
+    return out[0].transpose(0, 1).reshape(T, -1)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.attn_norm = nn.Parameter(torch.empty(c.hidden_size))
+        self.wqkv = nn.Parameter(torch.empty(qkv, c.hidden_size))
+        self.bqkv = nn.Parameter(torch.empty(qkv)) if c.attention_bias else None
+        self.wo = nn.Parameter(torch.empty(c.hidden_size, c.num_heads * c.head_dim))
+        self.bo = nn.Parameter(torch.empty(c.hidden_size)) if c.attention_bias else None
+        self.mlp_norm = nn.Parameter(torch.empty(c.hidden_size))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
+        self.b_gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size)) if c.mlp_bias else None
+        self.w_down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+        self.b_down = nn.Parameter(torch.empty(c.hidden_size)) if c.mlp_bias else None
+
+
+class Llama(nn.Module):
+    family = "llama"
+
+    def __init__(self, config: LlamaConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size))
+        self.lm_head = self.embed if config.tie_embeddings else nn.Parameter(torch.empty_like(self.embed))
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.rope_scaling = rope_scaling
+        self.kv: KVCache | None = None
+        self.linear = None  # no Gated DeltaNet state: any cache prefix is a valid rollback point
+
+    # ---- caches ---------------------------------------------------------------------------------------------------
+
+    def setup_caches(self, max_context: int, max_block: int) -> None:
+        c, w = self.config, self.embed
+        self.kv = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_context, w.device, w.dtype)
+        self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scaling, max_context, w.dtype)
+
+    # ---- forward --------------------------------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,
+                all_logits: bool = False, hidden_ids: tuple[int, ...] = ()):
+        """tokens, positions [T] (device tensors). Writes K/V at `positions`, attends over cache columns < kv_len.
+        Returns (logits [T or 1, V] in the model dtype, features [T, len(hidden_ids) * H] or None): features are the
+        outputs of decoder layers `hidden_ids` (transformers' hidden_states[i + 1]; the last layer's is after the final
+        norm, as there). `record` has no meaning without linear-attention state."""
+        c = self.config
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        feats = []
+        last = c.num_layers - 1
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+            q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split([q_size, kv_size, kv_size], dim=-1)
+            T = q.shape[0]
+            q = apply_rope(q.view(T, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
+            k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
+            v = v.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            k_all, v_all = self.kv.write(i, positions, k, v, kv_len)
+            x = x + F.linear(attention(q, k_all, v_all, positions, kv_len), layer.wo, layer.bo)
+            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            if i in hidden_ids and i != last:
+                feats.append(x)
+        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        if last in hidden_ids:
+            feats.append(x)
+        features = torch.cat([feats[sorted(hidden_ids).index(i)] for i in hidden_ids], dim=-1) if hidden_ids else None
+        logits = F.linear(x if all_logits else x[-1:], self.lm_head)
+        return logits, features
+
+    # ---- loading --------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def supports(cls, hf_config) -> str | None:
+        """None if this file reproduces `hf_config` exactly, else the reason it does not."""
+        if getattr(hf_config, "model_type", None) != "llama":
+            return f"model_type {getattr(hf_config, 'model_type', None)!r} is not llama"
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+        if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
+            return f"rope_type {rope.get('rope_type')!r} rescales with the sequence length"
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            return f"hidden_act {hf_config.hidden_act!r}"
+        if getattr(hf_config, "pretraining_tp", 1) not in (None, 1):
+            return "pretraining_tp > 1"
+        return None
+
+    @classmethod
+    def from_hf(cls, hf_model) -> Llama:
+        """Build from a loaded transformers LlamaForCausalLM, on its device and dtype. Big tensors are shared (the
+        embedding and LM head); the fused projections are new copies."""
+        reason = cls.supports(hf_model.config)
+        if reason:
+            raise ValueError(f"not supported by the fast Llama: {reason}")
+        config = LlamaConfig.from_hf(hf_model.config)
+        rotary, base = hf_model.model.rotary_emb, hf_model.model
+        with torch.device("meta"):  # structure only: every tensor is replaced below
+            self = cls(config, rotary.inv_freq, float(rotary.attention_scaling))
+        self.inv_freq = rotary.inv_freq.detach().float().clone()
+        self.embed, self.norm = _param(base.embed_tokens.weight), _param(base.norm.weight)
+        self.lm_head = self.embed if config.tie_embeddings else _param(hf_model.lm_head.weight)
+        for layer, hf_layer in zip(self.layers, base.layers):
+            a, m = hf_layer.self_attn, hf_layer.mlp
+            layer.attn_norm = _param(hf_layer.input_layernorm.weight)
+            layer.wqkv = _param(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            layer.bqkv = _param(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])) if config.attention_bias \
+                else None
+            layer.wo, layer.bo = _param(a.o_proj.weight), _param(a.o_proj.bias)
+            layer.mlp_norm = _param(hf_layer.post_attention_layernorm.weight)
+            layer.w_gate_up = _param(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            layer.b_gate_up = _param(torch.cat([m.gate_proj.bias, m.up_proj.bias])) if config.mlp_bias else None
+            layer.w_down, layer.b_down = _param(m.down_proj.weight), _param(m.down_proj.bias)
+        return self.eval()
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    """Wrap a tensor as a frozen parameter without copying it (a transformers Parameter is shared as is)."""
+    if t is None:
+        return None
+    return nn.Parameter(t.detach(), requires_grad=False)

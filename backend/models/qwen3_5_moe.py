@@ -1,0 +1,304 @@
+"""Qwen3.5 / Qwen3.6 MoE text model (e.g. Qwen3.6-35B-A3B) for the fast path: the architecture and nothing else.
+
+Layout (config.layer_types): mostly Gated DeltaNet layers with a gated-attention layer every 4th, each followed by a
+sparse MoE block. Same math and rounding points as transformers' Qwen3_5MoeForCausalLM (modeling_qwen3_5_moe.py):
+  RMSNorm        x * rsqrt(mean x^2 + eps) in fp32, times (1 + weight), cast back  (zero-centred weights)
+  attention      q_proj gives a query and an output gate per head; per-head RMSNorm on q and k; RoPE on the first
+                 partial_rotary_factor of each head; out = o_proj(attn * sigmoid(gate))
+  Gated DeltaNet in_proj -> causal depthwise conv (kernel 4) + SiLU over [q; k; v]; beta = sigmoid(b);
+                 g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (kernels/gdn_state.py); output
+                 RMSNorm(x) * weight * SiLU(z); out_proj
+  MoE            softmax router, top-k renormalised (kernels.route_topk); experts and the sigmoid-gated shared
+                 expert in one fused call (kernels.fused_moe)
+Caches: a static KVCache for the attention layers and a LinearStateCache (conv window, fp32 recurrent state, and
+per-position snapshots written during a recorded forward) for the Gated DeltaNet layers.
+
+    model = Qwen35Moe.from_hf(hf_model)          # Qwen3_5MoeForCausalLM or ...ForConditionalGeneration (text only)
+    model.setup_caches(max_context=8192, max_block=16)
+    logits, features = model(tokens, positions, kv_len, record=True, all_logits=True, hidden_ids=(1, 10))
+    model.linear.accept(n)                       # after a recorded forward: keep the first n block tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.models.llama import _param, apply_rope, attention, rope_tables
+from backend.static_cache import KVCache, LinearStateCache
+from kernels import SharedExpert, fused_moe, route_topk
+from kernels.gdn_state import gdn_chunked, gdn_recurrent
+
+MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
+CHUNKED_FROM = 64  # prefill pieces this long or longer run the chunked recurrence; shorter ones the token loop
+
+
+@dataclass
+class Qwen35MoeConfig:
+    vocab_size: int
+    hidden_size: int
+    layer_types: list[str]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_intermediate_size: int
+    rms_norm_eps: float
+    tie_embeddings: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_hf(cls, c) -> Qwen35MoeConfig:
+        c = c.get_text_config() if hasattr(c, "get_text_config") else c
+        return cls(vocab_size=c.vocab_size, hidden_size=c.hidden_size, layer_types=list(c.layer_types),
+                   num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                   linear_num_key_heads=c.linear_num_key_heads, linear_num_value_heads=c.linear_num_value_heads,
+                   linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
+                   conv_kernel=c.linear_conv_kernel_dim, num_experts=c.num_experts, top_k=c.num_experts_per_tok,
+                   moe_intermediate_size=c.moe_intermediate_size,
+                   shared_intermediate_size=c.shared_expert_intermediate_size, rms_norm_eps=c.rms_norm_eps,
+                   tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+
+
+def qwen_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5MoeRMSNorm; `weight_plus_one` is (1 + weight) in fp32, precomputed."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5MoeRMSNormGated: normalise (fp32), cast, scale, then times SiLU(gate) in fp32."""
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, c: Qwen35MoeConfig, slot: int):
+        super().__init__()
+        self.slot = slot  # index among the attention layers (its KVCache row)
+        e = lambda *s: nn.Parameter(torch.empty(*s), requires_grad=False)  # noqa: E731
+        self.wqkv = e((2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
+        self.q_norm, self.k_norm = e(c.head_dim), e(c.head_dim)  # 1 + weight, fp32
+        self.wo = e(c.hidden_size, c.num_heads * c.head_dim)
+
+    def forward(self, model, h, positions, kv_len, cos, sin, record):
+        c = model.config
+        T, D = h.shape[0], c.head_dim
+        qg, k, v = F.linear(h, self.wqkv).split([2 * c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], -1)
+        q, gate = qg.view(T, c.num_heads, 2 * D).chunk(2, dim=-1)  # per head: [query | output gate]
+        q = apply_rope(qwen_rms_norm(q, self.q_norm, c.rms_norm_eps).transpose(0, 1), cos, sin)
+        k = apply_rope(qwen_rms_norm(k.view(T, c.num_kv_heads, D), self.k_norm, c.rms_norm_eps).transpose(0, 1),
+                       cos, sin)
+        v = v.view(T, c.num_kv_heads, D).transpose(0, 1)
+        k_all, v_all = model.kv.write(self.slot, positions, k, v, kv_len)
+        out = attention(q, k_all, v_all, positions, kv_len) * torch.sigmoid(gate.reshape(T, -1))
+        return F.linear(out, self.wo)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c: Qwen35MoeConfig, slot: int):
+        super().__init__()
+        self.slot = slot  # index among the linear-attention layers (its LinearStateCache row)
+        e = lambda *s: nn.Parameter(torch.empty(*s), requires_grad=False)  # noqa: E731
+        hv = c.linear_num_value_heads
+        self.w_in = e(c.conv_dim + c.value_dim + 2 * hv, c.hidden_size)  # [qkv | z | b | a]
+        self.conv_w = e(c.conv_dim, c.conv_kernel)
+        self.dt_bias = e(hv)
+        self.neg_A = e(hv)  # -exp(A_log), fp32
+        self.norm = e(c.linear_value_head_dim)
+        self.w_out = e(c.hidden_size, c.value_dim)
+
+    def forward(self, model, h, positions, kv_len, cos, sin, record):
+        c, cache, i = model.config, model.linear, self.slot
+        T, hv, hk = h.shape[0], c.linear_num_value_heads, c.linear_num_key_heads
+        mixed, z, b, a = F.linear(h, self.w_in).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        # causal depthwise conv over [last K-1 inputs ; this block], as transformers' causal_conv1d_update
+        window = torch.cat([cache.conv[i], mixed], dim=0)  # [K-1+T, C]
+        if record:
+            cache.conv_window[i, :window.shape[0]].copy_(window)  # rollback picks any K-1 columns out of it
+        else:
+            cache.conv[i].copy_(window[-cache.width:])
+        conv = F.conv1d(window.t()[None], self.conv_w[:, None, :], groups=c.conv_dim)[0].t()  # [T, C]
+        qkv = F.silu(conv).to(h.dtype)
+        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = q.reshape(T, hk, c.linear_key_head_dim)
+        k = k.reshape(T, hk, c.linear_key_head_dim)
+        v = v.reshape(T, hv, c.linear_value_head_dim)
+        beta = b.sigmoid()
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
+        if record:
+            core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.snapshots[i, :T], every_position=True)
+        elif T < CHUNKED_FROM:
+            core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.state[i], every_position=False)
+        else:
+            core = gdn_chunked(q, k, v, g, beta, cache.state[i])
+        dv = c.linear_value_head_dim
+        out = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), self.norm, c.rms_norm_eps)
+        return F.linear(out.reshape(T, -1), self.w_out)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, c: Qwen35MoeConfig):
+        super().__init__()
+        e = lambda *s: nn.Parameter(torch.empty(*s), requires_grad=False)  # noqa: E731
+        self.top_k = c.top_k
+        self.router = e(c.num_experts, c.hidden_size)
+        self.gate_up = e(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size)
+        self.down = e(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        si = c.shared_intermediate_size
+        self.shared_gate_proj, self.shared_up_proj = e(si, c.hidden_size), e(si, c.hidden_size)
+        self.shared_down_proj, self.shared_gate = e(c.hidden_size, si), e(1, c.hidden_size)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids [T, top_k]. (A benchmark may replace this on an instance to replay a
+        routing trace; nothing else does.)"""
+        return route_topk(F.linear(h, self.router), self.top_k, True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(h)
+        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+        return fused_moe(h, self.gate_up, self.down, weights, ids, shared)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: Qwen35MoeConfig, mixer: nn.Module):
+        super().__init__()
+        self.norm1 = nn.Parameter(torch.empty(c.hidden_size), requires_grad=False)  # 1 + weight, fp32
+        self.norm2 = nn.Parameter(torch.empty(c.hidden_size), requires_grad=False)
+        self.mixer = mixer
+        self.moe = SparseMoE(c)
+
+
+class Qwen35Moe(nn.Module):
+    family = "qwen3_5_moe"
+
+    def __init__(self, config: Qwen35MoeConfig, inv_freq: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList()
+        n_attn = n_lin = 0
+        for kind in config.layer_types:
+            if kind == "full_attention":
+                mixer, n_attn = GatedAttention(config, n_attn), n_attn + 1
+            else:
+                mixer, n_lin = GatedDeltaNet(config, n_lin), n_lin + 1
+            self.layers.append(DecoderLayer(config, mixer))
+        self.num_attention_layers, self.num_linear_layers = n_attn, n_lin
+        self.norm = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
+        self.lm_head = self.embed if config.tie_embeddings else nn.Parameter(torch.empty_like(self.embed),
+                                                                             requires_grad=False)
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.kv: KVCache | None = None
+        self.linear: LinearStateCache | None = None
+
+    def setup_caches(self, max_context: int, max_block: int) -> None:
+        c, w = self.config, self.embed
+        self.kv = KVCache(self.num_attention_layers, c.num_kv_heads, c.head_dim, max_context, w.device, w.dtype)
+        self.linear = LinearStateCache(self.num_linear_layers, c.conv_dim, c.conv_kernel, c.linear_num_value_heads,
+                                       c.linear_key_head_dim, c.linear_value_head_dim, max_block, w.device, w.dtype)
+        self.cos, self.sin = rope_tables(self.inv_freq, 1.0, max_context, w.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,
+                all_logits: bool = False, hidden_ids: tuple[int, ...] = ()):
+        """tokens, positions [T] (device tensors). Attention layers write K/V at `positions` and attend over cache
+        columns < kv_len. Gated DeltaNet layers advance their live state (record=False), or leave it and write the
+        block's conv window and per-position states (record=True: a verify; LinearStateCache.accept picks one).
+        Returns (logits [T or 1, V], features [T, len(hidden_ids) * H] or None) as in backend/models/llama.py."""
+        c = self.config
+        x = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        feats = {}
+        last = c.num_layers - 1
+        for i, layer in enumerate(self.layers):
+            h = qwen_rms_norm(x, layer.norm1, c.rms_norm_eps)
+            x = x + layer.mixer(self, h, positions, kv_len, cos, sin, record)
+            x = x + layer.moe(qwen_rms_norm(x, layer.norm2, c.rms_norm_eps))
+            if i in hidden_ids and i != last:
+                feats[i] = x
+        x = qwen_rms_norm(x, self.norm, c.rms_norm_eps)
+        if last in hidden_ids:
+            feats[last] = x
+        features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
+        logits = F.linear(x if all_logits else x[-1:], self.lm_head)
+        return logits, features
+
+    # ---- loading --------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def supports(cls, hf_config) -> str | None:
+        c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        if getattr(c, "model_type", None) not in MODEL_TYPES:
+            return f"model_type {getattr(c, 'model_type', None)!r} is not Qwen3.5-MoE"
+        rope = getattr(c, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            return f"rope_type {rope.get('rope_type')!r}"
+        if getattr(c, "hidden_act", "silu") != "silu" or getattr(c, "attention_bias", False):
+            return "hidden_act other than silu, or attention bias"
+        if set(c.layer_types) - {"full_attention", "linear_attention"}:
+            return f"layer types {sorted(set(c.layer_types))}"
+        return None
+
+    @classmethod
+    def from_hf(cls, hf_model) -> Qwen35Moe:
+        """Build from a loaded Qwen3_5MoeForCausalLM (or the multimodal ...ForConditionalGeneration, text only), on
+        its device and dtype. Experts, embedding and LM head are shared, not copied; the fused projections and the
+        (1 + weight) norms are new tensors."""
+        reason = cls.supports(hf_model.config)
+        if reason:
+            raise ValueError(f"not supported by the fast Qwen3.5-MoE: {reason}")
+        config = Qwen35MoeConfig.from_hf(hf_model.config)
+        base = getattr(hf_model.model, "language_model", hf_model.model)
+        with torch.device("meta"):  # structure only: every tensor is replaced below
+            self = cls(config, base.rotary_emb.inv_freq)
+        self.inv_freq = base.rotary_emb.inv_freq.detach().float().clone()
+        plus_one = lambda w: _param(1.0 + w.detach().float())  # noqa: E731
+        self.embed, self.norm = _param(base.embed_tokens.weight), plus_one(base.norm.weight)
+        self.lm_head = self.embed if config.tie_embeddings else _param(hf_model.lm_head.weight)
+        for layer, hf in zip(self.layers, base.layers):
+            layer.norm1, layer.norm2 = plus_one(hf.input_layernorm.weight), plus_one(hf.post_attention_layernorm.weight)
+            m = layer.mixer
+            if isinstance(m, GatedAttention):
+                a = hf.self_attn
+                m.wqkv = _param(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+                m.q_norm, m.k_norm, m.wo = plus_one(a.q_norm.weight), plus_one(a.k_norm.weight), _param(a.o_proj.weight)
+            else:
+                d = hf.linear_attn
+                m.w_in = _param(torch.cat([d.in_proj_qkv.weight, d.in_proj_z.weight, d.in_proj_b.weight,
+                                           d.in_proj_a.weight]))
+                m.conv_w = _param(d.conv1d.weight.squeeze(1))
+                m.dt_bias, m.neg_A = _param(d.dt_bias), _param(-d.A_log.detach().float().exp())
+                m.norm, m.w_out = _param(d.norm.weight), _param(d.out_proj.weight)
+            moe, hm = layer.moe, hf.mlp
+            moe.router = _param(hm.gate.weight)
+            moe.gate_up, moe.down = _param(hm.experts.gate_up_proj), _param(hm.experts.down_proj)
+            se = hm.shared_expert
+            moe.shared_gate_proj, moe.shared_up_proj = _param(se.gate_proj.weight), _param(se.up_proj.weight)
+            moe.shared_down_proj, moe.shared_gate = _param(se.down_proj.weight), _param(hm.shared_expert_gate.weight)
+        return self.eval()

@@ -1,0 +1,76 @@
+"""Preallocated caches for the fast models (backend/models/): fixed shapes and addresses, so a decode step or a block
+verify can be captured once in a CUDA graph and replayed.
+
+KVCache           attention keys/values [layers, kv_heads, max_context, head_dim]. Rolling back is free: positions
+                  past the accepted length are masked out and overwritten by the next forward.
+LinearStateCache  Gated DeltaNet layers: the causal-conv window (the last K-1 conv inputs) and the recurrent state
+                  (fp32). A *recorded* forward (a speculative verify) leaves both untouched and writes instead the
+                  conv window of the whole block and the recurrent state after every block token (kernels/gdn_state);
+                  `accept(n)` then copies the state after block token n-1 into place. Rollback is a copy, one per
+                  tensor for all layers at once, whatever n is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_context: int, device, dtype):
+        self.k = torch.zeros(layers, kv_heads, max_context, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.max_context = max_context
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
+        """Store k, v [kv_heads, T, head_dim] at `positions` (a device tensor: no host sync, graph-safe); return this
+        layer's keys and values over the first kv_len positions."""
+        self.k[layer].index_copy_(1, positions, k)
+        self.v[layer].index_copy_(1, positions, v)
+        return self.k[layer, :, :kv_len], self.v[layer, :, :kv_len]
+
+    def nbytes_per_token(self) -> int:
+        return 2 * self.k[:, :, 0].numel() * self.k.element_size()
+
+
+@dataclass
+class LinearSnapshot:
+    """Gated DeltaNet states at some cache length (a prompt checkpoint the engine can come back to)."""
+    length: int
+    conv: torch.Tensor
+    state: torch.Tensor
+
+
+class LinearStateCache:
+    def __init__(self, layers: int, conv_dim: int, conv_kernel: int, value_heads: int, key_dim: int, value_dim: int,
+                 max_block: int, device, dtype):
+        self.width = conv_kernel - 1  # inputs the next token's convolution needs
+        self.conv = torch.zeros(layers, self.width, conv_dim, device=device, dtype=dtype)
+        self.state = torch.zeros(layers, value_heads, key_dim, value_dim, device=device, dtype=torch.float32)
+        self.conv_window = torch.zeros(layers, self.width + max_block, conv_dim, device=device, dtype=dtype)
+        self.snapshots = torch.zeros(layers, max_block, value_heads, key_dim, value_dim, device=device,
+                                     dtype=torch.float32)
+        self.max_block = max_block
+
+    def accept(self, keep: int) -> None:
+        """After a recorded forward: take the states after the first `keep` block tokens (1 <= keep <= block)."""
+        if not 1 <= keep <= self.max_block:
+            raise ValueError(f"keep must be in [1, {self.max_block}], got {keep}")
+        self.state.copy_(self.snapshots[:, keep - 1])
+        self.conv.copy_(self.conv_window[:, keep:keep + self.width])
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.state.zero_()
+
+    def snapshot(self, length: int) -> LinearSnapshot:
+        return LinearSnapshot(length, self.conv.clone(), self.state.clone())
+
+    def restore(self, snap: LinearSnapshot) -> None:
+        self.conv.copy_(snap.conv)
+        self.state.copy_(snap.state)
+
+    def nbytes_state(self) -> int:
+        """Bytes a forward must read of these states (and write back, on a decode step)."""
+        return self.conv.numel() * self.conv.element_size() + self.state.numel() * 4

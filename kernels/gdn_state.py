@@ -1,0 +1,189 @@
+"""Gated DeltaNet (Qwen3.5/3.6 linear attention) recurrence, with the state after every token when asked.
+
+For one sequence, value head h (its query/key head is h // (Hv / Hk)), state S [Dk, Dv] in fp32, per token t:
+    q, k   = l2norm(q_t), l2norm(k_t);  q *= Dk ** -0.5
+    S      = exp(g_t) * S                            # gated decay, g_t <= 0
+    delta  = beta_t * (v_t - S^T k)                  # the delta rule: write only what S does not already predict
+    S      = S + k delta^T
+    o_t    = S^T q
+(transformers' `torch_recurrent_gated_delta_rule` with use_qk_l2norm_in_kernel=True; same order of operations.)
+
+Why a kernel of our own: a speculative verify runs a block of tokens through the recurrence, and only a prefix of
+them is accepted. `gdn_recurrent(..., every_position=True)` writes S after each token into `states_out[t]`, so
+rolling back to an accepted prefix of length n is a copy of `states_out[n - 1]`: nothing is replayed (vLLM and
+SGLang do the same). The per-token arithmetic is the same code whether the kernel runs 1 token or 16, so the state
+after token j of a verify is bit-for-bit the state plain decoding reaches from the same inputs.
+
+    gdn_recurrent(q, k, v, g, beta, state_in, states_out, every_position)   # decode / verify (Triton or loop)
+    gdn_chunked(q, k, v, g, beta, state)                                    # prefill (PyTorch, chunks of 64)
+
+Shapes (batch 1): q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; states [Hv, Dk, Dv] fp32. Outputs [T, Hv, Dv]
+in v's dtype. The Triton path runs on CUDA (or under TRITON_INTERPRET=1, fp32/fp16 only); elsewhere a PyTorch loop
+with the same arithmetic runs. Nothing synchronises with the host, so both can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fused_moe import triton, triton_usable
+
+L2_EPS = 1e-6  # transformers' / flash-linear-attention's l2norm epsilon
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_in_ptr, states_out_ptr, o_ptr, T, scale,
+                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                              stride_ot, stride_oh,
+                              HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                              DKP: tl.constexpr, BV: tl.constexpr, EVERY_POSITION: tl.constexpr):
+        h = tl.program_id(0)  # value head
+        vb = tl.program_id(1)  # block of BV value columns: programs never share state elements
+        hk = h // GROUP
+        rk = tl.arange(0, DKP)
+        rv = vb * BV + tl.arange(0, BV)
+        k_ok = rk < DK
+        v_ok = rv < DV
+        s_mask = k_ok[:, None] & v_ok[None, :]
+        s_offs = h * DK * DV + rk[:, None] * DV + rv[None, :]
+        S = tl.load(state_in_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+        for t in range(T):
+            q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rk, mask=k_ok, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rk, mask=k_ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + rv, mask=v_ok, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + t * stride_gt + h).to(tl.float32)
+            beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+            S = S * tl.exp(g)
+            delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
+            S = S + k[:, None] * delta[None, :]
+            o = tl.sum(S * q[:, None], axis=0)
+            tl.store(o_ptr + t * stride_ot + h * stride_oh + rv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+            if EVERY_POSITION:
+                tl.store(states_out_ptr + t * HV * DK * DV + s_offs, S, mask=s_mask)
+        if not EVERY_POSITION:
+            tl.store(states_out_ptr + s_offs, S, mask=s_mask)
+
+
+def _check(q, k, v, g, beta, state_in, states_out, every_position):
+    T, hk, dk = q.shape
+    _, hv, dv = v.shape
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv) or hv % hk:
+        raise ValueError(f"bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} "
+                         f"beta {tuple(beta.shape)}")
+    if state_in.shape != (hv, dk, dv) or state_in.dtype != torch.float32:
+        raise ValueError(f"state_in must be fp32 [{hv}, {dk}, {dv}], got {state_in.dtype} {tuple(state_in.shape)}")
+    want = (T, hv, dk, dv) if every_position else (hv, dk, dv)
+    if tuple(states_out.shape[-len(want):]) != want or states_out.dtype != torch.float32 or states_out.dim() != len(want):
+        raise ValueError(f"states_out must be fp32 {list(want)}, got {states_out.dtype} {tuple(states_out.shape)}")
+    if not (state_in.is_contiguous() and states_out.is_contiguous()):
+        raise ValueError("state tensors must be contiguous")
+
+
+def gdn_recurrent(q, k, v, g, beta, state_in: torch.Tensor, states_out: torch.Tensor, every_position: bool,
+                  *, use_triton: bool | None = None) -> torch.Tensor:
+    """Run T tokens through the recurrence from `state_in`; returns the outputs [T, Hv, Dv] (v's dtype).
+
+    every_position=False: the final state goes to `states_out` [Hv, Dk, Dv] (may be `state_in` itself: decode
+    updates the live state in place). every_position=True: the state after token t goes to `states_out[t]`
+    ([T, Hv, Dk, Dv]; a view of the first T rows of a larger snapshot buffer is fine), `state_in` is only read.
+    """
+    _check(q, k, v, g, beta, state_in, states_out, every_position)
+    if use_triton is None:
+        use_triton = triton_usable(v)
+    if not use_triton:
+        return gdn_recurrent_torch(q, k, v, g, beta, state_in, states_out, every_position)
+    T, hk, dk = q.shape
+    _, hv, dv = v.shape
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
+    out = torch.empty_like(v)
+    block_v = min(32, triton.next_power_of_2(dv))  # 128/32 = 4 programs per head: 128 programs at 32 heads
+    grid = (hv, triton.cdiv(dv, block_v))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, state_in, states_out, out, T, dk ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1),
+        HV=hv, GROUP=hv // hk, DK=dk, DV=dv, DKP=triton.next_power_of_2(dk), BV=block_v,
+        EVERY_POSITION=every_position, num_warps=4)
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def _expand_heads(q, k, hv):
+    group = hv // q.shape[1]
+    if group > 1:  # each query/key head serves `group` consecutive value heads
+        q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    return q, k
+
+
+def gdn_recurrent_torch(q, k, v, g, beta, state_in, states_out, every_position: bool) -> torch.Tensor:
+    """The PyTorch twin of the kernel: a loop over tokens, exact (fp32 state, inputs upcast)."""
+    T, hv = v.shape[0], v.shape[1]
+    q, k = _expand_heads(q.float(), k.float(), hv)
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    vf, g, beta = v.float(), g.float(), beta.float()
+    S = state_in.clone()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(T):
+        S = S * g[t].exp()[:, None, None]
+        delta = (vf[t] - (S * k[t][:, :, None]).sum(dim=1)) * beta[t][:, None]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        out[t] = (S * q[t][:, :, None]).sum(dim=1)
+        if every_position:
+            states_out[t].copy_(S)
+    if not every_position:
+        states_out.copy_(S)
+    return out.to(v.dtype)
+
+
+def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Prefill form: the same recurrence over T tokens, a chunk of tokens per step (matmuls instead of a token loop).
+    Updates `state` [Hv, Dk, Dv] fp32 in place to the state after the last token; returns outputs [T, Hv, Dv].
+
+    Within a chunk, with c_t the cumulative log-decay from the chunk start and S0 the state before it:
+      the corrections u_t solve (I + A) U = beta V - beta e^c (K S0), A[t, j] = beta_t e^(c_t - c_j) k_t.k_j (j < t)
+      o_t = e^(c_t) S0^T q_t + sum_{j <= t} e^(c_t - c_j) (q_t.k_j) u_j
+      S'  = e^(c_last) S0 + sum_j e^(c_last - c_j) k_j u_j^T
+    Padded positions (k = v = beta = g = 0) leave the state untouched.
+    """
+    T, hv = v.shape[0], v.shape[1]
+    q, k = _expand_heads(q.float(), k.float(), hv)
+    q = (_l2norm(q) * q.shape[-1] ** -0.5).transpose(0, 1)  # [Hv, T, Dk]
+    k = _l2norm(k).transpose(0, 1)
+    vf = v.float().transpose(0, 1)  # [Hv, T, Dv]
+    g, beta = g.float().t(), beta.float().t()  # [Hv, T]
+    pad = (-T) % chunk
+    if pad:
+        q, k, vf = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, vf))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (T + pad) // chunk
+    q, k, vf = (x.reshape(hv, n, chunk, -1) for x in (q, k, vf))
+    g, beta = g.reshape(hv, n, chunk), beta.reshape(hv, n, chunk)
+    c = g.cumsum(-1)  # [Hv, n, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # e^(c_t - c_j), j <= t
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2)) * decay
+    unit = torch.eye(chunk, device=v.device) + A.tril(-1)
+    u_free = torch.linalg.solve_triangular(unit, vf * beta[..., None], upper=False, unitriangular=True)
+    u_state = torch.linalg.solve_triangular(unit, kb * c.exp()[..., None], upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * c.exp()[..., None]
+    k_to_end = k * (c[..., -1:] - c).exp()[..., None]
+    S = state
+    out = torch.empty_like(vf)
+    for i in range(n):
+        u = u_free[:, i] - u_state[:, i] @ S
+        out[:, i] = q_decayed[:, i] @ S + qk[:, i] @ u
+        S = S * c[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
+    state.copy_(S)
+    return out.reshape(hv, n * chunk, -1)[:, :T].transpose(0, 1).to(v.dtype)
