@@ -53,6 +53,7 @@ class Settings(BaseSettings):
     isolation: Literal["auto", "bwrap", "none"] = "auto"
     embedded_model: str = Field("embedded", description="what `--llm embedded` serves (a path or 'embedded')")
     workdir: Path | None = Field(None, description="where review workspaces are made (default: a temp dir)")
+    lock_file: Path | None = Field(None, description="the machine-wide review lock (default: /tmp/reviewer-review.lock)")
 
     @field_validator("llm", "personas", "personas_dir", mode="before")
     @classmethod

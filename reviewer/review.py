@@ -519,6 +519,14 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
         if summary and persona.deterministic:
             baseline.append(f"{persona.name}: {summary}")
             baseline.extend(f"{persona.name} found: {t}" for t in recorder.titles)
+        # Findings are checked, not trusted: each repro_command is re-run in a fresh clone of the same commit.
+        from reviewer.verify import verify_findings
+
+        verify_findings(settings.db, run_id, persona=persona.name, settings=settings,
+                        on_progress=lambda msg: view.step(persona.name, result.steps, "verify", msg,
+                                                          prompt_tokens=result.prompt_tokens,
+                                                          completion_tokens=result.completion_tokens,
+                                                          llm_seconds=result.llm_seconds))
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
         update_row(settings.db, PersonaRun, persona_run_id, status=status, error=error, finished_at=db.utcnow())
