@@ -223,9 +223,13 @@ def machine_info(device: str) -> dict:
 
 def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
          max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
-         adaptive: str = "both", compare_hf: bool = True, command: str | None = None) -> dict:
+         adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
+         command: str | None = None) -> dict:
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
-    drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both"."""
+    drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
+    threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls)."""
+    if threads:
+        torch.set_num_threads(threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     target, tokenizer, name, max_context = load_target(model, device)
@@ -341,10 +345,11 @@ def cli(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--adaptive", default="both", choices=["off", "on", "both"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
-         json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf,
+         json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
          command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 

@@ -70,7 +70,8 @@ class Engine:
         self.last_stats = GenerationStats()
         if drafter is not None:
             drafter.check_target(model)
-        self.verify_cost = spec.VerifyCostModel()
+        self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
+        self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
         self._reset()
 
     # ---- cache bookkeeping -------------------------------------------------------------------------------------

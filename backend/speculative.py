@@ -270,6 +270,32 @@ class VerifyCostModel:
         return max(my + max(slope, 0.0) * (n - mx), 1e-9)
 
 
+class AcceptanceCalibration:
+    """Drafter confidence is not acceptance probability (an untrained drafter can be confident and always wrong).
+    Per draft position j, compare the mean confidence at j with the measured rate at which j was accepted given
+    that 1..j-1 were, and scale confidences by that ratio (starting from a weak prior of "calibrated")."""
+
+    def __init__(self, prior: float = 2.0):
+        self.prior = prior
+        self.reached: dict[int, float] = {}  # cycles that verified position j with 0..j-1 accepted
+        self.accepted: dict[int, float] = {}
+        self.confidence: dict[int, float] = {}  # sum of confidences at those cycles
+
+    def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
+        for j in range(min(verified, accepted + 1)):
+            self.reached[j] = self.reached.get(j, 0.0) + 1
+            self.confidence[j] = self.confidence.get(j, 0.0) + confidence[j]
+            self.accepted[j] = self.accepted.get(j, 0.0) + (j < accepted)
+
+    def __call__(self, confidence: list[float]) -> list[float]:
+        out = []
+        for j, c in enumerate(confidence):
+            seen = self.confidence.get(j, 0.0)
+            ratio = (self.accepted.get(j, 0.0) + self.prior * 0.5) / (seen + self.prior * 0.5)
+            out.append(min(1.0, c * ratio))
+        return out
+
+
 def choose_verify_length(confidence: list[float], cost: VerifyCostModel, draft_seconds: float) -> int:
     """How many drafted tokens to verify: maximize expected committed tokens per second, where committing k drafts
     needs all of 1..k accepted (probability ~ product of the drafter's confidences) plus the target's own token.
@@ -330,7 +356,7 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
         draft = drafter.draft(ctx, token, params.temperature, params.top_p, rng) if k else None
         t1 = _now(device)
         if engine.adaptive_verify and k > 0:
-            k = choose_verify_length(draft.confidence[:k], engine.verify_cost, t1 - t0)
+            k = choose_verify_length(engine.calibration(draft.confidence[:k]), engine.verify_cost, t1 - t0)
         proposal = draft.tokens[:k] if k else []
         block = [token] + proposal
         if k:
@@ -346,6 +372,8 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
             accepted, bonus = rejection_accept(draft_t, q, p, rng)
         t2 = _now(device)
         engine.verify_cost.observe(k + 1, t2 - t1)
+        if k:
+            engine.calibration.observe(draft.confidence, k, accepted)
 
         committed = proposal[:accepted] + [bonus]
         stop_at = next((i for i, x in enumerate(committed) if x in stop), None)
