@@ -213,9 +213,11 @@ def select_tools(tools: list[dict] | None, choice: str | None) -> list[dict] | N
     return picked
 
 
-async def render(state: ServerState, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
+async def render(state: ServerState, messages: list[dict], tools: list[dict] | None,
+                 template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     try:
-        return await asyncio.to_thread(chat.render_chat, state.loaded.tokenizer, messages, tools, state.tool_style)
+        return await asyncio.to_thread(chat.render_chat, state.loaded.tokenizer, messages, tools, state.tool_style,
+                                       template_kwargs)
     except chat.ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
 
@@ -240,7 +242,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice.function.name if hasattr(body.tool_choice, "function") else body.tool_choice
     tools = select_tools(tools, choice)
-    prompt_text, prompt_ids = await render(state, openai_messages(body), tools)
+    prompt_text, prompt_ids = await render(state, openai_messages(body), tools, body.chat_template_kwargs)
     params = sampling_params(state, len(prompt_ids), body.max_completion_tokens or body.max_tokens,
                              body.temperature, body.top_p, body.seed)
     stops = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -432,7 +434,8 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
     check_model(state, body.model)
     messages, tools = anthropic_conversation(body)
     tools = select_tools(tools, anthropic_tool_choice(body))
-    prompt_text, prompt_ids = await render(state, messages, tools)
+    thinking_off = body.thinking is not None and body.thinking.type == "disabled"
+    prompt_text, prompt_ids = await render(state, messages, tools, {"enable_thinking": False} if thinking_off else None)
     params = sampling_params(state, len(prompt_ids), body.max_tokens, body.temperature, body.top_p, None)
     job = await start_job(state, request, prompt_ids, params)
     generation = Generation(job, state.loaded.tokenizer, body.stop_sequences)

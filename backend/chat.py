@@ -115,11 +115,13 @@ def _injected_messages(messages: list[dict], tools: list[dict] | None) -> list[d
     return out
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, style: str | None = None) -> tuple[str, list[int]]:
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, style: str | None = None,
+                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     """Render a conversation into (prompt text, prompt token ids) ready for generation.
 
     `messages` use OpenAI's shape with string content: role, content, tool_calls, tool_call_id, name,
-    reasoning_content. `tools` are OpenAI tool objects ({"type": "function", "function": {...}}).
+    reasoning_content. `tools` are OpenAI tool objects ({"type": "function", "function": {...}}). `template_kwargs`
+    are extra variables for the template, e.g. {"enable_thinking": False} for Qwen3/3.5.
     Control tokens inside message text (say `<|im_end|>` in a file a tool read) are encoded as ordinary text, so
     content cannot end a turn early.
     """
@@ -132,13 +134,12 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
         conversation, template_tools = _injected_messages(messages, tools), None
     else:
         conversation, template_tools = _native_messages(messages), tools or None
+    common = dict(tools=template_tools, add_generation_prompt=True, **(template_kwargs or {}))
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=template_tools, add_generation_prompt=True, tokenize=False)
-        encoded = tokenizer.apply_chat_template(
-            conversation, tools=template_tools, add_generation_prompt=True, tokenize=True, return_dict=True,
-            sanitize_control_tokens=True,
-        )
-    except (jinja2.TemplateError, TypeError, KeyError) as exc:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **common)
+        encoded = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True,
+                                                sanitize_control_tokens=True, **common)
+    except (jinja2.TemplateError, TypeError, KeyError, ValueError) as exc:
         raise ChatTemplateError(f"the model's chat template rejected this conversation: {exc}") from exc
     ids = encoded["input_ids"]
     if ids and isinstance(ids[0], list):

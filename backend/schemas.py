@@ -107,6 +107,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra chat-template variables (vLLM's name), e.g. {\"enable_thinking\": false}")
 
 
 class CompletionRequest(SamplingFields):
@@ -166,6 +168,10 @@ class AnthropicToolChoice(Lenient):
     name: str | None = None
 
 
+class ThinkingConfig(Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+
+
 class MessagesRequest(Lenient):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -178,6 +184,7 @@ class MessagesRequest(Lenient):
     stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = Field(None, description="type \"disabled\" turns the template's thinking off")
 
 
 class CountTokensRequest(Lenient):

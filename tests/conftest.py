@@ -75,7 +75,9 @@ QWEN35 += _SYSTEM_AND_USER + """
 {%- for k, v in tc.function.arguments | dictsort %}
 {{- '<parameter=' + k + '>\\n' + (v if v is string else v | tojson) + '\\n</parameter>\\n' }}
 {%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}""" + _TOOL_TURNS + """
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"""
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"""
 
 TEMPLATES = {"chatml": CHATML, "hermes": HERMES, "qwen35": QWEN35}
 

@@ -58,6 +58,9 @@ def test_xml_template_renders_tools_calls_and_results(tokenizers):
     assert "<|im_start|>user\n<tool_response>\nsunny, 21 C\n</tool_response>\n<tool_response>\nwindy\n</tool_response><|im_end|>" in text
     assert chat.starts_in_reasoning(text)
     assert ids == tokenizers["qwen35"](text, add_special_tokens=False)["input_ids"]
+    # Qwen's switch: with thinking off the template closes an empty <think> block itself
+    quiet, _ = chat.render_chat(tokenizers["qwen35"], CONVERSATION, TOOLS, template_kwargs={"enable_thinking": False})
+    assert quiet.endswith("<think>\n\n</think>\n\n") and not chat.starts_in_reasoning(quiet)
 
 
 def test_hermes_template_renders_json_calls(tokenizers):

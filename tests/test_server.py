@@ -207,6 +207,14 @@ def test_hybrid_moe_model_serves_greedy_consistently(tiny_model, live_server):
     content = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert (reasoning, content) == (first.choices[0].message.reasoning_content or "", first.choices[0].message.content)
     assert first.usage.completion_tokens == 12
+    # the template opened <think>: the random text is reasoning, unless thinking is switched off
+    assert reasoning and not content
+    quiet = client.chat.completions.create(model=model, messages=ASK, max_tokens=12, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert quiet.choices[0].message.content and not getattr(quiet.choices[0].message, "reasoning_content", None)
+    message = claude(server).messages.create(model=model, max_tokens=12, messages=ASK, thinking={"type": "disabled"},
+                                             extra_body={"temperature": 0})
+    assert [b.type for b in message.content] == ["text"]
 
 
 # ---- queueing, cancellation, concurrency -------------------------------------------------------------------------------
