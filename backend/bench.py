@@ -239,7 +239,8 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
     stops = stop_ids(target, tokenizer)
     warm = [prompt_ids[0][:8]]
 
-    result = {"command": command or " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    result = {"command": command or " ".join(sys.argv),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(device),
               "model": {"spec": model, "name": name, "class": type(target).__name__,
                         "layers": target.config.get_text_config().num_hidden_layers,
@@ -259,7 +260,8 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
     if draft_model is not None:
         result["drafter"].update({"block_size": draft_model.block_size,
                                   "layers": len(draft_model.layers) if hasattr(draft_model, "layers") else None,
-                                  "block_attention": getattr(getattr(draft_model, "cfg", None), "block_attention", None),
+                                  "block_attention": getattr(getattr(draft_model, "cfg", None), "block_attention",
+                                                             None),
                                   "target_layer_ids": getattr(draft_model, "target_layer_ids", None)})
         modes = {"off": [False], "on": [True], "both": [False, True]}[adaptive]
         counter = ExpertCounter(target)
@@ -322,14 +324,16 @@ def format_table(res: dict) -> str:
             continue
         lines += [f"\n{labels[key]}: {r['cycles']} cycles, tau {r['tau']:.2f}, "
                   f"T_d {r['T_d_ms']:.2f} ms, T_t {r['T_t_ms']:.2f} ms, rollback {r['rollback_ms']:.2f} ms",
-                  f"  eta predicted tau*L_target/(T_t+T_d) = {r['eta_predicted']:.2f}, measured {r['eta_measured']:.2f}",
+                  f"  eta predicted tau*L_target/(T_t+T_d) = {r['eta_predicted']:.2f}, "
+                  f"measured {r['eta_measured']:.2f}",
                   "  acceptance by draft position: "
                   + " ".join(f"{k + 1}:{a:.2f}" for k, a in enumerate(r["acceptance_per_position"])),
                   f"  verify sizes (tokens: cycles) {r['verify_sizes']}"]
         e = r.get("experts_per_layer")
         if e and e.get("verify_block") is not None:
             lines.append(f"  experts woken per MoE layer: {e['verify_block']:.1f} of {e['of']} for a "
-                         f"{e['verify_block_tokens']}-token verify block, {e['decode_step'] or 0:.1f} for a decode step")
+                         f"{e['verify_block_tokens']}-token verify block, "
+                         f"{e['decode_step'] or 0:.1f} for a decode step")
         if r.get("out_of_draft_vocab"):
             lines.append(f"  committed tokens outside the draft vocabulary: {r['out_of_draft_vocab']}")
     return "\n".join(lines)

@@ -373,7 +373,8 @@ class DFlashDrafter(nn.Module):
             if k is None:
                 pos = ctx_positions[:0]
             elif layer.sliding_window is not None and pos.shape[0] > layer.sliding_window:
-                k, v, pos = k[:, :, -layer.sliding_window:], v[:, :, -layer.sliding_window:], pos[-layer.sliding_window:]
+                w = layer.sliding_window
+                k, v, pos = k[:, :, -w:], v[:, :, -w:], pos[-w:]
             mask = block_mask(pos, block_positions, layer.causal, layer.sliding_window)
             x = layer(x, cos, sin, k, v, mask)
         return self.norm(x)
@@ -447,7 +448,7 @@ class DraftContext:
             self.length, self.pending = n, None
 
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        n_new, need = k.shape[2], self.length + k.shape[2]
+        need = self.length + k.shape[2]
         buf_k, buf_v = self._k[i], self._v[i]
         if buf_k is None or need > buf_k.shape[2]:
             cap = max(256, 2 * need)
