@@ -1,0 +1,390 @@
+"""Training data for DFlash drafters: prompts -> the target's own greedy responses -> the target's features, in shards.
+
+Data flow (backend/train.py drives it):
+  prompts      load_builtin() (backend/prompts/builtin.jsonl, made by bench/train_build_prompts.py) and/or
+               load_from_db() (the review loop's transcripts in reviews.db: every assistant turn's context)
+  token ids    render() with the target's chat template (backend.chat, exactly as the server renders requests)
+  responses    generate_responses(): the target's greedy continuation, batched (the drafter learns the target's
+               distribution, not a dataset's)
+  features     extract_features(): one forward over prompt + response; keeps per position the outputs of the
+               `target_layer_ids` decoder layers (what the drafter reads), the final normed hidden state (the KL loss
+               recomputes the target's logits from it with the frozen LM head) and the target's argmax (CE labels,
+               from exact logits); written to safetensors shards with a manifest
+  FeatureSet   the shards loaded back onto the training device, with padded batch gathering
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+BUILTIN_PROMPTS = PROMPTS_DIR / "builtin.jsonl"
+AGENT_TOOLS = PROMPTS_DIR / "agent_tools.json"
+MANIFEST = "manifest.json"
+
+
+class DataError(ValueError):
+    """Unusable training data (a missing or malformed file, an empty prompt set): reported without a traceback."""
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    category: str
+    split: str  # "train" | "heldout"
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+# ---- prompt sources -----------------------------------------------------------------------------------------------
+
+
+def _agent_tools() -> list[dict]:
+    return json.loads(AGENT_TOOLS.read_text())
+
+
+def load_builtin(path: Path = BUILTIN_PROMPTS) -> list[PromptRecord]:
+    if not Path(path).is_file():
+        raise DataError(f"built-in prompt set not found: {path}")
+    tools = None
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            if raw.get("tools") == "agent":
+                tools = tools or _agent_tools()
+            out.append(PromptRecord(raw["id"], raw["category"], raw["split"], raw["messages"],
+                                    tools if raw.get("tools") == "agent" else None))
+        except (ValueError, KeyError) as exc:
+            raise DataError(f"{path}:{n}: malformed prompt record ({exc})") from None
+    return out
+
+
+def _split_of(key: str, heldout_fraction: float) -> str:
+    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "heldout" if h < heldout_fraction else "train"
+
+
+def load_from_db(db: str | Path, heldout_fraction: float = 0.08) -> list[PromptRecord]:
+    """Prompts from the review loop's own transcripts: for every assistant turn of every persona run, the
+    conversation before it (what the server was asked). Whole transcripts go to one split, so held-out prompts
+    never share a prefix with training prompts. Read with sqlite3 directly: backend/ does not import reviewer/.
+    The deterministic `smoke` persona is skipped: no LLM wrote its turns."""
+    path = Path(db).expanduser()
+    if not path.is_file():
+        raise DataError(f"--from-db: no database at {path}")
+    try:
+        con = sqlite3.connect(str(path), timeout=30)  # only reads; WAL lets a running review keep writing
+        rows = con.execute("SELECT id, run_id, persona, transcript FROM personarun ORDER BY id").fetchall()
+        con.close()
+    except sqlite3.Error as exc:
+        raise DataError(f"--from-db: {path} is not a reviews database ({exc})") from None
+    tools = _agent_tools()
+    out = []
+    for row_id, run_id, persona, transcript in rows:
+        if persona == "smoke":
+            continue
+        try:
+            messages = json.loads(transcript or "[]")
+        except ValueError:
+            continue  # a transcript cut mid-write by a crash: skip it, keep the rest
+        if not isinstance(messages, list):
+            continue
+        native = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages if isinstance(m, dict))
+        split = _split_of(f"db-{run_id}-{row_id}", heldout_fraction)
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and m.get("role") == "assistant" and i > 0:
+                out.append(PromptRecord(f"db-{row_id}-{i}", f"db:{persona}", split, messages[:i],
+                                        tools if native else None))
+    return out
+
+
+# ---- token ids ----------------------------------------------------------------------------------------------------
+
+
+def render(tokenizer, record: PromptRecord) -> list[int]:
+    """The prompt's token ids, rendered as the server renders a chat request for this target."""
+    from backend.chat import render_chat
+
+    _, ids = render_chat(tokenizer, record.messages, record.tools)
+    return [int(t) for t in ids]
+
+
+def stop_ids(model, tokenizer) -> tuple[int, ...]:
+    if tokenizer is None:
+        return ()
+    from backend.chat import stop_token_ids
+
+    ids = list(stop_token_ids(tokenizer, getattr(model, "generation_config", None)))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    if im_end is not None:
+        ids.append(int(im_end))
+    return tuple(dict.fromkeys(ids))
+
+
+@torch.inference_mode()
+def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, stops: tuple[int, ...],
+                       batch_size: int, batch_tokens: int = 1 << 18, log=print) -> list[list[int]]:
+    """The target's greedy responses, batched with left padding; each cut after its first stop token (kept: the
+    drafter learns to draft the end of a turn too)."""
+    device = next(model.parameters()).device
+    pad = stops[0] if stops else 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+    out: list[list[int]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    start = 0
+    while start < len(order):
+        # at most batch_size prompts, and at most batch_tokens cache positions (long agent prompts batch fewer)
+        end = start + 1
+        while (end < len(order) and end - start < batch_size
+               and (end - start + 1) * (len(prompts[order[end]]) + max_new_tokens) <= batch_tokens):
+            end += 1
+        idx = order[start:end]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None, top_p=None,
+                  top_k=None)
+        if stops:
+            kw["eos_token_id"] = list(stops)
+        else:
+            kw["min_new_tokens"] = max_new_tokens
+        gen = model.generate(ids.to(device), attention_mask=mask.to(device), **kw)[:, width:].tolist()
+        for row, i in enumerate(idx):
+            tokens = gen[row]
+            cut = next((j for j, t in enumerate(tokens) if t in stops), None)
+            out[i] = tokens if cut is None else tokens[: cut + 1]
+        start = end
+        log(f"  generated {end}/{len(order)} responses ({time.perf_counter() - t0:.1f} s)")
+    return out
+
+
+# ---- features -----------------------------------------------------------------------------------------------------
+
+
+def select_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
+    """Outputs of the target_layer_ids decoder layers, concatenated (DFlashDrafter.select_features' convention)."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+@torch.inference_mode()
+def extract_features(model, sequences: list[list[int]], prompt_lens: list[int], layer_ids: list[int],
+                     out_dir: Path, *, batch_tokens: int = 16384, shard_tokens: int = 1 << 20,
+                     log=print) -> list[dict]:
+    """Run the target over each prompt + response; write shards of per-position features to out_dir.
+    Returns the shard list for the manifest."""
+    from safetensors.torch import save_file
+
+    device = next(model.parameters()).device
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    head = model.get_output_embeddings()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    shards: list[dict] = []
+    pending: dict[str, list] = {"tokens": [], "features": [], "final": [], "argmax": [], "lengths": [], "prompt": [],
+                                "index": []}
+
+    def flush():
+        if not pending["lengths"]:
+            return
+        name = f"shard-{len(shards):04d}.safetensors"
+        tensors = {
+            "tokens": torch.cat(pending["tokens"]).int(), "features": torch.cat(pending["features"]),
+            "final": torch.cat(pending["final"]), "argmax": torch.cat(pending["argmax"]).int(),
+            "lengths": torch.tensor(pending["lengths"], dtype=torch.int64),
+            "prompt_lens": torch.tensor(pending["prompt"], dtype=torch.int64),
+            "index": torch.tensor(pending["index"], dtype=torch.int64),
+        }
+        save_file(tensors, str(out_dir / name))
+        shards.append({"file": name, "sequences": len(pending["lengths"]), "tokens": int(sum(pending["lengths"]))})
+        for v in pending.values():
+            v.clear()
+
+    t0, start, done = time.perf_counter(), 0, 0
+    while start < len(order):
+        width = len(sequences[order[start]])
+        end = start + 1
+        while end < len(order) and (end - start + 1) * len(sequences[order[end]]) <= batch_tokens:
+            end += 1
+        idx = order[start:end]
+        width = max(len(sequences[i]) for i in idx)
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):  # right padding: causal attention keeps the real positions exact
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            mask[row, : len(sequences[i])] = 1
+        out = decoder(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+        feats = select_features(out.hidden_states, layer_ids)
+        final = out.last_hidden_state
+        for row, i in enumerate(idx):
+            n = len(sequences[i])
+            pending["tokens"].append(ids[row, :n])
+            pending["features"].append(feats[row, :n].to(torch.bfloat16).cpu())
+            pending["final"].append(final[row, :n].to(torch.bfloat16).cpu())
+            pending["argmax"].append(head(final[row, :n]).argmax(-1).cpu())  # exact labels, from full-precision logits
+            pending["lengths"].append(n)
+            pending["prompt"].append(prompt_lens[i])
+            pending["index"].append(i)
+            if sum(pending["lengths"]) >= shard_tokens:
+                flush()
+        done += len(idx)
+        start = end
+    flush()
+    log(f"  features for {done} sequences, {sum(s['tokens'] for s in shards)} positions, {len(shards)} shards "
+        f"({time.perf_counter() - t0:.1f} s)")
+    return shards
+
+
+def write_manifest(data_dir: Path, manifest: dict) -> None:
+    (data_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(data_dir: Path) -> dict | None:
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
+# ---- loading back -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FeatureSet:
+    """All sequences of one split, flattened: per-position tensors plus per-sequence offsets."""
+
+    tokens: torch.Tensor  # (T,) long
+    features: torch.Tensor  # (T, n_layers * hidden) bf16
+    final: torch.Tensor  # (T, hidden) bf16
+    argmax: torch.Tensor  # (T,) long
+    offsets: torch.Tensor  # (n + 1,) long
+    prompt_lens: torch.Tensor  # (n,) long
+    index: list[int] = field(default_factory=list)  # position of each sequence in the split's record list
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __len__(self) -> int:
+        return self.prompt_lens.shape[0]
+
+    def anchor_counts(self) -> torch.Tensor:
+        """Block starts per sequence: positions from the first response token to the second-to-last token."""
+        return (self.lengths - 1 - self.prompt_lens).clamp_min(0)
+
+    def gather(self, seqs: torch.Tensor, need_final: bool) -> dict:
+        """Padded batch for sequences `seqs`: tokens/argmax (S, L), features (S, L, F), final (S, L, H) if asked,
+        lengths and prompt lengths (S,)."""
+        lengths = self.lengths[seqs]
+        width = int(lengths.max())
+        pos = torch.arange(width, device=self.tokens.device)
+        flat = self.offsets[seqs][:, None] + torch.minimum(pos[None, :], lengths[:, None] - 1)
+        batch = {"tokens": self.tokens[flat], "argmax": self.argmax[flat], "features": self.features[flat],
+                 "lengths": lengths, "prompt_lens": self.prompt_lens[seqs]}
+        if need_final:
+            batch["final"] = self.final[flat]
+        return batch
+
+
+def load_features(data_dir: Path, split: str, device: torch.device | str) -> FeatureSet:
+    from safetensors.torch import load_file
+
+    manifest = read_manifest(data_dir)
+    if manifest is None or split not in manifest.get("splits", {}):
+        raise DataError(f"no {split} features in {data_dir}")
+    parts: dict[str, list[torch.Tensor]] = {}
+    for shard in manifest["splits"][split]["shards"]:
+        for k, v in load_file(str(Path(data_dir) / split / shard["file"])).items():
+            parts.setdefault(k, []).append(v)
+    if not parts:
+        raise DataError(f"the {split} split in {data_dir} is empty")
+    cat = {k: torch.cat(v) for k, v in parts.items()}
+    lengths = cat["lengths"]
+    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.long)
+    offsets[1:] = lengths.cumsum(0)
+    return FeatureSet(tokens=cat["tokens"].long().to(device), features=cat["features"].to(device),
+                      final=cat["final"].to(device), argmax=cat["argmax"].long().to(device), offsets=offsets.to(device),
+                      prompt_lens=cat["prompt_lens"].to(device), index=cat["index"].tolist())
+
+
+def token_counts(data: FeatureSet, vocab: int) -> torch.Tensor:
+    """How often the target emitted each token in its responses (for a restricted draft vocabulary)."""
+    counts = torch.zeros(vocab, dtype=torch.long, device=data.tokens.device)
+    starts, ends = data.offsets[:-1] + data.prompt_lens, data.offsets[1:]
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        counts.index_add_(0, data.tokens[s:e], torch.ones(e - s, dtype=torch.long, device=counts.device))
+    return counts.cpu()
+
+
+# ---- the whole preparation ----------------------------------------------------------------------------------------
+
+
+def data_key(target_name: str, layer_ids: list[int], records: list[PromptRecord], max_new_tokens: int,
+             max_prompt_tokens: int) -> str:
+    """Identifies a prepared data set: reused only when target, layers, prompts and lengths all match."""
+    h = hashlib.sha256()
+    h.update(json.dumps([target_name, layer_ids, max_new_tokens, max_prompt_tokens]).encode())
+    for r in records:
+        h.update(r.id.encode())
+    return h.hexdigest()[:16]
+
+
+def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, *, target_name: str,
+                 layer_ids: list[int], max_new_tokens: int, max_prompt_tokens: int, gen_batch: int,
+                 gen_tokens: int = 1 << 18, batch_tokens: int = 16384, log=print) -> dict:
+    """Render, generate and extract features for both splits into data_dir (reusing it when its key matches).
+    Returns the manifest."""
+    data_dir = Path(data_dir)
+    key = data_key(target_name, layer_ids, records, max_new_tokens, max_prompt_tokens)
+    manifest = read_manifest(data_dir)
+    if manifest is not None and manifest.get("key") == key:
+        log(f"data: reusing {data_dir} (key {key})")
+        return manifest
+    stops = stop_ids(model, tokenizer)
+    manifest = {"key": key, "target": target_name, "layer_ids": layer_ids, "max_new_tokens": max_new_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "stop_ids": list(stops), "splits": {}}
+    t0 = time.perf_counter()
+    for split in ("train", "heldout"):
+        chosen = [r for r in records if r.split == split]
+        prompts, kept, skipped = [], [], 0
+        for r in chosen:
+            ids = render(tokenizer, r)
+            if len(ids) > max_prompt_tokens:
+                skipped += 1
+                continue
+            prompts.append(ids)
+            kept.append(r)
+        if not prompts:
+            manifest["splits"][split] = {"shards": [], "records": [], "skipped_long": skipped}
+            continue
+        log(f"data[{split}]: {len(prompts)} prompts ({skipped} longer than {max_prompt_tokens} tokens skipped), "
+            f"generating up to {max_new_tokens} tokens each")
+        responses = generate_responses(model, prompts, max_new_tokens=max_new_tokens, stops=stops,
+                                       batch_size=gen_batch, batch_tokens=gen_tokens, log=log)
+        sequences = [p + r for p, r in zip(prompts, responses)]
+        shards = extract_features(model, sequences, [len(p) for p in prompts], layer_ids, data_dir / split,
+                                  batch_tokens=batch_tokens, log=log)
+        manifest["splits"][split] = {
+            "shards": shards, "records": [r.id for r in kept], "categories": [r.category for r in kept],
+            "skipped_long": skipped, "prompt_tokens": sum(map(len, prompts)),
+            "response_tokens": sum(map(len, responses)),
+        }
+    manifest["seconds"] = round(time.perf_counter() - t0, 1)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_manifest(data_dir, manifest)
+    return manifest

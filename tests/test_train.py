@@ -1,0 +1,277 @@
+"""`reviewer train` on the CPU with a tiny random Llama target (a real tokenizer and chat template, tests/conftest.py):
+the training forward equals the drafter's inference forward, data comes from a real reviews.db and from the built-in
+set, every knob trains, the loss goes down, checkpoints load in the real engine and keep greedy output identical,
+and resuming continues the step count."""
+
+import json
+
+import pytest
+import torch
+
+from backend import train as T
+from backend import train_data as td
+from backend.bench import tiny_model as bench_tiny_model
+from backend.dflash import load_drafter
+from backend.engine import Engine, SamplingParams
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: one intra-op thread is faster, and far faster on a box whose two cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+COMMON = dict(device="cpu", builtin_prompts=False, max_new_tokens=12, max_prompt_tokens=512, gen_batch=8,
+              layers=2, intermediate_size=64, block_size=6, batch_blocks=32, anchors_per_seq=8, log_every=2,
+              eval_prompts=0, save_every=1000)
+
+
+# ---- a real reviews.db ----------------------------------------------------------------------------------------------
+
+
+def _transcript(i: int) -> list[dict]:
+    if i % 4:  # text-mode tool calls (short prompts: no tool schemas in them)
+        return [
+            {"role": "system", "content": "You are a careful tester."},
+            {"role": "user", "content": f"Review repository number {i}: install it and run the tests."},
+            {"role": "assistant", "content": "I will install it first: pip install -e ."},
+            {"role": "user", "content": f"Tool result: exit code {i % 2}\nSuccessfully installed pkg{i}"},
+            {"role": "assistant", "content": "Now the tests: pytest -q"},
+        ]
+    return [
+        {"role": "system", "content": "You are a careful tester. Make one tool call per reply."},
+        {"role": "user", "content": f"Review repository number {i}: install it and run the tests."},
+        {"role": "assistant", "content": "I will install it first.",
+         "tool_calls": [{"id": f"c{i}", "type": "function",
+                         "function": {"name": "bash", "arguments": json.dumps({"command": "pip install -e ."})}}]},
+        {"role": "tool", "tool_call_id": f"c{i}", "content": f"exit code {i % 2}\nSuccessfully installed pkg{i}"},
+        {"role": "assistant", "content": "Now the tests.",
+         "tool_calls": [{"id": f"d{i}", "type": "function",
+                         "function": {"name": "bash", "arguments": json.dumps({"command": "pytest -q"})}}]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def reviews_db(tmp_path_factory):
+    """A reviews.db written by reviewer/db.py: 24 persona runs with two assistant turns each, plus a smoke run and
+    a transcript cut mid-write (both must be skipped)."""
+    from reviewer import db
+
+    path = tmp_path_factory.mktemp("db") / "reviews.db"
+    with db.session(str(path)) as s:
+        repo = db.get_or_create_repository(s, "file:///tmp/example")
+        run = db.ReviewRun(repository_id=repo.id, commit_sha="abc123", status="completed")
+        s.add(run)
+        s.commit()
+        for i in range(24):
+            s.add(db.PersonaRun(run_id=run.id, persona="correctness", status="completed",
+                                transcript=json.dumps(_transcript(i))))
+        s.add(db.PersonaRun(run_id=run.id, persona="smoke", transcript=json.dumps(_transcript(99))))
+        s.add(db.PersonaRun(run_id=run.id, persona="docs", transcript='[{"role": "system", "content": "cut'))
+        s.commit()
+    db._engines.clear()
+    return path
+
+
+def test_from_db_reads_every_assistant_turn_context(reviews_db, tiny_model):
+    records = td.load_from_db(reviews_db)
+    assert len(records) == 48  # 24 runs x 2 assistant turns; the smoke run and the broken transcript are skipped
+    assert all(r.category == "db:correctness" for r in records)
+    by_len = sorted({len(r.messages) for r in records})
+    assert by_len == [2, 4]  # the context before each assistant turn
+    assert all(r.messages[-1]["role"] in ("user", "tool") for r in records)
+    native = [r for r in records if r.tools]  # transcripts with native tool calls get the agent's tool schemas
+    assert len(native) == 12 and all(r.tools[0]["function"]["name"] == "bash" for r in native)
+    assert all(r.messages[-1]["role"] == "tool" for r in native if len(r.messages) == 4)
+    splits = {}
+    for r in records:  # a transcript's prompts share a prefix: they must land in one split
+        splits.setdefault(r.id.split("-")[1], set()).add(r.split)
+    assert all(len(s) == 1 for s in splits.values())
+    assert {r.split for r in records} == {"train", "heldout"}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    text = tok.decode(td.render(tok, native[1]))
+    assert "Successfully installed" in text and '"name": "bash"' in text  # tool result and tool schemas rendered
+
+
+def test_from_db_errors_are_clear(tmp_path):
+    with pytest.raises(td.DataError, match="no database"):
+        td.load_from_db(tmp_path / "missing.db")
+    bad = tmp_path / "not.db"
+    bad.write_text("hello")
+    with pytest.raises(td.DataError, match="not a reviews database"):
+        td.load_from_db(bad)
+
+
+def test_builtin_prompt_set():
+    records = td.load_builtin()
+    assert len(records) > 1500
+    cats = {r.category for r in records}
+    assert cats == {"code_review", "debugging", "performance", "readme", "coding", "agent"}
+    held = sum(r.split == "heldout" for r in records)
+    assert 0.04 < held / len(records) < 0.12
+    from backend.bench import PROMPTS
+
+    assert not {r.messages[-1]["content"] for r in records} & set(PROMPTS)  # bench prompts are never trained on
+    agent = [r for r in records if r.category == "agent"]
+    assert agent and all(r.tools and r.messages[0]["role"] == "system" for r in agent)
+
+
+def test_agent_tools_copy_matches_the_reviewer():
+    from reviewer.tools import TOOLS
+
+    assert json.loads(td.AGENT_TOOLS.read_text()) == TOOLS, "rerun bench/train_build_prompts.py"
+
+
+# ---- the training forward -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["mixed", "bidirectional", "causal"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_block_forward_equals_the_inference_forward(attention, window):
+    target = bench_tiny_model("tiny-llama")
+    cfg = T.TrainConfig(layers=3, intermediate_size=96, block_size=6, attention=attention, sliding_window=window,
+                        seed=1)
+    drafter = T.new_drafter(cfg, target, [0, 2, 3], "tiny")
+    drafter.check_target(target)
+    feats = torch.randn(1, 24, 3 * 64)
+    anchors = torch.tensor([[3, 11, 18]])
+    ids = torch.full((1, 3, 6), drafter.mask_token_id)
+    ids[..., 0] = torch.tensor([5, 17, 42])
+    embeds = target.get_input_embeddings()(ids.view(1, -1))
+    with torch.no_grad():
+        batched = T.block_forward(drafter, feats, anchors, embeds).view(1, 3, 6, -1)
+        for j, a in enumerate(anchors[0].tolist()):
+            ctx = drafter.new_context()
+            ctx.add_pending(feats[:, :a])
+            drafter._absorb_pending(ctx)
+            one = drafter.block_hidden(embeds.view(1, 3, 6, -1)[:, j], torch.arange(a, a + 6), ctx.keys(),
+                                       ctx.values(), torch.arange(a))
+            torch.testing.assert_close(batched[:, j], one, rtol=1e-5, atol=1e-5)
+
+
+def test_position_weights():
+    w = T.position_weights(5, 2.0, "cpu")
+    assert w[0] == 0 and w[1] == 1.0
+    torch.testing.assert_close(w[2:], torch.exp(-torch.arange(1, 4) / 2.0))
+
+
+# ---- whole runs ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_dir(tiny_model, reviews_db, tmp_path_factory):
+    """The target's responses and features for the reviews.db prompts, made once for the module."""
+    path = tmp_path_factory.mktemp("data")
+    summary = T.main(model=str(tiny_model("llama")), out=str(path / "prep"), data_dir=str(path), from_db=str(reviews_db),
+                     data_only=True, **COMMON)
+    assert summary["splits"]["train"]["sequences"] > 0 and summary["splits"]["heldout"]["sequences"] > 0
+    return path
+
+
+def run(tiny_model, reviews_db, data_dir, out, **knobs):
+    return T.main(model=str(tiny_model("llama")), out=str(out), data_dir=str(data_dir), from_db=str(reviews_db),
+                  **{**COMMON, **knobs})
+
+
+def test_features_are_the_targets_and_responses_its_greedy_output(tiny_model, data_dir):
+    from backend.loading import load_model
+
+    loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
+    data = td.load_features(data_dir, "train", "cpu")
+    s = 0
+    start, end, p = int(data.offsets[s]), int(data.offsets[s + 1]), int(data.prompt_lens[s])
+    ids = data.tokens[start:end]
+    with torch.no_grad():
+        out = loaded.model(input_ids=ids[None], output_hidden_states=True)
+    want = td.select_features(out.hidden_states, [0, 1])[0]
+    torch.testing.assert_close(data.features[start:end].float(), want, rtol=2e-2, atol=2e-2)  # stored in bf16
+    assert torch.equal(data.argmax[start:end], out.logits[0].argmax(-1))
+    stops = td.stop_ids(loaded.model, loaded.tokenizer)
+    greedy = [t for b in Engine(loaded.model).generate(ids[:p].tolist(), SamplingParams(max_tokens=12, stop_token_ids=stops))
+              for t in b]
+    response = ids[p:].tolist()
+    assert response[: len(greedy)] == greedy  # the stored response is the target's own (plus its stop token)
+
+
+@pytest.mark.parametrize("loss,attention,corruption,top_k", [
+    ("kl", "mixed", "full", 0), ("ce", "causal", "full", 0), ("ce", "bidirectional", "full", 0),
+    ("kl", "mixed", "uniform", 0), ("ce", "mixed", "uniform", 64), ("kl", "causal", "full", 64),
+])
+def test_every_knob_trains_and_saves_a_loadable_checkpoint(tiny_model, reviews_db, data_dir, tmp_path, loss,
+                                                          attention, corruption, top_k):
+    m = run(tiny_model, reviews_db, data_dir, tmp_path / "run", loss=loss, attention=attention, corruption=corruption,
+            vocab_top_k=top_k, steps=4, decay=3.0)
+    assert m["budget"]["steps"] == 4 and all(torch.isfinite(torch.tensor(h["loss"])) for h in m["history"])
+    assert len(m["history"][-1]["acc"]) == 5  # per draft position
+    assert 1.0 <= m["estimate"]["tau_est"] <= 6.0
+    drafter = load_drafter(tmp_path / "run")
+    assert drafter.cfg.block_attention == attention and drafter.block_size == 6
+    assert drafter.target_layer_ids == [0, 1]
+    if top_k:
+        assert drafter.draft_vocab is not None and drafter.draft_vocab.shape[0] == 64
+    else:
+        assert drafter.draft_vocab is None
+
+
+def test_loss_goes_down_and_the_checkpoint_is_lossless_in_the_engine(tiny_model, reviews_db, data_dir, tmp_path):
+    m = run(tiny_model, reviews_db, data_dir, tmp_path / "run", loss="kl", steps=40, lr=3e-3, log_every=5,
+            eval_prompts=3, eval_max_tokens=16, eval_check_plain=True)
+    losses = [h["loss"] for h in m["history"]]
+    assert losses[-1] < 0.8 * losses[0], losses
+    e = m["engine"]
+    assert e["cycles"] > 0 and e["tau"] >= 1.0 and len(e["acceptance"]) == 5
+    assert e["identical_to_plain"] is True
+    # and the checkpoint as any user would load it, through the engine directly
+    from backend.loading import load_model
+
+    loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Review this code for bugs."}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    params = SamplingParams(max_tokens=20)
+    plain = [t for b in Engine(loaded.model).generate(prompt, params) for t in b]
+    engine = Engine(loaded.model, drafter=load_drafter(tmp_path / "run"))
+    spec = [t for b in engine.generate(prompt, params) for t in b]
+    assert spec == plain and engine.last_stats.cycles > 0
+
+
+def test_resume_continues_the_step_count(tiny_model, reviews_db, data_dir, tmp_path):
+    out = tmp_path / "run"
+    first = run(tiny_model, reviews_db, data_dir, out, steps=4)
+    with pytest.raises(T.TrainError, match="--resume"):
+        run(tiny_model, reviews_db, data_dir, out, steps=8)
+    with pytest.raises(T.TrainError, match="--loss"):
+        run(tiny_model, reviews_db, data_dir, out, steps=8, resume=True, loss="ce")
+    second = run(tiny_model, reviews_db, data_dir, out, steps=8, resume=True)
+    assert second["budget"]["steps"] == 8
+    assert [h["step"] for h in second["history"]] == [2, 4, 6, 8]
+    assert second["history"][:2] == first["history"]
+    assert torch.load(out / T.STATE_FILE, weights_only=False)["step"] == 8
+
+
+def test_builtin_prompts_run_end_to_end_through_the_cli(tiny_model, tmp_path, capsys):
+    code = T.cli(["--model", str(tiny_model("llama")), "--out", str(tmp_path / "run"), "--device", "cpu",
+                  "--max-prompts", "3", "--max-heldout", "1", "--max-prompt-tokens", "4096", "--max-new-tokens", "6",
+                  "--layers", "1", "--intermediate-size", "32", "--block-size", "4", "--steps", "2",
+                  "--batch-blocks", "8", "--anchors-per-seq", "4", "--eval-prompts", "1", "--eval-max-tokens", "6",
+                  "--log-every", "1"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "run" / T.METRICS_FILE).read_text())
+    assert metrics["budget"]["steps"] == 2 and metrics["data"]["train_sequences"] == 3
+    assert metrics["engine"]["prompts"] == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--loss", "mse"], "--loss must be one of kl, ce"),
+    (["--attention", "sideways"], "--attention must be one of"),
+    (["--block-size", "1"], "--block-size must be at least 2"),
+    (["--no-builtin-prompts"], "no prompts"),
+    (["--model", "/nonexistent/model"], "model not found"),
+])
+def test_bad_options_give_one_clear_line(argv, message, capsys, tmp_path):
+    assert T.cli(argv + ["--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
