@@ -13,8 +13,8 @@ Invariant: fm.length tokens are in the caches. Between verify() and accept() the
 (attention KV written, Gated DeltaNet states not advanced); every other call is refused until accept().
 
 CUDA graphs: one per (kind, tokens, attention span, hidden_ids), captured on first use. The attention span is the
-cache length rounded up to a power of two (>= 256), so a graph serves every length up to it: the causal mask comes
-from the positions, which live in a static device buffer like the tokens. Capturing runs the forward (warm-up and
+cache length rounded up (see _span), so a graph serves every length up to it: the causal mask comes from the
+positions, which live in a static device buffer like the tokens. Capturing runs the forward (warm-up and
 capture); the Gated DeltaNet states are saved before and put back after, so capture never changes the caches.
 """
 
@@ -161,8 +161,14 @@ class FastModel:
     # ---- CUDA graphs ----------------------------------------------------------------------------------------------
 
     def _span(self, end: int) -> int:
-        span = max(self.min_span, 1 << (end - 1).bit_length())
-        return min(span, self.max_context)
+        """Cache columns a graph attends over for a cache ending at `end`: rounded up to a quarter of the enclosing
+        power of two (at most 25% of the KV read wasted on masked columns; ~4 graphs per doubling of the context)."""
+        quarter = max(self.min_span, (1 << (end - 1).bit_length()) // 4)
+        return min(-(-end // quarter) * quarter, self.max_context)
+
+    def drop_graphs(self) -> None:
+        """Forget captured graphs (after changing anything they baked in, e.g. a benchmark's routing override)."""
+        self._graphs.clear()
 
     def _replay(self, ids, record, all_logits, hidden_ids):
         T = ids.numel()

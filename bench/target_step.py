@@ -1,0 +1,424 @@
+"""Target-model step costs on the fast path (backend/models) against stock transformers, in one run.
+
+Per model shape: the plain decode step L_target, the block verify T_t(k) for k = 1..16, the rollback (accept) copy, and
+the bandwidth floor of each (the bytes the step must move: weights it reads, the distinct experts it wakes, KV and
+Gated DeltaNet states; over the device-to-device copy bandwidth measured in the same run, bytes read + written).
+Stock transformers (DynamicCache, its default kernels) is timed on the same weights. Our logits are compared with
+transformers' on the same input. With --routing-trace the MoE verify is timed again with routing replayed from a
+synthetic trace that wakes ~48 distinct experts per 16 tokens (a real router's locality; random weights wake ~100).
+
+    python bench/target_step.py --device cuda --shape qwen3.6-35b-a3b --shape smollm2-135m --routing-trace
+    python bench/target_step.py --device cpu --shape embedded --threads 1 --generate 64   # real SmolLM2, tok/s
+
+Shapes: qwen3.6-35b-a3b (transformers' Qwen3_5MoeTextConfig defaults: 40 layers, 256 experts, top-8 + shared),
+smollm2-135m (SmolLM2-135M's Llama shape), qwen3.5-moe-small (a reduced MoE shape that runs on a CPU), all with random
+weights; embedded (the real SmolLM2-135M-Instruct through backend/loading.py). One JSON per shape goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backend.models import load_fast  # noqa: E402
+from backend.models.qwen3_5_moe import SparseMoE  # noqa: E402
+
+TAU_SEED = 4.9  # tokens committed per cycle with z-lab's drafter (the seed)
+DRAFT_OVER_VERIFY_SEED = 0.12  # T_d / T_t measured in the seed
+
+
+# ---- models ------------------------------------------------------------------------------------------------------------
+
+def build(shape: str, device: str, dtype):
+    """(transformers model, tokenizer or None, label)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape == "embedded":
+        from backend.loading import load_model
+        loaded = load_model("embedded", device=device, dtype="float32" if dtype == torch.float32 else "bfloat16")
+        return loaded.model, loaded.tokenizer, f"SmolLM2-135M-Instruct (embedded GGUF, {_dt(dtype)})"
+    torch.manual_seed(0)
+    if shape == "smollm2-135m":
+        config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                             tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+        cls, label = LlamaForCausalLM, "SmolLM2-135M shape"
+    else:
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        if shape == "qwen3.6-35b-a3b":
+            config, label = Qwen3_5MoeTextConfig(), "Qwen3.6-35B-A3B shape"
+        elif shape == "qwen3.5-moe-small":
+            config = Qwen3_5MoeTextConfig(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                                          num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+                                          linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                                          moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                                          num_experts=64, num_experts_per_tok=8)
+            label = "Qwen3.5-MoE reduced shape (8 layers, hidden 512, 64 experts)"
+        else:
+            raise SystemExit(f"unknown shape {shape}")
+        cls = Qwen3_5MoeForCausalLM
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model, None, f"{label}, random {_dt(dtype)}"
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _dt(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- timing --------------------------------------------------------------------------------------------------------------
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, reps: int, device, warmup: int = 2, between=None) -> float:
+    """Median wall time of fn() in ms (synchronised); `between()` runs untimed after each call."""
+    times = []
+    for i in range(warmup + reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t) * 1e3)
+        if between is not None:
+            between()
+    return statistics.median(times)
+
+
+def interleaved_ms(calls: dict, reps: int, device, warmup: int = 2) -> dict[str, float]:
+    """Median ms of each of several calls, timed in alternation (a, b, a, b, ...) so that load changes on a shared
+    machine hit all of them alike. calls: name -> (fn, between or None)."""
+    times = {name: [] for name in calls}
+    for i in range(warmup + reps):
+        for name, (fn, between) in calls.items():
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - t) * 1e3)
+            if between is not None:
+                between()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device copy, counting bytes read + written."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 27)
+    x = torch.randn(n // 4, device=device)
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), 10, device)
+    return 2 * n / (ms / 1e3)
+
+
+# ---- bytes a step must move --------------------------------------------------------------------------------------------
+
+def step_bytes(fast, tokens: int, context: int, distinct_experts: list[int] | None) -> dict:
+    """What one forward over `tokens` new tokens after `context` cached ones must read/write at least."""
+    m, es = fast.model, fast.model.embed.element_size()
+    total_params = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
+    expert_params = 0
+    per_expert = 0
+    if fast.model.family == "qwen3_5_moe":
+        moe0 = m.layers[0].moe
+        per_expert = moe0.gate_up[0].numel() + moe0.down[0].numel()
+        expert_params = sum(layer.moe.gate_up.numel() + layer.moe.down.numel() for layer in m.layers)
+    embed_rows = 0 if m.lm_head is m.embed else m.embed.numel()  # an untied embedding is read a row per token
+    dense = (total_params - expert_params - embed_rows) * es + tokens * m.embed.shape[1] * es
+    experts = sum(distinct_experts) * per_expert * es if distinct_experts else 0
+    kv = m.kv.nbytes_per_token() * (context + tokens)  # read the cached K/V, write the new
+    linear = 2 * m.linear.nbytes_state() if m.linear is not None else 0  # read once, write once
+    return {"weights_dense": dense, "experts": experts, "kv": kv, "linear_state": linear,
+            "total": dense + experts + kv + linear}
+
+
+# ---- routing ---------------------------------------------------------------------------------------------------------------
+
+def record_distinct_experts(fast, fn) -> list[int]:
+    """Distinct experts each MoE layer wakes during fn() (run eagerly, through the model's own routing)."""
+    seen, originals = [], []
+    for moe in (mod for mod in fast.model.modules() if isinstance(mod, SparseMoE)):
+        original = moe.route
+
+        def traced(h, _original=original):
+            weights, ids = _original(h)
+            seen.append(int(ids.unique().numel()))
+            return weights, ids
+        originals.append((moe, original))
+        moe.route = traced
+    try:
+        fn()
+    finally:
+        for moe, _ in originals:
+            del moe.route
+    return seen
+
+
+def install_routing_trace(fast, hot: int, seed: int = 0) -> None:
+    """Replace routing with a fixed synthetic trace: per layer, the block's tokens pick their top-k experts among a hot
+    set of `hot` experts (uniformly, distinct per token), with random softmax weights. Token t of any block of T <= 16
+    uses row t, so graphs capture it like real routing. Longer prefill pieces keep the model's own routing."""
+    g = torch.Generator().manual_seed(seed)
+    for moe in (mod for mod in fast.model.modules() if isinstance(mod, SparseMoE)):
+        experts, k = moe.gate_up.shape[0], moe.top_k
+        hot_set = torch.randperm(experts, generator=g)[:hot]
+        ids = torch.stack([hot_set[torch.randperm(hot, generator=g)[:k]] for _ in range(fast.max_block)])
+        weights = torch.softmax(torch.randn(fast.max_block, k, generator=g), -1)
+        ids, weights = ids.to(fast.device), weights.to(fast.device, fast.dtype)
+        real = moe.route  # prefill pieces longer than a block keep the model's routing
+
+        def replay(h, _ids=ids, _w=weights, _real=real):
+            return (_w[: h.shape[0]], _ids[: h.shape[0]]) if h.shape[0] <= _ids.shape[0] else _real(h)
+        moe.route = replay
+    fast.drop_graphs()
+
+
+# ---- measurements ----------------------------------------------------------------------------------------------------------
+
+def stock_calls(hf, prompt, block):
+    """transformers' decode step and 16-token verify on a DynamicCache after `prompt`, each as (call, undo). Attention
+    caches are cropped back after each call; hybrid ones cannot be, so there the context grows as they run (as in
+    shared/probes/h200_baseline.py: a few hundred tokens over the measurement)."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=hf.config)
+    with torch.inference_mode():
+        hf(prompt[None], past_key_values=cache, use_cache=True)
+    tok = prompt[-1:][None]
+
+    hybrid = "linear_attention" in (getattr(hf.config.get_text_config(), "layer_types", None) or ())
+
+    def step(ids):
+        with torch.inference_mode():
+            hf(ids, past_key_values=cache, use_cache=True)
+    undo = (lambda n: None) if hybrid else (lambda n: cache.crop(-n))
+    return (lambda: step(tok), lambda: undo(1)), (lambda: step(block[None]), lambda: undo(block.numel()))
+
+
+def compare_logits(hf, fast, prompt, block) -> dict:
+    """Our logits against transformers' on the same prompt + block (fresh caches on both sides)."""
+    from transformers import DynamicCache
+    with torch.inference_mode():
+        cache = DynamicCache(config=hf.config)
+        ref_last = hf(prompt[None], past_key_values=cache, use_cache=True).logits[0, -1].float()
+        ref_block = hf(block[None], past_key_values=cache, use_cache=True).logits[0].float()
+    fast.reset()
+    last, _ = fast.prefill(prompt)
+    got_block, _ = fast.verify(block)
+    fast.accept(block.numel())
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    return {"prefill_last_rel_err": rel(last, ref_last), "verify16_rel_err": rel(got_block, ref_block),
+            "verify16_argmax_agree": float((got_block.float().argmax(-1) == ref_block.argmax(-1)).float().mean())}
+
+
+def measure_fast(fast, prompt, block, reps, device, stock=None) -> dict:
+    """Our decode step, T_t(k) for k = 1..max_block and the rollback copy, at a fixed context of len(prompt) (each
+    call is undone from a snapshot, untimed). With `stock` (transformers' step and verify callables) the decode step
+    and the full verify are timed in alternation with transformers'."""
+    fast.reset()
+    fast.prefill(prompt)
+    start = fast.snapshot()
+    token = int(prompt[-1])
+    res = {"context": int(prompt.numel())}
+    n = fast.max_block
+
+    def undo_verify():
+        fast.accept(n)
+        fast.restore(start)
+    calls = {"L_target_ms": (lambda: fast.decode(token), lambda: fast.restore(start)),
+             "T_verify16_ms": (lambda: fast.verify(block[:n]), undo_verify)}
+    if stock is not None:
+        calls |= {"stock_L_target_ms": stock[0], "stock_T_verify16_ms": stock[1]}
+    res |= interleaved_ms(calls, reps, device)
+    curve = {}
+    for k in range(1, fast.max_block + 1):
+        def after(k=k):
+            fast.accept(k)
+            fast.restore(start)
+        curve[k] = median_ms(lambda k=k: fast.verify(block[:k]), reps, device, between=after)
+    res["T_t_ms"] = curve
+    rollback = []
+    for _ in range(5):
+        fast.verify(block)
+        sync(device)
+        t = time.perf_counter()
+        fast.accept(1)
+        sync(device)
+        rollback.append((time.perf_counter() - t) * 1e3)
+        fast.restore(start)
+    res["rollback_ms"] = statistics.median(rollback)
+    return res
+
+
+def eager_verify_distinct(fast, prompt, block) -> list[int]:
+    """Distinct experts per MoE layer in one 16-token verify after `prompt`, run eagerly so routing is observable."""
+    fast.reset()
+    fast.prefill(prompt)
+    graphs, fast.cuda_graphs = fast.cuda_graphs, False
+    try:
+        distinct = record_distinct_experts(fast, lambda: fast.verify(block))
+    finally:
+        fast.cuda_graphs = graphs
+    fast.accept(1)
+    return distinct
+
+
+def generation(hf, tok, fast, max_new: int) -> dict:
+    """Greedy chat completions, transformers generate() against our prefill + decode loop: tok/s and identity."""
+    questions = ["Write a Python function that checks whether a string is a palindrome.",
+                 "Explain what a race condition is, with a short example.",
+                 "How do I read a CSV file with pandas and print the first rows?",
+                 "Write a bash one-liner that counts lines in all .py files."]
+    stock_s = ours_s = 0.0
+    identical = True
+    for q in questions:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(hf.device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            ref = hf.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)[0, ids.shape[1]:]
+        stock_s += time.perf_counter() - t
+        t = time.perf_counter()
+        fast.reset()
+        logits, _ = fast.prefill(ids[0])
+        out = [int(logits.argmax())]
+        while len(out) < max_new:
+            out.append(int(fast.decode(out[-1])[0].argmax()))
+        ours_s += time.perf_counter() - t
+        identical &= out == ref.tolist()
+    n = len(questions) * max_new
+    return {"prompts": len(questions), "new_tokens_each": max_new, "stock_tok_s": n / stock_s,
+            "ours_tok_s": n / ours_s, "speedup": stock_s / ours_s, "greedy_identical": identical}
+
+
+def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
+    hf, tok, label = build(shape, str(device), dtype)
+    fast = load_fast(hf, max_context=args.max_context, cuda_graphs=device.type == "cuda" and not args.no_graphs)
+    g = torch.Generator().manual_seed(1)
+    vocab = hf.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (args.prompt,), generator=g).to(device)
+    block = torch.randint(0, vocab, (16,), generator=g).to(device)
+    record = {"benchmark": "target_step", "model": label, "shape": shape}
+    record["equivalence"] = compare_logits(hf, fast, prompt, block)
+    print(f"[{shape}] logits vs transformers: {record['equivalence']}", flush=True)
+    stock = None if args.no_stock else stock_calls(hf, prompt, block)
+    ours = measure_fast(fast, prompt, block, args.reps, device, stock)
+    if stock is not None:
+        record["stock"] = {"L_target_ms": ours["stock_L_target_ms"], "T_verify16_ms": ours["stock_T_verify16_ms"],
+                           "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+                           "flash_linear_attention": _has("fla")}
+        print(f"[{shape}] stock: {record['stock']}", flush=True)
+    record.update(L_target_ms=ours["L_target_ms"], T_verify16_ms=ours["T_verify16_ms"], T_t_ms=ours["T_t_ms"],
+                  rollback_ms=ours["rollback_ms"], context=ours["context"])
+    moe = fast.model.family == "qwen3_5_moe"
+    distinct = None
+    if moe:
+        distinct = eager_verify_distinct(fast, prompt, block)
+        record["distinct_experts_16"] = statistics.mean(distinct)
+    decode_bytes = step_bytes(fast, 1, args.prompt, [fast.config.top_k] * len(distinct) if moe else None)
+    verify_bytes = step_bytes(fast, 16, args.prompt, distinct)
+    record["L_target_floor_ms"] = decode_bytes["total"] / bandwidth * 1e3
+    record["T_verify16_floor_ms"] = verify_bytes["total"] / bandwidth * 1e3
+    record["bytes"] = {"decode": decode_bytes, "verify16": verify_bytes}
+    if moe and args.routing_trace:
+        install_routing_trace(fast, hot=args.hot_experts)
+        traced = eager_verify_distinct(fast, prompt, block)
+        trace_run = measure_fast(fast, prompt, block, args.reps, device)
+        trace_bytes = step_bytes(fast, 16, args.prompt, traced)
+        record["routing_trace"] = {
+            "what": f"synthetic: per layer, tokens pick top-k among a hot set of {args.hot_experts} experts",
+            "distinct_experts_16": statistics.mean(traced), "T_verify16_ms": trace_run["T_verify16_ms"],
+            "T_t_ms": trace_run["T_t_ms"], "T_verify16_floor_ms": trace_bytes["total"] / bandwidth * 1e3}
+    for name, verify_ms in [("ours", record["T_verify16_ms"])] + (
+            [("stock", record["stock"]["T_verify16_ms"])] if "stock" in record else []):
+        step_ms = record["L_target_ms"] if name == "ours" else record["stock"]["L_target_ms"]
+        record.setdefault("eta_at_tau_4.9", {})[name] = {
+            "draft_free": TAU_SEED * step_ms / verify_ms,
+            "draft_0.12_of_verify": TAU_SEED * step_ms / (verify_ms * (1 + DRAFT_OVER_VERIFY_SEED))}
+    if shape == "embedded" and args.generate:
+        record["generation"] = generation(hf, tok, fast, args.generate)
+        print(f"[{shape}] generation: {record['generation']}", flush=True)
+    record["cuda_graphs"] = fast.cuda_graphs
+    return record
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", action="append", help="model shape (repeatable); default: all that fit the device")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32 (default on CPU)")
+    ap.add_argument("--prompt", type=int, default=512, help="context length before the measured steps")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--routing-trace", action="store_true", help="also time the MoE verify with ~48-expert routing")
+    ap.add_argument("--hot-experts", type=int, default=50, help="hot-set size of the synthetic trace (50: ~47 distinct)")
+    ap.add_argument("--generate", type=int, default=0, help="embedded: greedy tok/s over 4 prompts of N new tokens")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
+    ap.add_argument("--no-graphs", action="store_true", help="CUDA: run eagerly, without CUDA graphs")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[args.dtype] or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    shapes = args.shape or (["smollm2-135m", "qwen3.6-35b-a3b"] if device.type == "cuda"
+                            else ["embedded", "qwen3.5-moe-small"])
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+    machine = torch.cuda.get_device_name() if device.type == "cuda" else \
+        f"{cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    for shape in shapes:
+        load_before = os.getloadavg()[0]
+        record = run_shape(args, shape, device, dtype, bandwidth)
+        record.update(load_average_1min={"start": load_before, "end": os.getloadavg()[0]},device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                      command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
+                      torch=torch.__version__, transformers=__import__("transformers").__version__)
+        name = f"target_step_{shape}_{device.type}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
+        (Path(args.out) / name).write_text(json.dumps(record, indent=1))
+        stock = record.get("stock", {})
+        print(f"[{shape}] L_target {record['L_target_ms']:.2f} ms (floor {record['L_target_floor_ms']:.2f}, stock "
+              f"{stock.get('L_target_ms', float('nan')):.2f}) | T_t(16) {record['T_verify16_ms']:.2f} ms (floor "
+              f"{record['T_verify16_floor_ms']:.2f}, stock {stock.get('T_verify16_ms', float('nan')):.2f}) -> {name}",
+              flush=True)
+        del record
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
