@@ -24,7 +24,7 @@ import torch
 from backend.dflash import find_shipped_drafter, load_drafter, random_drafter
 from backend.engine import Engine, SamplingParams
 
-TINY_MODELS = ("tiny-hybrid", "tiny-llama")
+TINY_MODELS = ("tiny-hybrid", "tiny-moe", "tiny-llama")  # tiny-moe: another name for tiny-hybrid
 PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)
     "Write a Python function that reverses the words in a sentence.",
     "Explain what a virtual environment is in Python and why it is useful.",
@@ -37,6 +37,10 @@ PROMPTS = [  # coding-assistant prompts like the ones the personas send (first f
 ]
 
 
+class BenchError(Exception):
+    """A user mistake (unknown model, missing drafter): reported as one line, no traceback."""
+
+
 # ---- targets ------------------------------------------------------------------------------------------------------
 
 
@@ -47,7 +51,7 @@ def tiny_model(kind: str, *, vocab: int = 128, hidden: int = 64, layers: int = 4
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(seed)
-    if kind == "tiny-hybrid":
+    if kind in ("tiny-hybrid", "tiny-moe"):
         config = Qwen3_5MoeTextConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
             shared_expert_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=4,
@@ -108,8 +112,10 @@ def make_drafter(spec: str, model, name: str, block_size: int | None):
     if spec == "random":
         return random_drafter(model, block_size=block_size or 8), "random (untrained, 1 layer)"
     path = find_shipped_drafter(name) if spec == "auto" else Path(spec)
-    if path is None:
-        raise SystemExit(f"no drafter is shipped for {name}; pass --drafter random, none, or a checkpoint folder")
+    if path is None:  # like `reviewer serve --drafter auto`: plain decoding only
+        print(f"reviewer bench: no drafter is shipped for {name}; measuring plain decoding only "
+              "(--drafter random measures the machinery with an untrained drafter)", file=sys.stderr)
+        return None, "none (auto: none shipped for this model)"
     drafter = load_drafter(path)
     if block_size:
         drafter.block_size = block_size
@@ -222,9 +228,30 @@ def machine_info(device: str) -> dict:
 
 
 def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
-         max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
-         adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
-         command: str | None = None) -> dict:
+         max_tokens: int = 64, json_out: Path | None = None, **options) -> int:
+    """`reviewer bench`: run_bench(...), print the table (and write JSON); returns the exit code (0, or 2 after a
+    one-line error for a user mistake). options: block_size, adaptive, compare_hf, threads, command."""
+    try:
+        run_bench(model=model, drafter=drafter, device=device, prompts=prompts, max_tokens=max_tokens,
+                  json_out=json_out, **options)
+    except BenchError as exc:
+        print(f"reviewer bench: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:  # bad drafter folder / checkpoint, bad argument
+        print(f"reviewer bench: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if type(exc).__name__ == "ModelLoadError":  # backend.loading's user-facing errors
+            print(f"reviewer bench: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
+              max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
+              adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
+              command: str | None = None) -> dict:
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
     drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
     threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls)."""
@@ -232,6 +259,10 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
         torch.set_num_threads(threads)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda, but torch sees no CUDA device")
+    if adaptive not in ("off", "on", "both"):
+        raise BenchError("adaptive must be off, on or both")
     target, tokenizer, name, max_context = load_target(model, device)
     draft_model, drafter_desc = make_drafter(drafter, target, name, block_size)
     vocab = target.get_input_embeddings().weight.shape[0]
@@ -339,7 +370,7 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def cli(argv: list[str] | None = None) -> None:
+def cli(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-hybrid", help=f"{', '.join(TINY_MODELS)}, embedded, a HF folder or .gguf")
     ap.add_argument("--drafter", default="random", help="random, none, auto (shipped for the model) or a folder")
@@ -352,10 +383,10 @@ def cli(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
+    return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
          command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(cli())

@@ -1,6 +1,8 @@
 """The speculative cycle: lossless greedy decoding with every accept length, cache states equal to plain decoding's
 after every cycle (KV, conv, recurrent), and speculative sampling that keeps the target's distribution."""
 
+import json
+
 import pytest
 import torch
 
@@ -235,3 +237,22 @@ def test_speculative_sampling_end_to_end_matches_target_distribution():
     assert torch.allclose(probs.sum(), torch.tensor(1.0), atol=1e-5)
     assert engine.last_stats.cycles >= 1
     assert _chi_square_pvalue(counts.flatten(), probs.flatten()) > 1e-3
+
+
+def test_bench_reports_the_seed_table(tmp_path, capsys):
+    from backend.bench import main
+
+    out = tmp_path / "spec.json"
+    assert main(model="tiny-moe", drafter="random", device="cpu", prompts=2, max_tokens=10, json_out=out,
+                block_size=4, threads=1) == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert runs["plain"]["identical_to_hf_generate"] and runs["speculative"]["identical_to_plain"]
+    assert runs["speculative_adaptive"]["identical_to_plain"]
+    spec_run = runs["speculative"]
+    assert spec_run["cycles"] > 0 and spec_run["tau"] >= 1.0 and len(spec_run["acceptance_per_position"]) == 3
+    assert spec_run["eta_predicted"] > 0 and spec_run["eta_measured"] > 0
+    assert spec_run["experts_per_layer"]["of"] == 16 and spec_run["experts_per_layer"]["decode_step"] == 2
+    assert {"command", "date", "machine"} <= set(res)
+    assert "eta predicted" in capsys.readouterr().out
+    assert main(model="no-such-model", drafter="none", device="cpu", prompts=1, max_tokens=2) == 2
