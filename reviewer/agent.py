@@ -352,6 +352,9 @@ def run_agent(persona, workspace, llm: LLMClient, recorder: Recorder, *, max_ste
               on_step: Callable[[StepEvent], None] = lambda e: None, max_total_tokens: int | None = None,
               command_timeout: int = 600, on_delta: Callable[[str], None] | None = None) -> AgentResult:
     """Run one LLM persona in its workspace until it calls finish or a budget ends it; never raises for LLM or tool
-    failures (the status and error say what happened). `on_delta` sees generated text as it streams (live tokens/s)."""
+    failures (the status and error say what happened). `on_delta` sees generated text as it streams (live tokens/s).
+    With several endpoints the whole run goes to one healthy endpoint (llm.route(); failover moves it on)."""
+    route = getattr(llm, "route", None)
+    llm = route() if route else llm
     return Agent(persona, workspace, llm, recorder, max_steps=max_steps, timeout=timeout, task=task, on_step=on_step,
                  max_total_tokens=max_total_tokens, command_timeout=command_timeout, on_delta=on_delta).run()

@@ -12,11 +12,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event, inspect, text
-from sqlalchemy.engine import Engine
+from sqlalchemy import Index, event, inspect, text
+from sqlalchemy.engine import Engine, make_url
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 RUN_STATUSES = ("queued", "running", "completed", "failed", "interrupted")
 PERSONA_STATUSES = ("running", "completed", "failed", "interrupted", "step_budget", "token_budget", "timeout")
@@ -53,6 +53,7 @@ class ReviewRun(SQLModel, table=True):
     machine: str | None = None  # fingerprint of the worker box: hostname, CPU, cores, memory
     pid: int | None = None  # process that owns a running review (crash recovery)
     error: str | None = None
+    worker: str | None = None  # name of the `reviewer loop` worker that ran it (v3; None for `reviewer run`)
 
 
 class PersonaRun(SQLModel, table=True):
@@ -123,7 +124,10 @@ class SandboxEvent(SQLModel, table=True):
 
 
 class ReviewQueue(SQLModel, table=True):
-    """Commits `reviewer loop` has seen and must review, one row per (repository, commit) (v2)."""
+    """Commits `reviewer loop` has seen and must review, one row per (repository, commit) (v2): the unique index makes
+    several loops enqueue a commit once (v3). A claimed row carries a lease its worker renews while it reviews (v3)."""
+
+    __table_args__ = (Index("uq_reviewqueue_repo_commit", "repository_id", "commit_sha", unique=True),)
 
     id: int | None = Field(default=None, primary_key=True)
     repository_id: int = Field(foreign_key="repository.id", index=True)
@@ -133,6 +137,9 @@ class ReviewQueue(SQLModel, table=True):
     attempts: int = 0
     run_id: int | None = None  # the latest ReviewRun made for this row
     claimed_by: str | None = None  # "host:pid" of the loop reviewing it (crash recovery)
+    worker: str | None = None  # the claiming worker's name (v3)
+    lease_expires_at: datetime | None = None  # database time after which another worker may queue it again (v3)
+    heartbeat_at: datetime | None = None  # last lease renewal (v3)
     enqueued_at: datetime = Field(default_factory=utcnow)
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -154,6 +161,23 @@ def _v2_lifecycle_columns(conn) -> None:
 MIGRATIONS[2] = _v2_lifecycle_columns
 
 
+def _v3_shared_queue(conn) -> None:
+    # v3 (scale-out): leases on queue rows, worker names, and one queue row per (repository, commit). Two loops that
+    # polled at once before v3 may have queued a commit twice: the younger rows are bookkeeping only (the runs stay),
+    # so they go, and the unique index can be made.
+    add_column(conn, "reviewqueue", "worker", "TEXT")
+    add_column(conn, "reviewqueue", "lease_expires_at", "TIMESTAMP")
+    add_column(conn, "reviewqueue", "heartbeat_at", "TIMESTAMP")
+    add_column(conn, "reviewrun", "worker", "TEXT")
+    conn.execute(text("DELETE FROM reviewqueue WHERE id NOT IN "
+                      "(SELECT MIN(id) FROM reviewqueue GROUP BY repository_id, commit_sha)"))
+    conn.execute(text("CREATE UNIQUE INDEX IF NOT EXISTS uq_reviewqueue_repo_commit "
+                      "ON reviewqueue (repository_id, commit_sha)"))
+
+
+MIGRATIONS[3] = _v3_shared_queue
+
+
 def add_column(conn, table: str, column: str, ddl_type: str) -> None:
     """Idempotent ALTER TABLE ADD COLUMN for migrations."""
     if column not in {c["name"] for c in inspect(conn).get_columns(table)}:
@@ -161,9 +185,28 @@ def add_column(conn, table: str, column: str, ddl_type: str) -> None:
 
 
 def database_url(db: str) -> str:
-    if "://" in db:
+    """A path is a SQLite file; postgresql:// (or postgres://) URLs go through psycopg 3 (`reviewer[postgres]`)."""
+    if "://" not in db:
+        return f"sqlite:///{Path(db).expanduser()}"
+    for plain in ("postgresql://", "postgres://"):
+        if db.startswith(plain):
+            return "postgresql+psycopg://" + db.removeprefix(plain)
+    return db
+
+
+def display_url(db: str) -> str:
+    """The database as shown in logs and errors: a URL's password is masked."""
+    if "://" not in db:
         return db
-    return f"sqlite:///{Path(db).expanduser()}"
+    try:
+        return make_url(db).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy understands; get_engine will say so
+        return db.split("@", 1)[-1] if "@" in db else db
+
+
+def is_postgres(s_or_conn) -> bool:
+    return s_or_conn.get_bind().dialect.name == "postgresql" if isinstance(s_or_conn, Session) \
+        else s_or_conn.dialect.name == "postgresql"
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -187,6 +230,13 @@ def get_engine(db: str) -> Engine:
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
+    elif url.startswith("postgresql+psycopg://"):
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise RuntimeError("PostgreSQL needs the psycopg driver: pip install 'reviewer[postgres]'") from None
+        # UTC sessions: timestamps are stored without a zone and always read back as UTC (reviewer.db.iso).
+        engine = create_engine(url, pool_pre_ping=True, connect_args={"options": "-c timezone=UTC"})
     else:
         engine = create_engine(url, pool_pre_ping=True)
     upgrade(engine)
@@ -204,6 +254,9 @@ def stored_version(conn) -> int:
 def upgrade(engine: Engine) -> None:
     """Create missing tables and run pending migrations in one transaction."""
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Several workers starting at once against a new database: one creates and upgrades, the others wait.
+            conn.execute(text("SELECT pg_advisory_xact_lock(7262657669657772)"))
         version = stored_version(conn)
         if version > SCHEMA_VERSION:
             raise RuntimeError(
@@ -227,10 +280,29 @@ def session(db: str) -> Session:
 def get_or_create_repository(s: Session, url: str) -> Repository:
     repo = s.exec(select(Repository).where(Repository.url == url)).first()
     if repo is None:
-        repo = Repository(url=url)
-        s.add(repo)
-        s.flush()
+        # Another worker may add the same repository at the same moment: insert-or-nothing, then read it.
+        insert_ignore(s, Repository, {"url": url, "created_at": utcnow()}, ["url"])
+        repo = s.exec(select(Repository).where(Repository.url == url)).one()
     return repo
+
+
+def insert_ignore(s: Session, model, values: dict, conflict: list[str]) -> bool:
+    """INSERT ... ON CONFLICT (conflict) DO NOTHING on SQLite and PostgreSQL; True when the row was inserted."""
+    if is_postgres(s):
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    table = model.__table__
+    statement = insert(table).values(**values).on_conflict_do_nothing(index_elements=conflict)
+    # RETURNING, not rowcount: drivers report -1 for an INSERT whose keys come back through RETURNING.
+    return s.execute(statement.returning(*table.primary_key.columns)).first() is not None
+
+
+def db_now(s: Session) -> datetime:
+    """The database's clock on PostgreSQL (workers' clocks need not agree for leases), this machine's on SQLite."""
+    if is_postgres(s):
+        return s.execute(text("SELECT now()")).scalar_one().astimezone(timezone.utc)
+    return utcnow()
 
 
 def iso(dt: datetime | None) -> str | None:

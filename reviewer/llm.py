@@ -190,6 +190,10 @@ class LLMClient:
     def _chat_once(self, messages, tools, on_delta, request_timeout, params) -> ChatResponse:
         raise NotImplementedError
 
+    def route(self) -> LLMClient:
+        """The client for one persona run: itself for one endpoint; FailoverClient picks a healthy endpoint."""
+        return self
+
     def close(self) -> None:
         pass
 
@@ -260,6 +264,16 @@ class OpenAIChat(LLMClient):
             calls.append(ToolCall(parts[i]["id"] or f"call_{i}", parts[i]["name"], parse_arguments(raw), raw))
         return finish_response("".join(content), calls, finish_reason, usage, messages, tools,
                                time.perf_counter() - start)
+
+    def probe(self, timeout: float = 5.0) -> bool:
+        """Does the endpoint answer at all (GET /v1/models)? Any HTTP answer counts: only connection errors say no."""
+        try:
+            self.sdk.with_options(timeout=timeout, max_retries=0).models.list()
+        except openai.APIStatusError:
+            return True
+        except Exception:  # noqa: BLE001 - refused, reset, timed out
+            return False
+        return True
 
     def close(self) -> None:
         self.sdk.close()
@@ -362,10 +376,19 @@ def from_anthropic_message(message, seconds: float) -> ChatResponse:
 
 
 class FailoverClient(LLMClient):
-    """Several endpoints: requests go to the current one and move to the next when it stops answering."""
+    """Several endpoints (inference boxes) behind one client. `route()` gives each persona run its own view, pinned to
+    one healthy endpoint, taken in turn from a per-process random start (so the worker boxes spread over the inference
+    boxes) and kept for the whole run (so that server's prefix cache stays warm for the conversation). A request
+    that finds its endpoint down (connection refused, reset, timed out) moves the run to the next healthy endpoint and
+    the dead one is skipped by later routes for `cooldown` seconds; the conversation is all in the messages, so any
+    endpoint can carry it on."""
 
-    def __init__(self, clients: list[LLMClient]):
-        self.clients, self.current = clients, 0
+    def __init__(self, clients: list[LLMClient], *, cooldown: float = 30.0, _shared: dict | None = None):
+        self.clients = clients
+        # Health and turn-taking are shared by every routed view of this pool.
+        self.shared = _shared or {"down_until": [0.0] * len(clients), "turn": random.randrange(len(clients)),
+                                  "cooldown": cooldown}
+        self.current = 0  # used directly (not routed), the list order is the order of preference
 
     @property
     def active(self) -> LLMClient:
@@ -376,14 +399,46 @@ class FailoverClient(LLMClient):
     context_window = property(lambda self: min(c.context_window for c in self.clients))
     kind = property(lambda self: self.active.kind)
 
+    @property
+    def retry(self) -> RetryPolicy:
+        return self.active.retry
+
+    def healthy(self, index: int) -> bool:
+        return self.shared["down_until"][index] <= time.monotonic()
+
+    def order(self, start: int) -> list[int]:
+        """Endpoint indices from `start` round, healthy ones first."""
+        ring = [(start + i) % len(self.clients) for i in range(len(self.clients))]
+        return [i for i in ring if self.healthy(i)] + [i for i in ring if not self.healthy(i)]
+
+    def mark_down(self, index: int) -> None:
+        self.shared["down_until"][index] = time.monotonic() + self.shared["cooldown"]
+
+    def route(self) -> FailoverClient:
+        """A view for one persona run, pinned to the next healthy endpoint in turn (one that answers a quick
+        /v1/models where the endpoint can be asked)."""
+        start = self.shared["turn"]
+        for index in self.order(start):
+            probe = getattr(self.clients[index], "probe", None)
+            if self.healthy(index) and (probe is None or probe()):
+                break
+            self.mark_down(index)
+        else:
+            index = self.order(start)[0]  # none answers: the chat will say so, naming every endpoint
+        self.shared["turn"] = index + 1
+        view = FailoverClient(self.clients, _shared=self.shared)
+        view.current = index
+        return view
+
     def chat(self, messages, tools=None, **kwargs) -> ChatResponse:
         failures = []
-        for _ in range(len(self.clients)):
+        for index in self.order(self.current):
+            self.current = index
             try:
                 return self.active.chat(messages, tools, **kwargs)
             except EndpointDown as e:
                 failures.append(str(e))
-                self.current = (self.current + 1) % len(self.clients)
+                self.mark_down(index)
         raise LLMError("no LLM endpoint answered: " + "; ".join(failures))
 
     def close(self) -> None:

@@ -1,16 +1,23 @@
-"""`reviewer loop`: watch repositories, review each new commit once, one review at a time per machine.
+"""`reviewer loop`: watch repositories, review each new commit once, one review at a time per machine, with as many
+worker machines as you like on one shared database.
 
 One pass: ask every repository for its default branch's head (`git ls-remote`, with a timeout); a head that has not
-been reviewed (no completed or failed run, no queue row) becomes a row of the `reviewqueue` table; then the queued rows
-of the watched repositories are reviewed oldest first. A repository that cannot be read is logged and backed off
-(doubling delays up to MAX_BACKOFF); the others go on.
+been reviewed becomes a row of the `reviewqueue` table (one row per commit, however many loops see it: a unique index
+and INSERT ... ON CONFLICT DO NOTHING); then the queued rows of the watched repositories are reviewed oldest first. A
+repository that cannot be read is logged and backed off (doubling delays up to MAX_BACKOFF); the others go on.
 
 Every review happens while this process holds the machine-wide review lock (reviewer/lock.py), from claiming the queue
-row to writing the verification. That gives crash recovery a simple rule: whoever holds the lock is the only one
-reviewing on this machine, so a run or queue row of this machine still marked `running` belongs to a process that
-died (kill -9, power loss). It is marked `interrupted` (its persona rows too; everything it recorded stays) and its
-commit is queued again. SIGINT and SIGTERM stop a review cleanly (reviewer/review.py marks the persona and run
-interrupted), put its queue row back, and end the loop.
+row to writing the verification, so a box runs one review at a time however many loops it runs. Claiming is atomic
+(`SELECT ... FOR UPDATE SKIP LOCKED` on PostgreSQL, and a compare-and-set UPDATE everywhere). A claimed row carries a
+lease in database time that a heartbeat thread renews every third of its length while the review runs: a slow worker
+keeps its job, and the job of a worker that died (kill -9, power loss, cut off) is queued again by whichever worker
+polls once the lease has run out. Quicker paths for one box: a run of this machine left `running` by a dead process is
+marked `interrupted` at once (its persona rows too; everything it recorded stays), and a loop restarted under the same
+worker name takes its own dead job back without waiting for the lease. SIGINT and SIGTERM stop a review cleanly
+(reviewer/review.py marks the persona and run interrupted), put its queue row back, and end the loop.
+
+Worker name and lease: the `worker` and `lease_seconds` settings (REVIEWER_WORKER, REVIEWER_LEASE_SECONDS); by default
+the host name and DEFAULT_LEASE.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from sqlalchemy import update
 from sqlmodel import select
 
 from reviewer import db
@@ -37,6 +45,8 @@ from reviewer.lock import lock_path, review_lock
 from reviewer.workspace import WorkspaceError, is_url, list_remote, local_repository_url, resolve_target
 
 MAX_BACKOFF = 3600.0
+DEFAULT_LEASE = 300.0  # seconds a claimed job stays a worker's without a heartbeat
+MIN_LEASE = 3.0
 MAX_ATTEMPTS = 3  # a commit whose review was started this often without finishing is given up (status failed)
 REVIEWED = ("completed", "failed")  # run statuses that count as "this commit was reviewed"
 EXIT_OK, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -131,7 +141,27 @@ def watched_repositories(repos: list[str], repos_file: Path | None) -> list[Watc
 # --- the queue ---------------------------------------------------------------------------------------------------------
 
 def me() -> str:
+    """This process, as a queue row's `claimed_by`: unique among live processes of every box."""
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def worker_name(settings=None) -> str:
+    """The worker's name in the queue and the report: `worker` setting, REVIEWER_WORKER, else the host name (so a loop
+    restarted on the same box is the same worker and takes back its own dead job at once)."""
+    return getattr(settings, "worker", None) or os.environ.get("REVIEWER_WORKER") or socket.gethostname()
+
+
+def lease_seconds(settings=None) -> float:
+    """How long a claimed job stays ours without a heartbeat: `lease_seconds` setting, REVIEWER_LEASE_SECONDS, else
+    DEFAULT_LEASE. The heartbeat renews it every third of that."""
+    value = getattr(settings, "lease_seconds", None) or os.environ.get("REVIEWER_LEASE_SECONDS") or DEFAULT_LEASE
+    try:
+        value = float(value)
+    except ValueError:
+        raise LoopError(f"REVIEWER_LEASE_SECONDS must be a number of seconds, got {value!r}") from None
+    if not value >= MIN_LEASE:
+        raise LoopError(f"the lease must be at least {MIN_LEASE:g} s (it is renewed every third of it), got {value:g}")
+    return value
 
 
 def already_reviewed(s, repository_id: int, commit: str) -> bool:
@@ -140,6 +170,14 @@ def already_reviewed(s, repository_id: int, commit: str) -> bool:
         return True  # queued, running, done or given up: nothing new to add
     return s.exec(select(ReviewRun).where(ReviewRun.repository_id == repository_id, ReviewRun.commit_sha == commit,
                                           ReviewRun.status.in_(REVIEWED))).first() is not None  # type: ignore[attr-defined]
+
+
+def enqueue(s, repository_id: int, commit: str, ref: str | None, **values) -> bool:
+    """One queue row per (repository, commit), however many loops see the commit at once (a unique index and
+    INSERT ... ON CONFLICT DO NOTHING). True when this call added it."""
+    row = {"repository_id": repository_id, "commit_sha": commit, "ref": ref, "status": "queued", "attempts": 0,
+           "enqueued_at": db.utcnow(), **values}
+    return db.insert_ignore(s, ReviewQueue, row, ["repository_id", "commit_sha"])
 
 
 def poll(w: Watched, db_path: str, interval: float, console: Console) -> bool:
@@ -162,19 +200,86 @@ def poll(w: Watched, db_path: str, interval: float, console: Console) -> bool:
     commit = refs["HEAD"]
     with db.session(db_path) as s:
         repo = db.get_or_create_repository(s, w.url)
-        if already_reviewed(s, repo.id, commit):
-            s.commit()
-            return True
-        s.add(ReviewQueue(repository_id=repo.id, commit_sha=commit, ref=branch))
+        added = not already_reviewed(s, repo.id, commit) and enqueue(s, repo.id, commit, branch)
         s.commit()
-    log(console, f"{w.url}: new commit {commit[:12]}" + (f" on {branch}" if branch else "") + " queued", "bold")
+    if added:
+        log(console, f"{w.url}: new commit {commit[:12]}" + (f" on {branch}" if branch else "") + " queued", "bold")
     return True
 
 
-def next_queued(s, urls: list[str]) -> ReviewQueue | None:
+def claim(s, urls: list[str], worker: str, lease: float) -> ReviewQueue | None:
+    """Take the oldest queued row of the watched repositories, atomically: on PostgreSQL `SELECT ... FOR UPDATE SKIP
+    LOCKED` (workers of other boxes skip the row one of them is taking), and everywhere a compare-and-set UPDATE
+    (`WHERE status = 'queued'`), so that two workers never both think they own a row. The claimed row carries a
+    lease of `lease` seconds of database time."""
     repo_ids = s.exec(select(Repository.id).where(Repository.url.in_(urls))).all()  # type: ignore[attr-defined]
-    return s.exec(select(ReviewQueue).where(ReviewQueue.status == "queued", ReviewQueue.repository_id.in_(repo_ids))
-                  .order_by(ReviewQueue.id)).first()  # type: ignore[attr-defined]
+    for _ in range(10):  # each miss means another worker won that row: try the next one
+        row = s.exec(select(ReviewQueue).where(ReviewQueue.status == "queued",
+                                               ReviewQueue.repository_id.in_(repo_ids))  # type: ignore[attr-defined]
+                     .order_by(ReviewQueue.id).limit(1).with_for_update(skip_locked=True)).first()
+        if row is None:
+            s.rollback()
+            return None
+        now = db.db_now(s)
+        won = s.execute(update(ReviewQueue).where(ReviewQueue.id == row.id, ReviewQueue.status == "queued").values(
+            status="running", claimed_by=me(), worker=worker, started_at=now, heartbeat_at=now,
+            lease_expires_at=now + timedelta(seconds=lease), attempts=ReviewQueue.attempts + 1)).rowcount == 1
+        s.commit()
+        if won:
+            s.refresh(row)
+            return row
+    return None
+
+
+def release(db_path: str, row_id: int, **values) -> bool:
+    """Update a row this process claimed, and drop the claim; False (nothing written) when the row is no longer ours
+    (our lease lapsed and another worker took it over)."""
+    with db.session(db_path) as s:
+        done = s.execute(update(ReviewQueue).where(ReviewQueue.id == row_id, ReviewQueue.claimed_by == me()).values(
+            claimed_by=None, lease_expires_at=None, **values)).rowcount == 1
+        s.commit()
+    return done
+
+
+class Heartbeat:
+    """Renews a claimed row's lease every lease/3 seconds on a thread, for as long as the review (and its
+    verification) runs: a live worker's job is never taken from it, however slow it is; a dead one's lease runs out
+    and another worker queues the job again (`requeue_expired`)."""
+
+    def __init__(self, db_path: str, row_id: int, lease: float, console: Console):
+        self.db_path, self.row_id, self.lease, self.console = db_path, row_id, lease, console
+        self.lost = False
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self.run, name=f"lease-{row_id}", daemon=True)
+
+    def renew(self) -> bool:
+        with db.session(self.db_path) as s:
+            now = db.db_now(s)
+            renewed = s.execute(update(ReviewQueue).where(
+                ReviewQueue.id == self.row_id, ReviewQueue.claimed_by == me(), ReviewQueue.status == "running").values(
+                heartbeat_at=now, lease_expires_at=now + timedelta(seconds=self.lease))).rowcount == 1
+            s.commit()
+        return renewed
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.lease / 3):
+            try:
+                if not self.renew():
+                    self.lost = True
+                    log(self.console, f"queue item {self.row_id}: our lease lapsed and another worker took the job "
+                                      "over; this review goes on, its result stays beside theirs", "red")
+                    return
+            except Exception as e:  # noqa: BLE001 - a database hiccup: try again next beat (the lease has slack)
+                log(self.console, f"queue item {self.row_id}: could not renew the lease: {first_line(e)}",
+                    "yellow")
+
+    def __enter__(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=30)
 
 
 # --- crash recovery ----------------------------------------------------------------------------------------------------
@@ -215,46 +320,103 @@ def run_host(run: ReviewRun) -> str | None:
         return None
 
 
-def recover(db_path: str, watched_urls: list[str], console: Console) -> int:
-    """Call with the machine lock held. Runs of this machine left `running` by a dead process become `interrupted`
-    (their persona rows too); their queue rows, and those of watched repositories, are queued again."""
+def claimer(row: ReviewQueue) -> tuple[str, int | None]:
+    """(host, pid) from a row's claimed_by "host:pid"."""
+    host, _, pid = (row.claimed_by or "").rpartition(":")
+    return host, int(pid) if pid.isdigit() else None
+
+
+def interrupt_run(s, run: ReviewRun, why: str) -> None:
+    """A run whose process is gone: it and its running persona rows become `interrupted`; what they recorded stays."""
+    for p in s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id, PersonaRun.status == "running")).all():
+        p.status, p.error, p.finished_at = "interrupted", why, db.utcnow()
+        s.add(p)
+    run.status, run.error, run.finished_at = "interrupted", why, db.utcnow()
+    s.add(run)
+
+
+def recover_dead_runs(s, watched_urls: list[str], console: Console) -> int:
+    """Runs of this machine left `running` by a process that is gone (kill -9, power loss) become interrupted. Runs of
+    other machines are left to their leases (a shared database): a pid means nothing on another box."""
     host = socket.gethostname()
     recovered = 0
-    with db.session(db_path) as s:
-        for run in s.exec(select(ReviewRun).where(ReviewRun.status == "running")).all():
-            if run.pid == os.getpid() or (run_host(run) not in (None, host)):
-                continue  # ours, or another machine's (a shared database)
-            if run_host(run) is None and owner_alive(run.pid, run.started_at):
-                continue  # no machine recorded: trust a live owner
-            if run_host(run) == host and owner_alive(run.pid, run.started_at):
-                # We hold the lock, so a live owner is not reviewing: it is between its last row and its exit.
-                continue
-            why = f"the reviewing process (pid {run.pid}) ended without finishing the run (killed or crashed)"
-            for p in s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id, PersonaRun.status == "running")).all():
-                p.status, p.error, p.finished_at = "interrupted", why, db.utcnow()
-                s.add(p)
-            run.status, run.error, run.finished_at = "interrupted", why, db.utcnow()
-            s.add(run)
-            recovered += 1
-            url = s.get(Repository, run.repository_id).url
-            log(console, f"run {run.id} ({url} @ {(run.commit_sha or '?')[:12]}) was left running by pid {run.pid}: "
-                         "marked interrupted", "yellow")
-            if url in watched_urls:
-                row = s.exec(select(ReviewQueue).where(ReviewQueue.repository_id == run.repository_id,
-                                                       ReviewQueue.commit_sha == run.commit_sha)).first()
-                if row is None:
-                    s.add(ReviewQueue(repository_id=run.repository_id, commit_sha=run.commit_sha, ref=run.ref,
-                                      run_id=run.id, attempts=1))
-                    log(console, f"queued {(run.commit_sha or '?')[:12]} of {url} again", "yellow")
-        for row in s.exec(select(ReviewQueue).where(ReviewQueue.status == "running")).all():
-            claimed_host = (row.claimed_by or "").rsplit(":", 1)[0]
-            if claimed_host not in ("", host) or row.claimed_by == me():
-                continue
-            row.status, row.claimed_by = "queued", None
-            row.error = "the loop reviewing it ended without finishing (killed or crashed); queued again"
-            s.add(row)
-            recovered += 1
+    for run in s.exec(select(ReviewRun).where(ReviewRun.status == "running")).all():
+        if run.pid == os.getpid() or (run_host(run) not in (None, host)):
+            continue  # ours, or another machine's
+        if owner_alive(run.pid, run.started_at):
+            continue  # alive: reviewing (under another box lock) or between its last row and its exit
+        why = f"the reviewing process (pid {run.pid}) ended without finishing the run (killed or crashed)"
+        interrupt_run(s, run, why)
+        recovered += 1
+        url = s.get(Repository, run.repository_id).url
+        log(console, f"run {run.id} ({url} @ {(run.commit_sha or '?')[:12]}) was left running by pid {run.pid}: "
+                     "marked interrupted", "yellow")
+        if url in watched_urls and run.commit_sha and enqueue(s, run.repository_id, run.commit_sha, run.ref,
+                                                              run_id=run.id, attempts=1):
+            log(console, f"queued {run.commit_sha[:12]} of {url} again", "yellow")
+    return recovered
+
+
+def requeue_own_dead_jobs(s, worker: str, console: Console) -> int:
+    """Jobs this worker (same name, same box) claimed in a process that is gone: queued again at once, without waiting
+    for their lease. Other workers' jobs, even on this box, wait for their lease."""
+    host = socket.gethostname()
+    requeued = 0
+    for row in s.exec(select(ReviewQueue).where(ReviewQueue.status == "running")).all():
+        claimed_host, pid = claimer(row)
+        if row.claimed_by == me() or claimed_host not in ("", host) or row.worker not in (None, worker):
+            continue
+        if claimed_host and owner_alive(pid, row.started_at):
+            continue
+        done = s.execute(update(ReviewQueue).where(ReviewQueue.id == row.id, ReviewQueue.claimed_by == row.claimed_by,
+                                                   ReviewQueue.status == "running").values(
+            status="queued", claimed_by=None, lease_expires_at=None,
+            error="the loop reviewing it ended without finishing (killed or crashed); queued again")).rowcount
+        if done:
+            requeued += 1
             log(console, f"queue item {row.id} ({row.commit_sha[:12]}) was left running: queued again", "yellow")
+    return requeued
+
+
+def requeue_expired(s, console: Console) -> int:
+    """Jobs whose lease ran out (their worker stopped renewing it: killed, crashed, cut off) go back to the queue; the
+    run their worker had started is marked interrupted. Whoever polls does this; the UPDATE re-checks the expiry, so a
+    lease renewed a moment ago is left alone."""
+    now = db.db_now(s)
+    requeued = 0
+    expired = s.exec(select(ReviewQueue).where(ReviewQueue.status == "running", ReviewQueue.lease_expires_at != None,  # noqa: E711
+                                               ReviewQueue.lease_expires_at < now)).all()
+    for row in expired:
+        late = (now - as_utc(row.heartbeat_at)).total_seconds() if row.heartbeat_at else None
+        why = (f"worker {row.worker or '?'} ({row.claimed_by}) stopped renewing its lease"
+               + (f" (last heartbeat {late:.0f} s ago)" if late is not None else "") + "; queued again")
+        done = s.execute(update(ReviewQueue).where(ReviewQueue.id == row.id, ReviewQueue.status == "running",
+                                                   ReviewQueue.lease_expires_at < now).values(
+            status="queued", claimed_by=None, lease_expires_at=None, error=why)).rowcount
+        if not done:
+            continue  # renewed or taken care of by another worker in the meantime
+        requeued += 1
+        host, pid = claimer(row)
+        for run in s.exec(select(ReviewRun).where(ReviewRun.repository_id == row.repository_id,
+                                                  ReviewRun.commit_sha == row.commit_sha,
+                                                  ReviewRun.status == "running", ReviewRun.pid == pid)).all():
+            if run_host(run) in (None, host):
+                interrupt_run(s, run, f"its worker {row.worker or '?'} stopped renewing its lease (killed or cut off)")
+        log(console, f"queue item {row.id} ({row.commit_sha[:12]}): lease expired, {why}", "yellow")
+    return requeued
+
+
+def as_utc(dt: datetime) -> datetime:
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+def recover(db_path: str, watched_urls: list[str], console: Console, worker: str | None = None) -> int:
+    """Call with the machine lock held. Dead runs of this machine become interrupted; this worker's own dead jobs and
+    every job whose lease expired are queued again. Returns how many rows were recovered."""
+    with db.session(db_path) as s:
+        recovered = recover_dead_runs(s, watched_urls, console)
+        recovered += requeue_own_dead_jobs(s, worker or worker_name(), console)
+        recovered += requeue_expired(s, console)
         s.commit()
     return recovered
 
@@ -270,15 +432,15 @@ def remove_stale_private_locks(machine_lock: Path) -> None:
 # --- one review ----------------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def private_review_lock(machine_lock: Path) -> Iterator[None]:
+def private_review_lock(machine_lock: Path, settings) -> Iterator:
     """reviewer.review.run_command takes the machine lock itself; the loop already holds it (from claim to
-    verification), so for the length of the call run_command is pointed at a lock file of this process alone.
-    The one machine-wide lock stays ours throughout."""
+    verification), so for the length of the call run_command gets settings whose lock file belongs to this process
+    alone. The one machine-wide lock stays ours throughout."""
     private = machine_lock.with_name(f"{machine_lock.name}.loop-{os.getpid()}")
     previous = os.environ.get("REVIEWER_LOCK_FILE")
-    os.environ["REVIEWER_LOCK_FILE"] = str(private)
+    os.environ["REVIEWER_LOCK_FILE"] = str(private)  # for code that reads the variable rather than the settings
     try:
-        yield
+        yield settings.model_copy(update={"lock_file": private}) if hasattr(settings, "model_copy") else settings
     finally:
         if previous is None:
             os.environ.pop("REVIEWER_LOCK_FILE", None)
@@ -293,7 +455,8 @@ class ReviewNotStarted(Exception):
     problem. The row goes back to the queue and this pass stops draining."""
 
 
-def review_queued(row_id: int, settings, machine_lock: Path, console: Console) -> tuple[str, int | None, str | None]:
+def review_queued(row_id: int, settings, machine_lock: Path, console: Console,
+                  worker: str) -> tuple[str, int | None, str | None]:
     """Review one claimed queue row (the lock is held). Returns (queue status, run id, error)."""
     from reviewer.review import EXIT_INTERRUPTED as REVIEW_INTERRUPTED
     from reviewer.review import run_command
@@ -303,18 +466,24 @@ def review_queued(row_id: int, settings, machine_lock: Path, console: Console) -
         url = s.get(Repository, row.repository_id).url
         commit, attempt = row.commit_sha, row.attempts
         last_run = s.exec(select(ReviewRun.id).order_by(ReviewRun.id.desc())).first() or 0  # type: ignore[union-attr]
-    log(console, f"reviewing {url} @ {commit[:12]} (queue item {row_id}, attempt {attempt})", "bold")
+    log(console, f"reviewing {url} @ {commit[:12]} (queue item {row_id}, attempt {attempt}, worker {worker})", "bold")
     try:
         resolve_target(url, commit)  # a commit that vanished (force-push) fails its own row, nothing else
     except WorkspaceError as e:
         log(console, f"cannot review {commit[:12]}: {e}", "red")
         return "failed", None, str(e)
-    with private_review_lock(machine_lock):
-        code = run_command(url, settings, ref=commit, no_wait=True, console=console)
+    with private_review_lock(machine_lock, settings) as review_settings:
+        code = run_command(url, review_settings, ref=commit, no_wait=True, console=console)
+    run_id = None
     with db.session(settings.db) as s:
-        run_id = s.exec(select(ReviewRun.id).where(ReviewRun.id > last_run, ReviewRun.pid == os.getpid(),
-                                                   ReviewRun.commit_sha == commit)
-                        .order_by(ReviewRun.id.desc())).first()  # type: ignore[union-attr]
+        for run in s.exec(select(ReviewRun).where(ReviewRun.id > last_run, ReviewRun.pid == os.getpid(),
+                                                  ReviewRun.commit_sha == commit)
+                          .order_by(ReviewRun.id.desc())).all():  # type: ignore[union-attr]
+            if run_host(run) in (None, socket.gethostname()):  # pids repeat across the boxes of a shared database
+                run.worker, run_id = worker, run.id
+                s.add(run)
+                break
+        s.commit()
     if code == REVIEW_INTERRUPTED:
         raise KeyboardInterrupt  # the review marked itself interrupted; the loop stops and requeues
     if run_id is None:
@@ -333,60 +502,47 @@ def verify_run(settings, run_id: int, console: Console) -> None:
                      + (f", {counts['unchecked']} not checked" if counts["unchecked"] else ""))
 
 
-def set_row(db_path: str, row_id: int, **values) -> None:
-    with db.session(db_path) as s:
-        row = s.get(ReviewQueue, row_id)
-        for k, v in values.items():
-            setattr(row, k, v)
-        s.add(row)
-        s.commit()
-
-
-def review_next(watched: list[Watched], settings, console: Console) -> str:
-    """Take the machine, recover what dead processes left, claim the oldest queued row and review it. Returns
-    "reviewed", "empty" (nothing queued) or "blocked" (a review could not start; try again next pass)."""
+def review_next(watched: list[Watched], settings, console: Console, worker: str, lease: float) -> str:
+    """Take the machine, recover what dead workers left, claim the oldest queued row and review it while a heartbeat
+    renews its lease. Returns "reviewed", "empty" (nothing queued) or "blocked" (a review could not start; try again
+    next pass)."""
     machine_lock = lock_path(settings)
     urls = [w.url for w in watched]
-    with review_lock(machine_lock, wait=True, holder={"target": "reviewer loop", "loop_pid": os.getpid()},
+    with review_lock(machine_lock, wait=True, holder={"target": "reviewer loop", "loop_pid": os.getpid(),
+                                                      "worker": worker},
                      on_wait=lambda m: log(console, m, "dim")) as update_holder:
-        recover(settings.db, urls, console)
+        recover(settings.db, urls, console, worker)
         remove_stale_private_locks(machine_lock)
         with db.session(settings.db) as s:
-            row = next_queued(s, urls)
+            row = claim(s, urls, worker, lease)
             if row is None:
                 return "empty"
-            if row.attempts >= MAX_ATTEMPTS:
-                row.status, row.finished_at = "failed", db.utcnow()
-                row.error = f"given up after {row.attempts} attempts that did not finish"
-                s.add(row)
-                s.commit()
-                log(console, f"queue item {row.id} ({row.commit_sha[:12]}): {row.error}", "red")
-                return "reviewed"
-            row.status, row.claimed_by, row.started_at = "running", me(), db.utcnow()
-            row.attempts += 1
-            s.add(row)
-            s.commit()
             row_id, commit, attempts = row.id, row.commit_sha, row.attempts
             url = s.get(Repository, row.repository_id).url
+        if attempts > MAX_ATTEMPTS:
+            error = f"given up after {attempts - 1} attempts that did not finish"
+            release(settings.db, row_id, status="failed", attempts=attempts - 1, finished_at=db.utcnow(), error=error)
+            log(console, f"queue item {row_id} ({commit[:12]}): {error}", "red")
+            return "reviewed"
         update_holder(target=url, commit=commit, queue_item=row_id)
         try:
-            status, run_id, error = review_queued(row_id, settings, machine_lock, console)
+            with Heartbeat(settings.db, row_id, lease, console):
+                status, run_id, error = review_queued(row_id, settings, machine_lock, console, worker)
         except KeyboardInterrupt:
-            set_row(settings.db, row_id, status="queued", claimed_by=None,
-                    error="interrupted (SIGINT/SIGTERM); queued again")
+            release(settings.db, row_id, status="queued", error="interrupted (SIGINT/SIGTERM); queued again")
             raise ReviewInterrupted from None
         except ReviewNotStarted as e:
             # Not this commit's fault: it keeps its place, and its attempt is not counted.
-            set_row(settings.db, row_id, status="queued", claimed_by=None, attempts=attempts - 1, error=str(e))
+            release(settings.db, row_id, status="queued", attempts=attempts - 1, error=str(e))
             log(console, f"queue item {row_id}: {e}; it stays queued", "red")
             return "blocked"
         except Exception as e:  # noqa: BLE001 - a bug in one review must not end the loop; the row says what
-            set_row(settings.db, row_id, status="failed", claimed_by=None, finished_at=db.utcnow(),
-                    error=f"{type(e).__name__}: {e}")
+            release(settings.db, row_id, status="failed", finished_at=db.utcnow(), error=f"{type(e).__name__}: {e}")
             log(console, f"queue item {row_id}: review crashed: {type(e).__name__}: {e}", "red")
             return "reviewed"
-        set_row(settings.db, row_id, status=status, run_id=run_id, claimed_by=None, finished_at=db.utcnow(),
-                error=error)
+        if not release(settings.db, row_id, status=status, run_id=run_id, finished_at=db.utcnow(), error=error):
+            log(console, f"queue item {row_id}: another worker took it over after our lease lapsed; our run {run_id} "
+                         "stays in the database beside theirs", "red")
     return "reviewed"
 
 
@@ -409,7 +565,8 @@ def signals_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def check_options(settings, interval: float, max_reviews: int | None) -> None:
+def check_options(settings, interval: float, max_reviews: int | None) -> tuple[str, float]:
+    """Returns (worker name, lease seconds)."""
     from reviewer.personas import PersonaError, select_personas
 
     if interval <= 0:
@@ -421,21 +578,29 @@ def check_options(settings, interval: float, max_reviews: int | None) -> None:
             raise LoopError("no persona selected")
     except PersonaError as e:
         raise LoopError(str(e)) from None
+    worker, lease = worker_name(settings), lease_seconds(settings)
     try:
         db.get_engine(settings.db)
-    except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line
-        raise LoopError(f"cannot open the database {settings.db}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - unwritable path, unreachable server, newer schema: one line
+        raise LoopError(f"cannot open the database {db.display_url(settings.db)}: {first_line(e)}") from None
+    return worker, lease
+
+
+def first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def loop_command(settings, *, repos: list[str], repos_file: Path | None, interval: float, once: bool,
                  max_reviews: int | None, console: Console) -> int:
     """`reviewer loop`. Exit code: 0 done (or stopped by a signal while idle), 1 when, in a --once pass, a repository
     could not be read or a review could not start, 130 when a signal interrupted a review (it is queued again)."""
-    check_options(settings, interval, max_reviews)
+    worker, lease = check_options(settings, interval, max_reviews)
     watched = watched_repositories(repos, repos_file)
     urls = [w.url for w in watched]
     log(console, f"watching {len(watched)} repositor{'y' if len(watched) == 1 else 'ies'}"
-                 f" ({'one pass' if once else f'every {interval:g} s'}); database {settings.db}")
+                 f" ({'one pass' if once else f'every {interval:g} s'}); database {db.display_url(settings.db)}; "
+                 f"worker {worker} (lease {lease:g} s)")
     reviews = 0
     try:
         with signals_as_interrupt():
@@ -444,7 +609,7 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
                 unreachable = [w for w in due if not poll(w, settings.db, interval, console)]
                 blocked = False
                 while max_reviews is None or reviews < max_reviews:
-                    outcome = review_next(watched, settings, console)
+                    outcome = review_next(watched, settings, console, worker, lease)
                     if outcome != "reviewed":
                         blocked = outcome == "blocked"
                         break

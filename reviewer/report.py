@@ -88,6 +88,7 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
         "llm": run.llm,
         "model": run.model,
         "machine": run.machine,
+        "worker": run.worker,  # the `reviewer loop` worker that ran it (None for `reviewer run`)
         "error": run.error,
         "personas": [
             {
@@ -210,6 +211,7 @@ def print_run_summary(run: dict, console: Console, history: list[dict] | None = 
     console.print(
         f"[bold]Run {run['id']}[/bold] {escape(str(run['repo']))} @ {(run['commit'] or '?')[:12]}  status: {run['status']}"
         + (f"  llm: {escape(str(run['llm']))} ({escape(str(run['model']))})" if run["llm"] else "")
+        + (f"  worker: {escape(str(run['worker']))}" if run.get("worker") else "")
     )
     if run.get("error"):
         console.print(f"[red]error:[/red] {escape(run['error'])}")

@@ -160,6 +160,28 @@ def test_failover_skips_dead_endpoints_and_moves_on_when_one_dies(scripted_llm):
             pass
 
 
+def test_each_persona_run_is_routed_to_one_endpoint_in_turn_and_fails_over_when_it_stops(scripted_llm):
+    a = scripted_llm([], after=text("from a"))
+    b = scripted_llm([], after=text("from b"))
+    answer = {a.base_url: "from a", b.base_url: "from b"}
+    with open_llm(Settings(llm=[a.base_url, b.base_url])) as pool:
+        runs = [pool.route() for _ in range(4)]  # four persona runs
+        assert runs[0].name != runs[1].name and [r.name for r in runs[2:]] == [r.name for r in runs[:2]]
+        for run in runs:
+            for _ in range(3):  # every request of a run goes to the run's endpoint
+                assert run.chat(HELLO).content == answer[run.name]
+        assert len(a.requests) == len(b.requests) == 6
+        a.stop()
+        for c in pool.clients:
+            fast(c)
+        on_a = next(r for r in runs if r.name == a.base_url)
+        assert on_a.chat(HELLO).content == "from b" and on_a.name == b.base_url  # moved on in the middle of its run
+        later = [pool.route() for _ in range(3)]  # the stopped endpoint is not routed to while it is down
+        assert {r.name for r in later} == {b.base_url}
+        assert all(r.chat(HELLO).content == "from b" for r in later)
+        assert len(a.requests) == 6  # nothing reached the stopped server
+
+
 def test_unknown_llm_and_missing_keys(monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
