@@ -55,7 +55,10 @@ def build(shape: str, device: str, dtype):
                              tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
         cls, label = LlamaForCausalLM, "SmolLM2-135M shape"
     else:
-        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        try:
+            from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        except ImportError:  # transformers too old for Qwen3.5: our model alone, no stock figures
+            return None, None, f"{shape} (our model only: this transformers has no Qwen3.5-MoE), random {_dt(dtype)}"
         if shape == "qwen3.6-35b-a3b":
             config, label = Qwen3_5MoeTextConfig(), "Qwen3.6-35B-A3B shape"
         elif shape == "qwen3.5-moe-small":
@@ -68,13 +71,62 @@ def build(shape: str, device: str, dtype):
         else:
             raise SystemExit(f"unknown shape {shape}")
         cls = Qwen3_5MoeForCausalLM
+    return _instantiate(cls, config, device, dtype), None, f"{label}, random {_dt(dtype)}"
+
+
+def _instantiate(cls, config, device, dtype):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config).eval()
+            return cls(config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
-    return model, None, f"{label}, random {_dt(dtype)}"
+
+
+def random_qwen_without_transformers(shape: str, device, dtype):
+    """Our Qwen35Moe with random weights from the shape's numbers alone (transformers' Qwen3_5MoeTextConfig defaults
+    for the 35B-A3B shape), for machines whose transformers predates Qwen3.5."""
+    from backend.models.qwen3_5_moe import Qwen35MoeConfig
+    if shape != "qwen3.6-35b-a3b":
+        raise SystemExit(f"{shape}: this transformers has no Qwen3.5-MoE")
+    return random_qwen(Qwen35MoeConfig(vocab_size=248320, hidden_size=2048,
+                             layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                          for i in range(40)],
+                             num_heads=16, num_kv_heads=2, head_dim=256, linear_num_key_heads=16,
+                             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                             conv_kernel=4, num_experts=256, top_k=8, moe_intermediate_size=512,
+                             shared_intermediate_size=512, rms_norm_eps=1e-6, tie_embeddings=False),
+        rope_theta=10_000.0, partial_rotary=0.25, device=device, dtype=dtype)
+
+
+def random_qwen(config, rope_theta, partial_rotary, device, dtype):
+    """Our Qwen35Moe with transformers-like random init (std 0.02, zero-centred norms, A in U(0.01, 16))."""
+    from backend.models import FastModel
+    from backend.models.qwen3_5_moe import Qwen35Moe
+    rotary = int(config.head_dim * partial_rotary)
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rotary, 2, dtype=torch.float) / rotary))
+    with torch.device(device):
+        model = Qwen35Moe(config, inv_freq.to(device))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm1", "norm2", "norm", "q_norm", "k_norm")):
+                p.fill_(1.0)  # (1 + weight) with transformers' zero init
+            elif name.endswith("neg_A"):
+                p.copy_(-torch.empty_like(p, dtype=torch.float).uniform_(0.01, 16))
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02)
+    model.to(dtype)
+    for layer in model.layers:  # these stay fp32, as from_hf makes them
+        layer.norm1.data, layer.norm2.data = layer.norm1.float(), layer.norm2.float()
+        mixer = layer.mixer
+        if hasattr(mixer, "neg_A"):
+            mixer.neg_A.data = mixer.neg_A.float()
+        else:
+            mixer.q_norm.data, mixer.k_norm.data = mixer.q_norm.float(), mixer.k_norm.float()
+    model.norm.data = model.norm.float()
+    return model, FastModel
 
 
 def _has(module: str) -> bool:
@@ -182,8 +234,11 @@ def record_distinct_experts(fast, fn) -> list[int]:
     try:
         fn()
     finally:
-        for moe, _ in originals:
-            del moe.route
+        for moe, original in originals:
+            if getattr(original, "__self__", None) is moe:
+                del moe.route  # it was the class's method
+            else:
+                moe.route = original  # an override installed before (a routing trace)
     return seen
 
 
@@ -325,15 +380,21 @@ def generation(hf, tok, fast, max_new: int) -> dict:
 
 def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
     hf, tok, label = build(shape, str(device), dtype)
-    fast = load_fast(hf, max_context=args.max_context, cuda_graphs=device.type == "cuda" and not args.no_graphs)
+    graphs = device.type == "cuda" and not args.no_graphs
+    if hf is None:
+        model, fast_cls = random_qwen_without_transformers(shape, device, dtype)
+        fast = fast_cls(model, args.max_context, cuda_graphs=graphs)
+    else:
+        fast = load_fast(hf, max_context=args.max_context, cuda_graphs=graphs)
     g = torch.Generator().manual_seed(1)
-    vocab = hf.config.get_text_config().vocab_size
+    vocab = fast.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt,), generator=g).to(device)
     block = torch.randint(0, vocab, (16,), generator=g).to(device)
     record = {"benchmark": "target_step", "model": label, "shape": shape}
-    record["equivalence"] = compare_logits(hf, fast, prompt, block)
-    print(f"[{shape}] logits vs transformers: {record['equivalence']}", flush=True)
-    stock = None if args.no_stock else stock_calls(hf, prompt, block)
+    if hf is not None:
+        record["equivalence"] = compare_logits(hf, fast, prompt, block)
+        print(f"[{shape}] logits vs transformers: {record['equivalence']}", flush=True)
+    stock = None if args.no_stock or hf is None else stock_calls(hf, prompt, block)
     ours = measure_fast(fast, prompt, block, args.reps, device, stock)
     if stock is not None:
         record["stock"] = {"L_target_ms": ours["stock_L_target_ms"], "T_verify16_ms": ours["stock_T_verify16_ms"],
