@@ -421,33 +421,61 @@ def recover(db_path: str, watched_urls: list[str], console: Console, worker: str
     return recovered
 
 
-def remove_stale_private_locks(machine_lock: Path) -> None:
-    """The per-process lock files private_review_lock makes are left behind by a killed loop; remove the dead ones."""
-    for leftover in machine_lock.parent.glob(f"{machine_lock.name}.loop-*"):
-        pid_text = leftover.name.rsplit("-", 1)[1].removesuffix(".holder.json")
-        if pid_text.isdigit() and int(pid_text) != os.getpid() and not owner_alive(int(pid_text), None):
-            leftover.unlink(missing_ok=True)
-
-
 # --- one review ----------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def private_review_lock(machine_lock: Path, settings) -> Iterator:
-    """reviewer.review.run_command takes the machine lock itself; the loop already holds it (from claim to
-    verification), so for the length of the call run_command gets settings whose lock file belongs to this process
-    alone. The one machine-wide lock stays ours throughout."""
-    private = machine_lock.with_name(f"{machine_lock.name}.loop-{os.getpid()}")
-    previous = os.environ.get("REVIEWER_LOCK_FILE")
-    os.environ["REVIEWER_LOCK_FILE"] = str(private)  # for code that reads the variable rather than the settings
+class EmbeddedBackend:
+    """`--llm embedded` for the loop's whole life: the local backend is started once, on the first review that needs
+    it (under the machine lock, so loading the model never disturbs another review), and started again only if it
+    stopped answering; each review then talks to it by URL. Remote endpoints are opened by each review as usual, so
+    an inference box that comes back is used again at the next review."""
+
+    def __init__(self, settings, console: Console):
+        self.settings, self.console = settings, console
+        self.stack: contextlib.ExitStack | None = None
+        self.url: str | None = None
+        self.needed = "embedded" in settings.llm and needs_llm(settings)
+
+    def healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.url.removesuffix("/v1") + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def settings_for_review(self):
+        """The settings a review runs with: `embedded` replaced by the running backend's URL."""
+        if not self.needed:
+            return self.settings
+        if self.url is not None and not self.healthy():
+            log(self.console, f"the embedded LLM backend at {self.url} stopped answering: starting it again", "yellow")
+            self.close()
+        if self.url is None:
+            from reviewer.embedded import start_embedded
+
+            stack = contextlib.ExitStack()
+            try:
+                self.url = stack.enter_context(start_embedded(self.settings, self.console))
+            except BaseException:
+                stack.close()
+                raise
+            self.stack = stack
+            log(self.console, f"embedded LLM backend ready at {self.url}; it serves every review of this loop")
+        return self.settings.model_copy(update={"llm": [self.url if s == "embedded" else s for s in self.settings.llm]})
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+        self.stack, self.url = None, None
+
+
+def needs_llm(settings) -> bool:
+    from reviewer.personas import PersonaError, select_personas
+
     try:
-        yield settings.model_copy(update={"lock_file": private}) if hasattr(settings, "model_copy") else settings
-    finally:
-        if previous is None:
-            os.environ.pop("REVIEWER_LOCK_FILE", None)
-        else:
-            os.environ["REVIEWER_LOCK_FILE"] = previous
-        for leftover in (private, private.with_name(private.name + ".holder.json")):
-            leftover.unlink(missing_ok=True)
+        return any(not p.deterministic for p in select_personas(list(settings.personas), settings.personas_dir))
+    except PersonaError:
+        return False  # check_options has said so already
 
 
 class ReviewNotStarted(Exception):
@@ -455,8 +483,8 @@ class ReviewNotStarted(Exception):
     problem. The row goes back to the queue and this pass stops draining."""
 
 
-def review_queued(row_id: int, settings, machine_lock: Path, console: Console,
-                  worker: str) -> tuple[str, int | None, str | None]:
+def review_queued(row_id: int, settings, console: Console, worker: str,
+                  backend: EmbeddedBackend) -> tuple[str, int | None, str | None]:
     """Review one claimed queue row (the lock is held). Returns (queue status, run id, error)."""
     from reviewer.review import EXIT_INTERRUPTED as REVIEW_INTERRUPTED
     from reviewer.review import run_command
@@ -472,18 +500,21 @@ def review_queued(row_id: int, settings, machine_lock: Path, console: Console,
     except WorkspaceError as e:
         log(console, f"cannot review {commit[:12]}: {e}", "red")
         return "failed", None, str(e)
-    with private_review_lock(machine_lock, settings) as review_settings:
-        code = run_command(url, review_settings, ref=commit, no_wait=True, console=console)
-    run_id = None
+    from reviewer.llm import LLMError
+
+    try:
+        review_settings = backend.settings_for_review()
+    except LLMError as e:
+        raise ReviewNotStarted(f"the embedded LLM backend did not start: {e}") from None
+    code = run_command(url, review_settings, ref=commit, no_wait=True, console=console, lock_held=True, worker=worker)
     with db.session(settings.db) as s:
-        for run in s.exec(select(ReviewRun).where(ReviewRun.id > last_run, ReviewRun.pid == os.getpid(),
-                                                  ReviewRun.commit_sha == commit)
-                          .order_by(ReviewRun.id.desc())).all():  # type: ignore[union-attr]
-            if run_host(run) in (None, socket.gethostname()):  # pids repeat across the boxes of a shared database
-                run.worker, run_id = worker, run.id
-                s.add(run)
-                break
-        s.commit()
+        run_id = s.exec(select(ReviewRun.id).where(ReviewRun.id > last_run, ReviewRun.pid == os.getpid(),
+                                                   ReviewRun.worker == worker, ReviewRun.commit_sha == commit)
+                        .order_by(ReviewRun.id.desc())).first()  # type: ignore[union-attr]
+        if run_id is not None and backend.url:  # the run talked to our embedded backend by URL: say "embedded"
+            s.execute(update(ReviewRun).where(ReviewRun.id == run_id, ReviewRun.llm == backend.url).values(
+                llm="embedded"))
+            s.commit()
     if code == REVIEW_INTERRUPTED:
         raise KeyboardInterrupt  # the review marked itself interrupted; the loop stops and requeues
     if run_id is None:
@@ -502,7 +533,8 @@ def verify_run(settings, run_id: int, console: Console) -> None:
                      + (f", {counts['unchecked']} not checked" if counts["unchecked"] else ""))
 
 
-def review_next(watched: list[Watched], settings, console: Console, worker: str, lease: float) -> str:
+def review_next(watched: list[Watched], settings, console: Console, worker: str, lease: float,
+                backend: EmbeddedBackend) -> str:
     """Take the machine, recover what dead workers left, claim the oldest queued row and review it while a heartbeat
     renews its lease. Returns "reviewed", "empty" (nothing queued) or "blocked" (a review could not start; try again
     next pass)."""
@@ -512,7 +544,6 @@ def review_next(watched: list[Watched], settings, console: Console, worker: str,
                                                       "worker": worker},
                      on_wait=lambda m: log(console, m, "dim")) as update_holder:
         recover(settings.db, urls, console, worker)
-        remove_stale_private_locks(machine_lock)
         with db.session(settings.db) as s:
             row = claim(s, urls, worker, lease)
             if row is None:
@@ -527,7 +558,7 @@ def review_next(watched: list[Watched], settings, console: Console, worker: str,
         update_holder(target=url, commit=commit, queue_item=row_id)
         try:
             with Heartbeat(settings.db, row_id, lease, console):
-                status, run_id, error = review_queued(row_id, settings, machine_lock, console, worker)
+                status, run_id, error = review_queued(row_id, settings, console, worker, backend)
         except KeyboardInterrupt:
             release(settings.db, row_id, status="queued", error="interrupted (SIGINT/SIGTERM); queued again")
             raise ReviewInterrupted from None
@@ -602,14 +633,15 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
                  f" ({'one pass' if once else f'every {interval:g} s'}); database {db.display_url(settings.db)}; "
                  f"worker {worker} (lease {lease:g} s)")
     reviews = 0
+    backend = EmbeddedBackend(settings, console)
     try:
-        with signals_as_interrupt():
+        with signals_as_interrupt(), contextlib.closing(backend):
             while True:
                 due = [w for w in watched if w.next_poll <= time.monotonic()]
                 unreachable = [w for w in due if not poll(w, settings.db, interval, console)]
                 blocked = False
                 while max_reviews is None or reviews < max_reviews:
-                    outcome = review_next(watched, settings, console, worker, lease)
+                    outcome = review_next(watched, settings, console, worker, lease, backend)
                     if outcome != "reviewed":
                         blocked = outcome == "blocked"
                         break

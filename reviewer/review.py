@@ -367,9 +367,10 @@ def sigterm_as_interrupt():
 
 
 def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool = False, json_output: bool = False,
-                console: Console | None = None) -> int:
+                console: Console | None = None, lock_held: bool = False, worker: str | None = None) -> int:
     """`reviewer run TARGET`: returns the exit code (0 completed, 1 failed, 2 bad input, 75 machine busy with
-    --no-wait, 130 interrupted)."""
+    --no-wait, 130 interrupted). `reviewer loop` calls it with `lock_held` (it holds the machine lock from claiming a
+    queue row to verification) and its `worker` name, stored on the run."""
     console = console or Console()
     ui = Console(stderr=True) if json_output else console  # with --json, stdout carries only the JSON
     try:
@@ -387,8 +388,10 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
             local_llm = "embedded" in settings.llm
             if llm_personas and not local_llm:
                 llm = open_llm_or_fail(stack, settings, ui, llm_personas)
-            stack.enter_context(review_lock(lock_path(settings), wait=not no_wait, on_wait=lambda m: ui.print(m, highlight=False),
-                                            holder={"target": tgt.url, "commit": tgt.commit}))
+            if not lock_held:
+                stack.enter_context(review_lock(lock_path(settings), wait=not no_wait,
+                                                on_wait=lambda m: ui.print(m, highlight=False),
+                                                holder={"target": tgt.url, "commit": tgt.commit}))
             if llm_personas and local_llm:
                 llm = open_llm_or_fail(stack, settings, ui, llm_personas)
             try:
@@ -398,7 +401,7 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
             from reviewer.loop import recover
 
             recover(settings.db, [], ui)  # runs a killed reviewer left `running` on this machine: interrupted
-            run_id = create_run(settings, tgt, ref, llm)
+            run_id = create_run(settings, tgt, ref, llm, worker)
             status = review_personas(run_id, personas, tgt, settings, llm, ui, where)
     except LockBusy as e:
         return error_exit(str(e), EXIT_BUSY)
@@ -446,12 +449,12 @@ def open_llm_or_fail(stack: contextlib.ExitStack, settings, ui: Console, llm_per
         raise UserError(str(e)) from None
 
 
-def create_run(settings, tgt: Target, ref: str | None, llm) -> int:
+def create_run(settings, tgt: Target, ref: str | None, llm, worker: str | None = None) -> int:
     with db.session(settings.db) as s:
         repo = db.get_or_create_repository(s, tgt.url)
         run = ReviewRun(repository_id=repo.id, ref=ref or tgt.branch, commit_sha=tgt.commit, status="running",
                         llm=llm.name if llm else None, model=llm.model if llm else None,
-                        machine=json.dumps(machine_fingerprint(), sort_keys=True), pid=os.getpid())
+                        machine=json.dumps(machine_fingerprint(), sort_keys=True), pid=os.getpid(), worker=worker)
         s.add(run)
         s.commit()
         return run.id

@@ -177,8 +177,6 @@ def test_kill_9_mid_review_then_restart_requeues_it(env):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
-    leftovers = list(env.glob(f"review.lock.loop-{proc.pid}*"))
-    assert leftovers  # the killed loop's private lock file is still there...
     assert query(str(dbp), "SELECT status FROM reviewrun") == [("running",)]
     assert query(str(dbp), "SELECT status, attempts FROM reviewqueue") == [("running", 1)]
     measured = query(str(dbp), "SELECT run_id, name, value FROM measurement")
@@ -193,7 +191,6 @@ def test_kill_9_mid_review_then_restart_requeues_it(env):
     # Nothing lost: what the killed review recorded is still there.
     assert set(measured) <= set(query(str(dbp), "SELECT run_id, name, value FROM measurement"))
     assert query(str(dbp), "SELECT status, attempts, run_id FROM reviewqueue") == [("done", 2, runs[1][0])]
-    assert not any(p.exists() for p in leftovers)  # ...and gone after the restart
 
 
 def test_watching_reviews_each_new_commit_and_stops_on_sigterm_while_idle(env):
