@@ -370,10 +370,13 @@ def test_cuda_recurrence_kernel_bf16_matches_loop():
     ref = gdn_recurrent(q, k, v, g, beta, s0, ref_snaps, True, use_triton=False)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(snaps, ref_snaps, rtol=1e-4, atol=1e-4)
+    # Token by token through the decode variant of the kernel: equal to fp32 rounding. (Bitwise on Triton's CPU
+    # interpreter; on an H200 the EVERY_POSITION and in-place variants, or the alignment specialisations of sliced
+    # inputs, compiled to code that differed in the last bits: seen 2026-11-29.)
     state = s0.clone()
     for t in range(16):
         gdn_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state, state, False)
-        assert torch.equal(state, snaps[t])
+        torch.testing.assert_close(state, snaps[t], rtol=1e-5, atol=1e-6)
 
 
 @cuda
