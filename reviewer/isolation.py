@@ -157,6 +157,34 @@ def python_prefixes() -> list[Path]:
     return sorted(p for p in prefixes if not any(str(p).startswith(s + "/") or str(p) == s for s in SYSTEM_DIRS))
 
 
+# Folders in the home whose bin/ is on PATH but which also hold secrets or user data: only bin/ itself is shown.
+BIN_ONLY_PARENTS = {".local", ".cargo", ".npm", ".config", ".ssh", ".gnupg", ".aws", ".docker", ".kube"}
+
+
+def toolchain_paths(env: dict[str, str]) -> list[Path]:
+    """Toolchains installed in the user's home that the command's PATH uses (rustup's ~/.cargo/bin, nvm's
+    ~/.nvm/versions/node/vX/bin, ~/.local/bin...), shown read-only: the bin folder, or for a version prefix
+    (…/vX/bin with lib/ beside it) the prefix; plus RUSTUP_HOME (toolchains, no credentials). Never the home itself,
+    never ~/.cargo or ~/.local as a whole (credentials, keyrings, application data)."""
+    home = Path.home().resolve()
+    out: list[Path] = []
+    for entry in env.get("PATH", "").split(os.pathsep):
+        if not entry:
+            continue
+        p = Path(entry).resolve()
+        if not p.is_dir() or p == home or not p.is_relative_to(home) or p.name == "shims":
+            continue  # shims (pyenv, asdf) call their manager from the hidden home: shown, they would shadow /usr/bin
+        parent = p.parent
+        if p.name == "bin" and parent != home and parent.name not in BIN_ONLY_PARENTS and (parent / "lib").is_dir():
+            out.append(parent)
+        else:
+            out.append(p)
+    rustup = env.get("RUSTUP_HOME")
+    if rustup and Path(rustup).is_dir():
+        out.append(Path(rustup).resolve())
+    return list(dict.fromkeys(out))
+
+
 def sensitive_paths(extra: list[Path] = ()) -> list[Path]:
     """What must never be inside a folder we show the sandbox: the user's home and the reviewer's own files."""
     out = [Path.home()]
@@ -183,6 +211,42 @@ class Sandbox:
     network_allow: list[str] = field(default_factory=lambda: ["auto"])
     extra_ro: list[Path] = field(default_factory=list)  # more read-only paths the commands need
     protect: list[Path] = field(default_factory=list)  # more paths that must stay invisible (database, keys)
+
+
+@dataclass
+class Policy:
+    """How a review confines its commands (from the settings); `for_workspace` makes each workspace's Sandbox."""
+    mode: str = "bwrap"
+    limits: Limits = field(default_factory=Limits)
+    network_allow: list[str] = field(default_factory=lambda: ["auto"])
+    protect: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def from_settings(cls, settings=None) -> "Policy":
+        """Raises IsolationError when isolation is asked for ('auto', 'bwrap') and bubblewrap cannot provide it.
+        Settings names (all optional but isolation): isolation, network_allow, sandbox_memory_mb,
+        sandbox_max_processes, sandbox_disk_mb, sandbox_output_mb, sandbox_cpu_seconds, command_timeout, db."""
+        get = lambda name, default: getattr(settings, name, default) if settings is not None else default  # noqa: E731
+        mode = resolve_mode(get("isolation", "auto"))
+        command_timeout = float(get("command_timeout", 600))
+        mb = lambda name, default: (get(name, default) or 0) * limits_mod.MiB or None  # noqa: E731
+        lim = Limits(
+            timeout=command_timeout,
+            cpu_seconds=get("sandbox_cpu_seconds", None) or int(2 * command_timeout),
+            memory_bytes=mb("sandbox_memory_mb", 4096),
+            max_processes=get("sandbox_max_processes", 1024) or None,
+            disk_bytes=mb("sandbox_disk_mb", 10240),
+            max_output_bytes=mb("sandbox_output_mb", 64) or 64 * limits_mod.MiB,
+        )
+        protect = []
+        db = str(get("db", "") or "")
+        if db and "://" not in db:
+            protect.append(Path(db).expanduser().resolve())
+        return cls(mode=mode, limits=lim, network_allow=list(get("network_allow", ["auto"])), protect=protect)
+
+    def for_workspace(self, workspace: Path, tmp: Path | None = None) -> "Sandbox":
+        return Sandbox(workspace=workspace, tmp=tmp, mode=self.mode, limits=self.limits,
+                       network_allow=self.network_allow, protect=self.protect)
 
 
 def bwrap_argv(inner_argv: list[str], *, sandbox: Sandbox, cwd: Path, env: dict[str, str],
@@ -338,7 +402,8 @@ def run_sandboxed(command: str, *, sandbox: Sandbox, cwd: Path, env: dict[str, s
             inner = init_argv(command, limits=lim, cgroup=cgroup, report_fd=w, python=python,
                               script=f"{INSIDE_DIR}/init.py", reap=True,
                               forward=f"{egress_proxy.SANDBOX_PROXY_PORT}:{INSIDE_DIR}/proxy.sock")
-            box = Sandbox(**{**sandbox.__dict__, "extra_ro": [*setup.ro_paths, *sandbox.extra_ro]})
+            box = Sandbox(**{**sandbox.__dict__,
+                             "extra_ro": [*setup.ro_paths, *toolchain_paths(inner_env), *sandbox.extra_ro]})
             argv = bwrap_argv(inner, sandbox=box, cwd=cwd, env=inner_env, proxy_socket=sock)
             outer_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
         argv = limits_mod.enter_cgroup_argv(cgroup, argv)
