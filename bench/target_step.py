@@ -416,9 +416,9 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
     graphs = device.type == "cuda" and not args.no_graphs
     if hf is None:
         model, fast_cls = random_qwen_without_transformers(shape, device, dtype)
-        fast = fast_cls(model, args.max_context, cuda_graphs=graphs)
+        fast = fast_cls(model, args.max_context, cuda_graphs=graphs, compile=args.compile)
     else:
-        fast = load_fast(hf, max_context=args.max_context, cuda_graphs=graphs)
+        fast = load_fast(hf, max_context=args.max_context, cuda_graphs=graphs, compile=args.compile)
     g = torch.Generator().manual_seed(1)
     vocab = fast.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt,), generator=g).to(device)
@@ -466,7 +466,7 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
     if shape == "embedded" and args.generate:
         record["generation"] = generation(hf, tok, fast, args.generate)
         print(f"[{shape}] generation: {record['generation']}", flush=True)
-    record["cuda_graphs"] = fast.cuda_graphs
+    record["cuda_graphs"], record["compiled_glue"] = fast.cuda_graphs, fast.compile
     return record
 
 
@@ -484,6 +484,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
     ap.add_argument("--no-graphs", action="store_true", help="CUDA: run eagerly, without CUDA graphs")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer glue of decode and verify")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     device = torch.device(args.device)

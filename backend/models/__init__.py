@@ -28,7 +28,7 @@ def fast_class(hf_config):
 
 
 def load_fast(hf_model, max_context: int | None = None, max_block: int = 16, *,
-              cuda_graphs: bool | None = None) -> FastModel | None:
+              cuda_graphs: bool | None = None, compile: bool = False) -> FastModel | None:
     """Wrap a loaded transformers causal LM in a FastModel sharing its weights, or None (with the reason logged) when
     no fast implementation covers its architecture. max_context defaults to the config's max_position_embeddings."""
     config = hf_model.config
@@ -39,7 +39,7 @@ def load_fast(hf_model, max_context: int | None = None, max_block: int = 16, *,
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     max_context = max_context or getattr(text, "max_position_embeddings", None) or 4096
-    return FastModel(cls.from_hf(hf_model), max_context, max_block, cuda_graphs=cuda_graphs)
+    return FastModel(cls.from_hf(hf_model), max_context, max_block, cuda_graphs=cuda_graphs, compile=compile)
 
 
 __all__ = ["ARCHITECTURES", "FastModel", "Llama", "Qwen35Moe", "Snapshot", "fast_class", "load_fast"]

@@ -33,7 +33,7 @@ class Snapshot:
 
 class FastModel:
     def __init__(self, model, max_context: int, max_block: int = 16, *, cuda_graphs: bool | None = None,
-                 prefill_chunk: int = 1024, min_span: int = 256):
+                 compile: bool = False, prefill_chunk: int = 1024, min_span: int = 256):
         self.model = model
         self.config = model.config
         self.device = model.embed.device
@@ -47,6 +47,9 @@ class FastModel:
         self.length = 0
         self._pending = 0  # block size of a verify awaiting accept()
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        # torch.compile the per-layer glue of decode steps and verifies (two compiles per glue function: one token,
+        # and any other block size); prefill stays eager, its time is in the matmuls.
+        self.compile = compile
         self._graphs: dict[tuple, tuple] = {}
         self._tokens = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
@@ -108,7 +111,7 @@ class FastModel:
         for start in range(0, ids.numel(), self.prefill_chunk):
             piece = ids[start:start + self.prefill_chunk]
             logits, f = self._forward(piece, record=False, all_logits=False, hidden_ids=tuple(hidden_ids),
-                                      graph=False)
+                                      graph=False, compiled=False)
             feats.append(f)
         return logits[-1], (torch.cat(feats) if hidden_ids else None)
 
@@ -117,7 +120,7 @@ class FastModel:
         """One plain step. Returns (logits [V], features [1, F] or None)."""
         self._check_idle()
         logits, feats = self._forward(_as_ids([token], self.device), record=False, all_logits=False,
-                                      hidden_ids=tuple(hidden_ids), graph=self.cuda_graphs)
+                                      hidden_ids=tuple(hidden_ids), graph=self.cuda_graphs, compiled=self.compile)
         return logits[-1], feats
 
     @torch.inference_mode()
@@ -130,7 +133,7 @@ class FastModel:
         if not 1 <= T <= self.max_block:
             raise ValueError(f"a verify block holds 1..{self.max_block} tokens, got {T}")
         out = self._forward(ids, record=self.hybrid, all_logits=True, hidden_ids=tuple(hidden_ids),
-                            graph=self.cuda_graphs)
+                            graph=self.cuda_graphs, compiled=self.compile)
         self._pending = T
         return out
 
@@ -145,16 +148,17 @@ class FastModel:
         self.length += keep - self._pending
         self._pending = 0
 
-    def _forward(self, ids: torch.Tensor, *, record: bool, all_logits: bool, hidden_ids: tuple, graph: bool):
+    def _forward(self, ids: torch.Tensor, *, record: bool, all_logits: bool, hidden_ids: tuple, graph: bool,
+                 compiled: bool):
         T = ids.numel()
         if self.length + T > self.max_context:
             raise ValueError(f"{self.length} cached + {T} new tokens exceed the context of {self.max_context}")
         if not graph:
             positions = torch.arange(self.length, self.length + T, device=self.device)
             out = self.model(ids, positions, self.length + T, record=record, all_logits=all_logits,
-                             hidden_ids=hidden_ids)
+                             hidden_ids=hidden_ids, compiled=compiled)
         else:
-            out = self._replay(ids, record, all_logits, hidden_ids)
+            out = self._replay(ids, record, all_logits, hidden_ids, compiled)
         self.length += T
         return out
 
@@ -170,11 +174,11 @@ class FastModel:
         """Forget captured graphs (after changing anything they baked in, e.g. a benchmark's routing override)."""
         self._graphs.clear()
 
-    def _replay(self, ids, record, all_logits, hidden_ids):
+    def _replay(self, ids, record, all_logits, hidden_ids, compiled):
         T = ids.numel()
         self._tokens[:T].copy_(ids)
         torch.arange(self.length, self.length + T, device=self.device, out=self._positions[:T])
-        key = (T, self._span(self.length + T), record, all_logits, hidden_ids)
+        key = (T, self._span(self.length + T), record, all_logits, hidden_ids, compiled)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._graphs[key] = self._capture(*key)
@@ -182,13 +186,13 @@ class FastModel:
         graph.replay()
         return logits.clone(), (feats.clone() if feats is not None else None)
 
-    def _capture(self, T, span, record, all_logits, hidden_ids):
+    def _capture(self, T, span, record, all_logits, hidden_ids, compiled):
         saved = self.model.linear.snapshot(self.length) if self.hybrid else None
         run = lambda: self.model(self._tokens[:T], self._positions[:T], span, record=record,  # noqa: E731
-                                 all_logits=all_logits, hidden_ids=hidden_ids)
+                                 all_logits=all_logits, hidden_ids=hidden_ids, compiled=compiled)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture (Triton compiles, cuBLAS picks kernels)
+        with torch.cuda.stream(stream):  # warm-up off the capture (torch.compile / Triton compile, cuBLAS picks)
             for _ in range(2):
                 run()
         torch.cuda.current_stream().wait_stream(stream)

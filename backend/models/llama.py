@@ -81,6 +81,39 @@ def attention(q, k, v, positions, kv_len: int) -> torch.Tensor:
     return out[0].transpose(0, 1).reshape(T, -1)
 
 
+# ---- per-layer glue: plain tensor functions (no modules, no cache writes), so one torch.compile serves every layer ----
+
+def attention_in(x, norm, wqkv, bqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """Pre-norm, fused q/k/v projection and RoPE. Returns q [H, T, D], k and v [Hkv, T, D]."""
+    T = x.shape[0]
+    q, k, v = F.linear(rms_norm(x, norm, eps), wqkv, bqkv).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(T, heads, head_dim).transpose(0, 1), cos, sin)
+    k = apply_rope(k.view(T, kv_heads, head_dim).transpose(0, 1), cos, sin)
+    return q, k, v.view(T, kv_heads, head_dim).transpose(0, 1)
+
+
+def attention_out_mlp(x, attn, wo, bo, mlp_norm, w_gate_up, b_gate_up, w_down, b_down, eps: float):
+    """Output projection + residual, then the SwiGLU MLP block + residual."""
+    x = x + F.linear(attn, wo, bo)
+    gate, up = F.linear(rms_norm(x, mlp_norm, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w_down, b_down)
+
+
+_COMPILED: dict = {}
+
+
+def glue(fn, compiled: bool):
+    """fn itself, or its torch.compile'd twin (fullgraph; compiled once per function and shared by all layers and
+    models: tensors are arguments, not captured modules). Compiled code fuses the elementwise chains (norms, casts,
+    RoPE, gates, residuals) that otherwise cost a kernel launch each: on CUDA, in a graph, ~2 us apiece."""
+    if not compiled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+    return _COMPILED[fn]
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
@@ -122,35 +155,30 @@ class Llama(nn.Module):
     # ---- forward --------------------------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,
-                all_logits: bool = False, hidden_ids: tuple[int, ...] = ()):
+                all_logits: bool = False, hidden_ids: tuple[int, ...] = (), compiled: bool = False):
         """tokens, positions [T] (device tensors). Writes K/V at `positions`, attends over cache columns < kv_len.
         Returns (logits [T or 1, V] in the model dtype, features [T, len(hidden_ids) * H] or None): features are the
         outputs of decoder layers `hidden_ids` (transformers' hidden_states[i + 1]; the last layer's is after the final
-        norm, as there). `record` has no meaning without linear-attention state."""
+        norm, as there). `record` has no meaning without linear-attention state. compiled: run the per-layer glue
+        through torch.compile (see glue())."""
         c = self.config
+        attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        feats = []
+        feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q, k, v = F.linear(h, layer.wqkv, layer.bqkv).split([q_size, kv_size, kv_size], dim=-1)
-            T = q.shape[0]
-            q = apply_rope(q.view(T, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
-            k = apply_rope(k.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
-            v = v.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            q, k, v = attn_in(x, layer.attn_norm, layer.wqkv, layer.bqkv, cos, sin, c.rms_norm_eps, c.num_heads,
+                              c.num_kv_heads, c.head_dim)
             k_all, v_all = self.kv.write(i, positions, k, v, kv_len)
-            x = x + F.linear(attention(q, k_all, v_all, positions, kv_len), layer.wo, layer.bo)
-            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.w_gate_up, layer.b_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down, layer.b_down)
+            x = attn_out_mlp(x, attention(q, k_all, v_all, positions, kv_len), layer.wo, layer.bo, layer.mlp_norm,
+                             layer.w_gate_up, layer.b_gate_up, layer.w_down, layer.b_down, c.rms_norm_eps)
             if i in hidden_ids and i != last:
-                feats.append(x)
+                feats[i] = x
         x = rms_norm(x, self.norm, c.rms_norm_eps)
         if last in hidden_ids:
-            feats.append(x)
-        features = torch.cat([feats[sorted(hidden_ids).index(i)] for i in hidden_ids], dim=-1) if hidden_ids else None
+            feats[last] = x
+        features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
         logits = F.linear(x if all_logits else x[-1:], self.lm_head)
         return logits, features
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.models.llama import _param, apply_rope, attention, rope_tables
+from backend.models.llama import _param, apply_rope, attention, glue, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk
 from kernels.gdn_state import gdn_chunked, gdn_recurrent
@@ -98,6 +98,54 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (normed * F.silu(gate.float())).to(x.dtype)
 
 
+# ---- per-layer glue: plain tensor functions (no modules, no cache writes), compiled once for all layers (glue()) ----
+
+def attention_in(x, norm, wqkv, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """Pre-norm, fused projection (per head: [query | output gate], then k, v), q/k norms, partial RoPE.
+    Returns q [H, T, D], k and v [Hkv, T, D], gate [T, H * D]."""
+    T, D = x.shape[0], head_dim
+    qg, k, v = F.linear(qwen_rms_norm(x, norm, eps), wqkv).split([2 * heads * D, kv_heads * D, kv_heads * D], -1)
+    q, gate = qg.view(T, heads, 2 * D).chunk(2, dim=-1)
+    q = apply_rope(qwen_rms_norm(q, q_norm, eps).transpose(0, 1), cos, sin)
+    k = apply_rope(qwen_rms_norm(k.view(T, kv_heads, D), k_norm, eps).transpose(0, 1), cos, sin)
+    return q, k, v.view(T, kv_heads, D).transpose(0, 1), gate.reshape(T, -1)
+
+
+def attention_out(x, attn, gate, wo):
+    return x + F.linear(attn * torch.sigmoid(gate), wo)
+
+
+def deltanet_in(x, norm, w_in, conv_state, conv_w, neg_A, dt_bias, eps: float, key_heads: int, value_heads: int,
+                key_dim: int, value_dim: int):
+    """Pre-norm, fused input projection [qkv | z | b | a], causal depthwise conv over [last K-1 inputs ; block]
+    (transformers' causal_conv1d_update) + SiLU, and the gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt).
+    Returns the conv window [K-1+T, C] (the caller stores what the cache keeps), q, k [T, Hk, Dk], v, z [T, Hv, Dv],
+    g (fp32) and beta [T, Hv]."""
+    T = x.shape[0]
+    h = qwen_rms_norm(x, norm, eps)
+    conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
+    mixed, z, b, a = F.linear(h, w_in).split([conv_dim, value_heads * value_dim, value_heads, value_heads], dim=-1)
+    window = torch.cat([conv_state, mixed], dim=0)
+    conv = F.conv1d(window.t()[None], conv_w[:, None, :], groups=conv_dim)[0].t()
+    q, k, v = F.silu(conv).to(h.dtype).split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
+    g = neg_A * F.softplus(a.float() + dt_bias)
+    return (window, q.reshape(T, key_heads, key_dim), k.reshape(T, key_heads, key_dim),
+            v.reshape(T, value_heads, value_dim), z.reshape(T, value_heads, value_dim), g, b.sigmoid())
+
+
+def deltanet_out(x, core, z, norm, w_out, eps: float):
+    """Gated RMSNorm of the recurrence output (per value head) and the output projection + residual."""
+    dv = core.shape[-1]
+    out = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), norm, eps)
+    return x + F.linear(out.reshape(x.shape[0], -1), w_out)
+
+
+def moe_in(x, norm, router, eps: float):
+    """Post-attention norm and router logits."""
+    h = qwen_rms_norm(x, norm, eps)
+    return h, F.linear(h, router)
+
+
 class GatedAttention(nn.Module):
     def __init__(self, c: Qwen35MoeConfig, slot: int):
         super().__init__()
@@ -107,18 +155,12 @@ class GatedAttention(nn.Module):
         self.q_norm, self.k_norm = e(c.head_dim), e(c.head_dim)  # 1 + weight, fp32
         self.wo = e(c.hidden_size, c.num_heads * c.head_dim)
 
-    def forward(self, model, h, positions, kv_len, cos, sin, record):
+    def forward(self, model, x, norm, positions, kv_len, cos, sin, record, compiled):
         c = model.config
-        T, D = h.shape[0], c.head_dim
-        qg, k, v = F.linear(h, self.wqkv).split([2 * c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], -1)
-        q, gate = qg.view(T, c.num_heads, 2 * D).chunk(2, dim=-1)  # per head: [query | output gate]
-        q = apply_rope(qwen_rms_norm(q, self.q_norm, c.rms_norm_eps).transpose(0, 1), cos, sin)
-        k = apply_rope(qwen_rms_norm(k.view(T, c.num_kv_heads, D), self.k_norm, c.rms_norm_eps).transpose(0, 1),
-                       cos, sin)
-        v = v.view(T, c.num_kv_heads, D).transpose(0, 1)
+        q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
+                                                      c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         k_all, v_all = model.kv.write(self.slot, positions, k, v, kv_len)
-        out = attention(q, k_all, v_all, positions, kv_len) * torch.sigmoid(gate.reshape(T, -1))
-        return F.linear(out, self.wo)
+        return glue(attention_out, compiled)(x, attention(q, k_all, v_all, positions, kv_len), gate, self.wo)
 
 
 class GatedDeltaNet(nn.Module):
@@ -134,33 +176,22 @@ class GatedDeltaNet(nn.Module):
         self.norm = e(c.linear_value_head_dim)
         self.w_out = e(c.hidden_size, c.value_dim)
 
-    def forward(self, model, h, positions, kv_len, cos, sin, record):
+    def forward(self, model, x, norm, positions, kv_len, cos, sin, record, compiled):
         c, cache, i = model.config, model.linear, self.slot
-        T, hv, hk = h.shape[0], c.linear_num_value_heads, c.linear_num_key_heads
-        mixed, z, b, a = F.linear(h, self.w_in).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        # causal depthwise conv over [last K-1 inputs ; this block], as transformers' causal_conv1d_update
-        window = torch.cat([cache.conv[i], mixed], dim=0)  # [K-1+T, C]
-        if record:
-            cache.conv_window[i, :window.shape[0]].copy_(window)  # rollback picks any K-1 columns out of it
+        T = x.shape[0]
+        window, q, k, v, z, g, beta = glue(deltanet_in, compiled)(
+            x, norm, self.w_in, cache.conv[i], self.conv_w, self.neg_A, self.dt_bias, c.rms_norm_eps,
+            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        if record:  # a verify: keep the whole window and every position's state; accept() picks
+            cache.conv_window[i, :window.shape[0]].copy_(window)
+            core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.snapshots[i, :T], every_position=True)
         else:
             cache.conv[i].copy_(window[-cache.width:])
-        conv = F.conv1d(window.t()[None], self.conv_w[:, None, :], groups=c.conv_dim)[0].t()  # [T, C]
-        qkv = F.silu(conv).to(h.dtype)
-        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        q = q.reshape(T, hk, c.linear_key_head_dim)
-        k = k.reshape(T, hk, c.linear_key_head_dim)
-        v = v.reshape(T, hv, c.linear_value_head_dim)
-        beta = b.sigmoid()
-        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
-        if record:
-            core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.snapshots[i, :T], every_position=True)
-        elif T < CHUNKED_FROM:
-            core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.state[i], every_position=False)
-        else:
-            core = gdn_chunked(q, k, v, g, beta, cache.state[i])
-        dv = c.linear_value_head_dim
-        out = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), self.norm, c.rms_norm_eps)
-        return F.linear(out.reshape(T, -1), self.w_out)
+            if T < CHUNKED_FROM:
+                core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.state[i], every_position=False)
+            else:
+                core = gdn_chunked(q, k, v, g, beta, cache.state[i])
+        return glue(deltanet_out, compiled)(x, core, z, self.norm, self.w_out, c.rms_norm_eps)
 
 
 class SparseMoE(nn.Module):
@@ -175,15 +206,17 @@ class SparseMoE(nn.Module):
         self.shared_gate_proj, self.shared_up_proj = e(si, c.hidden_size), e(si, c.hidden_size)
         self.shared_down_proj, self.shared_gate = e(c.hidden_size, si), e(1, c.hidden_size)
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids [T, top_k]. (A benchmark may replace this on an instance to replay a
         routing trace; nothing else does.)"""
-        return route_topk(F.linear(h, self.router), self.top_k, True)
+        return route_topk(router_logits, self.top_k, True)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(h)
+    def forward(self, x: torch.Tensor, norm: torch.Tensor, eps: float, compiled: bool) -> torch.Tensor:
+        """x + MoE(norm(x)): router, then all experts and the shared expert in one fused call."""
+        h, logits = glue(moe_in, compiled)(x, norm, self.router, eps)
+        weights, ids = self.route(logits)
         shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
-        return fused_moe(h, self.gate_up, self.down, weights, ids, shared)
+        return x + fused_moe(h, self.gate_up, self.down, weights, ids, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -226,20 +259,20 @@ class Qwen35Moe(nn.Module):
         self.cos, self.sin = rope_tables(self.inv_freq, 1.0, max_context, w.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,
-                all_logits: bool = False, hidden_ids: tuple[int, ...] = ()):
+                all_logits: bool = False, hidden_ids: tuple[int, ...] = (), compiled: bool = False):
         """tokens, positions [T] (device tensors). Attention layers write K/V at `positions` and attend over cache
         columns < kv_len. Gated DeltaNet layers advance their live state (record=False), or leave it and write the
         block's conv window and per-position states (record=True: a verify; LinearStateCache.accept picks one).
-        Returns (logits [T or 1, V], features [T, len(hidden_ids) * H] or None) as in backend/models/llama.py."""
+        Returns (logits [T or 1, V], features [T, len(hidden_ids) * H] or None) as in backend/models/llama.py.
+        compiled: run the per-layer glue through torch.compile (llama.glue)."""
         c = self.config
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
-            h = qwen_rms_norm(x, layer.norm1, c.rms_norm_eps)
-            x = x + layer.mixer(self, h, positions, kv_len, cos, sin, record)
-            x = x + layer.moe(qwen_rms_norm(x, layer.norm2, c.rms_norm_eps))
+            x = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, record, compiled)
+            x = layer.moe(x, layer.norm2, c.rms_norm_eps, compiled)
             if i in hidden_ids and i != last:
                 feats[i] = x
         x = qwen_rms_norm(x, self.norm, c.rms_norm_eps)
