@@ -38,7 +38,7 @@ TAU_SEED = 4.9  # tokens committed per cycle with z-lab's drafter (the seed)
 DRAFT_OVER_VERIFY_SEED = 0.12  # T_d / T_t measured in the seed
 
 
-# ---- models ------------------------------------------------------------------------------------------------------------
+# ---- models ----------------------------------------------------------------------------------------------------------
 
 def build(shape: str, device: str, dtype):
     """(transformers model, tokenizer or None, label)."""
@@ -148,7 +148,7 @@ def _dt(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# ---- timing --------------------------------------------------------------------------------------------------------------
+# ---- timing ----------------------------------------------------------------------------------------------------------
 
 def sync(device):
     if device.type == "cuda":
@@ -196,7 +196,7 @@ def copy_bandwidth(device) -> float:
     return 2 * n / (ms / 1e3)
 
 
-# ---- bytes a step must move --------------------------------------------------------------------------------------------
+# ---- bytes a step must move ------------------------------------------------------------------------------------------
 
 def step_bytes(fast, tokens: int, context: int, distinct_experts: list[int] | None) -> dict:
     """What one forward over `tokens` new tokens after `context` cached ones must read/write at least."""
@@ -217,7 +217,7 @@ def step_bytes(fast, tokens: int, context: int, distinct_experts: list[int] | No
             "total": dense + experts + kv + linear}
 
 
-# ---- routing ---------------------------------------------------------------------------------------------------------------
+# ---- routing ---------------------------------------------------------------------------------------------------------
 
 def record_distinct_experts(fast, fn) -> list[int]:
     """Distinct experts each MoE layer wakes during fn() (run eagerly, through the model's own routing)."""
@@ -261,7 +261,7 @@ def install_routing_trace(fast, hot: int, seed: int = 0) -> None:
     fast.drop_graphs()
 
 
-# ---- measurements ----------------------------------------------------------------------------------------------------------
+# ---- measurements ----------------------------------------------------------------------------------------------------
 
 def stock_calls(hf, prompt, block):
     """transformers' decode step and 16-token verify on a DynamicCache after `prompt`, each as (call, undo). Attention
@@ -479,7 +479,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--routing-trace", action="store_true", help="also time the MoE verify with ~48-expert routing")
-    ap.add_argument("--hot-experts", type=int, default=50, help="hot-set size of the synthetic trace (50: ~47 distinct)")
+    ap.add_argument("--hot-experts", type=int, default=50,
+                    help="hot-set size of the synthetic trace (50: ~47 distinct)")
     ap.add_argument("--generate", type=int, default=0, help="embedded: greedy tok/s over 4 prompts of N new tokens")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
@@ -502,7 +503,8 @@ def main() -> None:
     for shape in shapes:
         load_before = os.getloadavg()[0]
         record = run_shape(args, shape, device, dtype, bandwidth)
-        record.update(load_average_1min={"start": load_before, "end": os.getloadavg()[0]},device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
+        record.update(load_average_1min={"start": load_before, "end": os.getloadavg()[0]},
+                      device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
                       torch=torch.__version__, transformers=__import__("transformers").__version__)
         name = f"target_step_{shape}_{device.type}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"

@@ -78,7 +78,7 @@ def _check(q, k, v, g, beta, state_in, states_out, every_position):
     if state_in.shape != (hv, dk, dv) or state_in.dtype != torch.float32:
         raise ValueError(f"state_in must be fp32 [{hv}, {dk}, {dv}], got {state_in.dtype} {tuple(state_in.shape)}")
     want = (T, hv, dk, dv) if every_position else (hv, dk, dv)
-    if tuple(states_out.shape[-len(want):]) != want or states_out.dtype != torch.float32 or states_out.dim() != len(want):
+    if tuple(states_out.shape) != want or states_out.dtype != torch.float32:
         raise ValueError(f"states_out must be fp32 {list(want)}, got {states_out.dtype} {tuple(states_out.shape)}")
     if not (state_in.is_contiguous() and states_out.is_contiguous()):
         raise ValueError("state tensors must be contiguous")

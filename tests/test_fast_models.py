@@ -85,7 +85,7 @@ def hf_step(model, ids, cache, hidden=False):
                      output_hidden_states=hidden)
 
 
-# ---- the Gated DeltaNet recurrence ------------------------------------------------------------------------------------
+# ---- the Gated DeltaNet recurrence -----------------------------------------------------------------------------------
 
 def random_gdn(T, hk=2, hv=4, dk=16, dv=8, dtype=torch.float32):
     r = torch.randn
@@ -330,7 +330,7 @@ def test_fastmodel_guards():
     assert llama.length == 5
 
 
-# ---- the real embedded model ------------------------------------------------------------------------------------------
+# ---- the real embedded model -----------------------------------------------------------------------------------------
 
 def test_embedded_smollm2_matches_transformers():
     from backend.loading import ModelLoadError, load_model
@@ -355,7 +355,7 @@ def test_embedded_smollm2_matches_transformers():
     assert ours == theirs
 
 
-# ---- GPU (skipped without CUDA) ---------------------------------------------------------------------------------------
+# ---- GPU (skipped without CUDA) --------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

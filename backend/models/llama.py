@@ -81,7 +81,7 @@ def attention(q, k, v, positions, kv_len: int) -> torch.Tensor:
     return out[0].transpose(0, 1).reshape(T, -1)
 
 
-# ---- per-layer glue: plain tensor functions (no modules, no cache writes), so one torch.compile serves every layer ----
+# ---- per-layer glue: plain tensor functions (no modules, no cache writes), so one torch.compile serves every layer ---
 
 def attention_in(x, norm, wqkv, bqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
     """Pre-norm, fused q/k/v projection and RoPE. Returns q [H, T, D], k and v [Hkv, T, D]."""
