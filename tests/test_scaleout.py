@@ -210,7 +210,16 @@ def test_many_workers_review_every_commit_once_and_survive_a_kill(pg_database, t
     try:
         for name, box in WORKERS.items():  # all at once, against an empty database: they race to make the schema
             procs[name], logs[name] = start_worker(name, box, url, repos, tmp_path)
-        wait_until("the three heads to be queued", lambda: len(rows(url, "SELECT id FROM reviewqueue")) == 3, 120)
+        def running(check):  # a worker that dies unexpectedly fails the test at once, with its log
+            def wrapped():
+                for name, p in procs.items():
+                    assert name == killed or p.poll() is None, f"worker {name} exited:\n{logs[name].read_text()}"
+                return check()
+            return wrapped
+
+        killed = None
+        wait_until("the three heads to be queued",
+                   running(lambda: len(rows(url, "SELECT id FROM reviewqueue")) == 3), 120)
         commits = {r.resolve().as_uri(): {commit_change(r, "second")} for r in repos}  # three more jobs
 
         def victim():
@@ -221,14 +230,14 @@ def test_many_workers_review_every_commit_once_and_survive_a_kill(pg_database, t
                               "r.status = 'running' AND p.status = 'running'")
             return found[0] if found else None
 
-        killed_row, killed = wait_until("a worker in the middle of a review", victim, 150)
+        killed_row, killed = wait_until("a worker in the middle of a review", running(victim), 150)
         procs[killed].send_signal(signal.SIGKILL)
         procs[killed].wait(30)
         killed_at = time.time()
         (lease_end,), = rows(url, "SELECT lease_expires_at FROM reviewqueue WHERE id = :id", id=killed_row)
 
-        wait_until("all six jobs done", lambda: rows(
-            url, "SELECT count(*) FROM reviewqueue WHERE status = 'done'") == [(6,)], 200)
+        wait_until("all six jobs done", running(lambda: rows(
+            url, "SELECT count(*) FROM reviewqueue WHERE status = 'done'") == [(6,)]), 200)
     finally:
         for name, p in procs.items():
             if p.poll() is None:
@@ -356,3 +365,100 @@ def test_review_routes_each_persona_to_one_endpoint_and_fails_over_when_one_stop
     (run,) = collect_runs(str(tmp_path / "r.db"))
     assert [(p["name"], p["status"], p["steps"]) for p in run["personas"]] == [
         ("p1", "completed", 2), ("p2", "completed", 2)]
+
+
+@pytest.mark.slow  # starts the real embedded backend (SmolLM2-135M on the CPU)
+def test_the_loop_keeps_one_embedded_backend_for_all_its_reviews(tmp_path):
+    """Two commits reviewed by an LLM persona with `--llm embedded`: the backend is started once, on the first review,
+    and serves both; the runs say `embedded`; it is stopped when the loop ends."""
+    import sqlite3
+
+    personas = tmp_path / "personas"
+    personas.mkdir()
+    (personas / "brief.md").write_text("---\nname: brief\ndescription: One short step.\nmax_steps: 1\n"
+                                       "model: {max_tokens: 8, temperature: 0}\n---\nYou are brief.\n")
+    repo = make_project(tmp_path / "quick", test_seconds=0)
+    dbp = tmp_path / "r.db"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "REVIEWER_LOCK_FILE": str(tmp_path / "review.lock"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "REVIEWER_WORKDIR": str(tmp_path / "work"),
+           "REVIEWER_PERSONAS_DIR": str(personas)}  # `reviewer loop` has no --personas-dir option
+    log = tmp_path / "loop.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", LOOP_CLI, "loop", "--db", str(dbp), "--persona", "brief",
+                                 "--llm", "embedded", "--interval", "1", "--repo", str(repo)], cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def done() -> int:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with sqlite3.connect(dbp, timeout=30) as con:
+                return con.execute("SELECT count(*) FROM reviewqueue WHERE status = 'done'").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
+
+    try:
+        wait_until("the first review", lambda: done() == 1, 300)
+        commit_change(repo, "second")
+        wait_until("the second review", lambda: done() == 2, 300)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    out = log.read_text()
+    assert proc.returncode == 0, out
+    assert out.count("embedded LLM backend ready at") == 1, out
+    with sqlite3.connect(dbp) as con:
+        runs = con.execute("SELECT status, llm FROM reviewrun ORDER BY id").fetchall()
+        steps = con.execute("SELECT status, steps, completion_tokens FROM personarun ORDER BY id").fetchall()
+    assert runs == [("completed", "embedded"), ("completed", "embedded")], out
+    assert [(s[0], s[1]) for s in steps] == [("step_budget", 1)] * 2 and all(s[2] > 0 for s in steps)
+    served = list((tmp_path / "work").glob("reviewer-serve-*.log"))
+    assert len(served) == 1  # one backend process for both reviews
+    port = int(served[0].stem.rsplit("-", 1)[1])
+    import httpx
+
+    with pytest.raises(httpx.TransportError):  # and it was stopped with the loop
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_run_sends_the_api_key_from_config_to_a_server_that_requires_one(tmp_path, tiny_model, live_server,
+                                                                          monkeypatch):
+    """Our own server with --api-key: `reviewer run` with the key in reviewer.toml gets answers; a wrong or missing
+    key is one clear line and no run."""
+    from typer.testing import CliRunner
+
+    from reviewer import cli
+
+    server = live_server(tiny_model("llama"), api_key="s3cret")
+    monkeypatch.setenv("REVIEWER_LOCK_FILE", str(tmp_path / "review.lock"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv("REVIEWER_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    personas = tmp_path / "personas"
+    personas.mkdir()
+    (personas / "brief.md").write_text("---\nname: brief\ndescription: One short step.\nmax_steps: 1\n"
+                                       "model: {max_tokens: 4, temperature: 0}\n---\nYou are brief.\n")
+    repo = make_project(tmp_path / "quick", test_seconds=0)
+    dbp = tmp_path / "r.db"
+    args = ["run", str(repo), "--db", str(dbp), "--persona", "brief", "--personas-dir", str(personas),
+            "--llm", server.base_url]
+    runner = CliRunner()
+    for key in (None, "wrong"):
+        (tmp_path / "reviewer.toml").write_text(f'api_key = "{key}"\n' if key else "")
+        refused = runner.invoke(cli.app, args)
+        assert refused.exit_code == 2, refused.output
+        assert f"the LLM at {server.base_url} refused the API key (HTTP 401)" in " ".join(refused.output.split())
+        assert "Traceback" not in refused.output
+    assert not dbp.exists() or rows(str(dbp), "SELECT id FROM reviewrun") == []
+    (tmp_path / "reviewer.toml").write_text('api_key = "s3cret"\n')
+    from reviewer.config import load_settings
+    from reviewer.llm import open_llm
+
+    with open_llm(load_settings(llm=[server.base_url])) as llm:  # the key comes from reviewer.toml
+        reply = llm.chat([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    assert reply.completion_tokens > 0 and not reply.usage_estimated
+    accepted = runner.invoke(cli.app, args)
+    # The tiny test model's 2048-token window cannot hold an agent's first prompt: the server says so, which it only
+    # does for a request that passed the key check; the run is stored, with the server's own words.
+    (persona,) = rows(str(dbp), "SELECT status, error FROM personarun")
+    assert persona[0] == "failed" and "context window holds 2048" in persona[1], accepted.output
+    assert "refused the API key" not in accepted.output
