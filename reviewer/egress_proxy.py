@@ -17,11 +17,9 @@ check — is about 150 lines of asyncio.
 from __future__ import annotations
 
 import asyncio
+import configparser
 import json
 import os
-import shlex
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -105,31 +103,36 @@ def add_location(setup: RegistrySetup, value: str) -> str | None:
     return None  # relative paths mean nothing inside another working directory
 
 
+def pip_config_files() -> list[Path]:
+    """pip's configuration files, lowest precedence first (global, user, then PIP_CONFIG_FILE), as pip documents them."""
+    dirs = os.environ.get("XDG_CONFIG_DIRS", "/etc/xdg").split(":")
+    files = [Path(d) / "pip" / "pip.conf" for d in reversed(dirs) if d] + [Path("/etc/pip.conf")]
+    home = Path.home()
+    files += [home / ".pip" / "pip.conf",
+              Path(os.environ.get("XDG_CONFIG_HOME", home / ".config")) / "pip" / "pip.conf"]
+    if os.environ.get("PIP_CONFIG_FILE") and os.environ["PIP_CONFIG_FILE"] != os.devnull:
+        files.append(Path(os.environ["PIP_CONFIG_FILE"]))
+    return files
+
+
 @lru_cache(maxsize=1)
 def pip_config() -> dict[str, str]:
-    """pip's effective configuration (files + PIP_* variables), as `pip config list` prints it: key -> value."""
-    for cmd in ([sys.executable, "-m", "pip"], ["pip3"], ["pip"]):
+    """pip's effective settings for `pip install` (files, then PIP_* variables): key -> value. Read, not asked for:
+    `pip config list` would run `rustc --version` for its user agent, and rustup writes into the user's home."""
+    config: dict[str, str] = {}
+    for path in pip_config_files():
+        parser = configparser.ConfigParser(interpolation=None)
         try:
-            proc = subprocess.run([*cmd, "config", "list"], capture_output=True, text=True, timeout=30,
-                                  stdin=subprocess.DEVNULL, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-        except (OSError, subprocess.TimeoutExpired):
+            parser.read(path)
+        except (configparser.Error, OSError):
             continue
-        if proc.returncode != 0:
-            continue
-        config: dict[str, str] = {}
-        for line in proc.stdout.splitlines():
-            key, sep, value = line.partition("=")
-            if not sep:
-                continue
-            name = key.split(".", 1)[-1]  # 'global.extra-index-url' / ':env:.find-links' -> 'extra-index-url'
-            try:
-                value = " ".join(shlex.split(value))
-            except ValueError:
-                value = value.strip("'\"")
-            # Later lines (user, site, environment) override earlier ones, as in pip itself.
-            config[name] = value
-        return config
-    return {}
+        for section in ("global", "install"):
+            if parser.has_section(section):
+                config.update({k: " ".join(v.split()) for k, v in parser.items(section)})
+    for key, value in os.environ.items():
+        if key.startswith("PIP_") and value:
+            config[key[4:].lower().replace("_", "-")] = " ".join(value.split())
+    return config
 
 
 def npm_registries() -> list[str]:
