@@ -35,6 +35,7 @@ INIT_SCRIPT = Path(__file__).with_name("sandbox_init.py")
 INSIDE_DIR = "/.reviewer"  # where the init script and the proxy socket appear inside the sandbox
 SYSTEM_DIRS = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
 DEV_SHM_BYTES = 256 * 1024 * 1024
+PROC_READ_ONLY = ["/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"]
 
 
 class IsolationError(Exception):
@@ -269,7 +270,12 @@ def bwrap_argv(inner_argv: list[str], *, sandbox: Sandbox, cwd: Path, env: dict[
     a += ["--ro-bind", "/etc", "/etc"]
     for kind, p in etc_masks():
         a += ["--tmpfs", p, "--remount-ro", p] if kind == "dir" else ["--ro-bind", "/dev/null", p]
-    a += ["--proc", "/proc", "--dev", "/dev", "--size", str(DEV_SHM_BYTES), "--tmpfs", "/dev/shm"]
+    a += ["--proc", "/proc"]
+    # Global kernel knobs stay read-only: as root the sandbox could otherwise write /proc/sys (kernel.core_pattern
+    # runs a program as the host's root on the next crash) — bwrap leaves them writable here.
+    for d in PROC_READ_ONLY:
+        a += ["--ro-bind-try", d, d]
+    a += ["--dev", "/dev", "--size", str(DEV_SHM_BYTES), "--tmpfs", "/dev/shm"]
     tmp = sandbox.tmp or (sandbox.workspace / "tmp" if (sandbox.workspace / "tmp").is_dir() else None)
     if tmp is not None:
         a += ["--bind", str(tmp), "/tmp"]
@@ -405,7 +411,7 @@ def run_sandboxed(command: str, *, sandbox: Sandbox, cwd: Path, env: dict[str, s
             box = Sandbox(**{**sandbox.__dict__,
                              "extra_ro": [*setup.ro_paths, *toolchain_paths(inner_env), *sandbox.extra_ro]})
             argv = bwrap_argv(inner, sandbox=box, cwd=cwd, env=inner_env, proxy_socket=sock)
-            outer_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+            outer_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}  # bwrap's own; readable inside
         argv = limits_mod.enter_cgroup_argv(cgroup, argv)
         fds, r, w = (r, w), -1, -1  # run_supervised owns them from here
         outcome = limits_mod.run_supervised(argv, cwd=cwd, env=outer_env, limits=lim, watch=watch, cgroup=cgroup,

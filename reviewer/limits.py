@@ -39,6 +39,8 @@ class Limits:
     max_processes: int | None = 1024  # processes and threads (cgroup pids.max / RLIMIT_NPROC)
     disk_bytes: int | None = 10 * GiB  # what the writable folders may hold together
     min_free_bytes: int = 1 * GiB  # stop the command before their filesystem is this full
+    max_files: int | None = 1_000_000  # files and folders in the workspace (empty files fill inodes, not bytes)
+    min_free_inodes: int = 100_000  # stop the command before their filesystem runs out of inodes
     file_size_bytes: int | None = None  # largest single file (RLIMIT_FSIZE); default: disk_bytes
     max_output_bytes: int = 64 * MiB  # output read before the command is stopped
     keep_output: int = 200_000  # characters of output kept (head + tail)
@@ -243,8 +245,13 @@ def enter_cgroup_argv(cgroup: Cgroup | None, argv: list[str]) -> list[str]:
 
 def disk_usage(paths: list[Path]) -> int:
     """Bytes allocated under paths (sparse files count what they hold, hard links once, symlinks not followed)."""
+    return disk_usage_and_files(paths)[0]
+
+
+def disk_usage_and_files(paths: list[Path]) -> tuple[int, int]:
+    """(bytes allocated, number of entries) under paths."""
     seen: set[tuple[int, int]] = set()
-    total = 0
+    total = files = 0
     stack = [str(p) for p in paths]
     while stack:
         top = stack.pop()
@@ -258,6 +265,7 @@ def disk_usage(paths: list[Path]) -> int:
         try:
             with os.scandir(top) as it:
                 for entry in it:
+                    files += 1
                     try:
                         st = entry.stat(follow_symlinks=False)
                     except OSError:
@@ -273,7 +281,7 @@ def disk_usage(paths: list[Path]) -> int:
                     total += st.st_blocks * 512
         except OSError:
             continue
-    return total
+    return total, files
 
 
 class DiskWatch:
@@ -301,14 +309,19 @@ class DiskWatch:
                 if free < self.limits.min_free_bytes:
                     return (f"the filesystem of {p} has {free // MiB} MiB left (the sandbox keeps "
                             f"{self.limits.min_free_bytes // MiB} MiB free)")
-        if self.limits.disk_bytes and now >= self.next_walk:
+                if st.f_files and st.f_favail < self.limits.min_free_inodes:  # f_files 0: no inode limit (btrfs)
+                    return (f"the filesystem of {p} has {st.f_favail} inodes left (the sandbox keeps "
+                            f"{self.limits.min_free_inodes} free)")
+        if (self.limits.disk_bytes or self.limits.max_files) and now >= self.next_walk:
             t0 = time.monotonic()
-            self.last_usage = disk_usage(self.paths)
+            self.last_usage, files = disk_usage_and_files(self.paths)
             took = time.monotonic() - t0
             self.next_walk = now + max(0.5, 10 * took)
-            if self.last_usage > self.limits.disk_bytes:
+            if self.limits.disk_bytes and self.last_usage > self.limits.disk_bytes:
                 return (f"the workspace grew to {self.last_usage // MiB} MiB, over its "
                         f"{self.limits.disk_bytes // MiB} MiB limit")
+            if self.limits.max_files and files > self.limits.max_files:
+                return f"the workspace holds {files} files, over its limit of {self.limits.max_files}"
         return None
 
     def final_check(self) -> str | None:

@@ -182,14 +182,16 @@ def test_view_of_the_host(ws, tmp_path, monkeypatch):
     script = (
         f"cat {home}/.ssh/id_rsa; ls {tmp_path}; echo ws-ok > ok.txt; echo tmp-ok > /tmp/t.txt; "
         "touch /etc/x /usr/x /x 2>&1; cat /etc/shadow 2>&1 | head -c 40; echo; "
-        "echo pid=$$; ls /proc | grep -c '^[0-9]'; hostname; cat /proc/self/status | grep CapEff"
+        "echo pid=$$; ls /proc | grep -c '^[0-9]'; hostname; cat /proc/self/status | grep CapEff; "
+        "echo x 2>&1 > /proc/sys/kernel/domainname"  # namespaced, so harmless if it ever worked; read-only like all sysctls
     )
     o = sandboxed(ws, script)
     assert "KEY-MARKER" not in o.output
     assert f"{home}/.ssh/id_rsa: No such file" in o.output
     assert (ws / "repo" / "ok.txt").read_text() == "ws-ok\n"  # the workspace is writable
     assert (ws / "tmp" / "t.txt").read_text() == "tmp-ok\n"  # /tmp is the workspace's tmp/
-    assert o.output.count("Read-only file system") == 3
+    assert o.output.count("Read-only file system") == 4
+    assert "/proc/sys/kernel/domainname: Read-only file system" in o.output
     assert "root:" not in o.output  # /etc/shadow is masked (empty) even when the reviewer is root
     assert "sandbox" in o.output and "CapEff:\t0000000000000000" in o.output
     assert int(o.output.split("pid=")[1].split()[0]) < 10  # a fresh PID namespace
@@ -251,6 +253,15 @@ def test_file_size_limit_on_a_direct_child(ws):
                   limits=Limits(timeout=30, disk_bytes=None, file_size_bytes=10 * MiB))
     assert "file_size_limit" in {e.kind for e in o.events}, o.events
     assert (ws / "repo" / "big.bin").stat().st_size == 10 * MiB
+
+
+@needs_bwrap
+def test_many_empty_files_hit_the_file_limit(ws):
+    # No bytes, only inodes: the file count stops it.
+    o = sandboxed(ws, "mkdir many && cd many && for i in $(seq 1 20000); do : > f$i; done; echo done",
+                  limits=Limits(timeout=60, max_files=5_000))
+    assert [e.kind for e in o.events if not e.inferred] == ["disk_limit"], o.events
+    assert "files, over its limit of 5000" in o.events[0].detail
 
 
 def test_output_buffer_keeps_head_and_tail():
