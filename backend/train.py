@@ -93,6 +93,53 @@ class TrainConfig:
     eval_check_plain: bool = False
 
 
+# One line of help per option: the argparse CLI below and `reviewer train` (typer) both use it.
+OPTION_HELP = {
+    "model": "Target: 'embedded' (SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file.",
+    "out": "Output folder: the drafter (config.json + model.safetensors, z-lab format), train_state.pt, metrics.json "
+           "[default: runs/dflash-<target name>].",
+    "device": "auto, cpu or cuda.",
+    "dtype": "The target's dtype while it writes responses and features: float32, bfloat16 or auto.",
+    "builtin_prompts": "The built-in prompt set (backend/prompts/builtin.jsonl) is used unless --no-builtin-prompts.",
+    "from_db": "Also learn the review loop's own workload: prompts from the transcripts in this reviews.db.",
+    "max_prompts": "At most this many training prompts (0: all).",
+    "max_heldout": "At most this many held-out prompts (features for the estimate; the first --eval-prompts of them "
+                   "for the engine).",
+    "max_prompt_tokens": "Skip prompts longer than this (tokens).",
+    "max_new_tokens": "Length cap of the target's greedy responses (tokens).",
+    "gen_batch": "Prompts per batch while the target generates its responses.",
+    "data_dir": "Where the response/feature shards go; reused when target, layers and prompts match "
+                "[default: <out>/data].",
+    "data_only": "Generate the responses and features, then stop.",
+    "layers": "Drafter layers (the last one full attention, the others sliding-window layers).",
+    "intermediate_size": "Drafter MLP width (its hidden size is the target's: it shares the target's embedding and "
+                         "LM head).",
+    "block_size": "Block size: the known token plus block_size-1 drafted tokens.",
+    "target_layers": "Target layers whose outputs the drafter reads: 'auto' (5 spread over the depth) or e.g. "
+                     "'1,8,14,21,28'.",
+    "vocab_top_k": "Restrict the draft vocabulary to the K tokens the target emits most (0: the full vocabulary).",
+    "sliding_window": "Sliding window of the sliding layers, in positions (0: none).",
+    "mask_token_id": "Token id used for masked block slots (-1: the last id of the vocabulary).",
+    "loss": "kl (to the target's distribution) or ce (labels = the target's argmax).",
+    "decay": "Position weight w_k = exp(-(k-1)/decay) for draft position k.",
+    "attention": "Attention inside the block: mixed (causal on sliding layers, bidirectional on full), "
+                 "bidirectional or causal.",
+    "corruption": "full (mask every slot but the first, as at inference) or uniform (mask a random fraction).",
+    "steps": "Optimizer steps.",
+    "batch_blocks": "Blocks per step.",
+    "anchors_per_seq": "Blocks per sequence in a step (sequences per step = batch_blocks / anchors_per_seq).",
+    "lr": "Peak learning rate (AdamW; linear warm-up over the first twentieth of the steps, then cosine down to a tenth).",
+    "seed": "Seed of the initialization and of the batch sampling.",
+    "time_limit": "Stop training after this many seconds (0: no limit); the checkpoint is saved.",
+    "save_every": "Save a checkpoint every this many steps.",
+    "log_every": "Log loss and per-position accuracy every this many steps (the progress bar on a terminal).",
+    "resume": "Continue the run in --out from its last checkpoint, up to --steps.",
+    "eval_prompts": "Held-out prompts decoded by the real speculative engine after training (0: skip).",
+    "eval_max_tokens": "Tokens per held-out prompt in that evaluation.",
+    "eval_check_plain": "Also decode the held-out prompts without the drafter and check the output is identical.",
+}
+
+
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -609,14 +656,16 @@ def cli(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backend.train", description=__doc__.split("\n\n")[0])
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        text = OPTION_HELP[f.name]
         if f.type in ("bool", bool):
             if f.name == "builtin_prompts":
-                ap.add_argument("--no-builtin-prompts", dest=f.name, action="store_false")
+                ap.add_argument("--no-builtin-prompts", dest=f.name, action="store_false", help=text)
             else:
-                ap.add_argument(flag, action="store_true")
+                ap.add_argument(flag, action="store_true", help=text)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            ap.add_argument(flag, type=kind, default=f.default)
+            ap.add_argument(flag, type=kind, default=f.default,
+                            help=text + ("" if f.default in (None, "") else f" [default: {f.default}]"))
     a = ap.parse_args(argv)
     from backend.loading import ModelLoadError
 
