@@ -397,7 +397,7 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
             try:
                 db.get_engine(settings.db)
             except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line, nothing written
-                raise UserError(f"cannot open the database {settings.db}: {one_line(e)}") from None
+                raise UserError(f"cannot open the database {db.display_url(settings.db)}: {one_line(e)}") from None
             from reviewer.loop import recover
 
             recover(settings.db, [], ui)  # runs a killed reviewer left `running` on this machine: interrupted
@@ -571,6 +571,7 @@ def finish(run_id: int, status: str, settings, console: Console, ui: Console, js
             # The repository's earlier runs give each measurement its "vs previous run" column.
             earlier = report.collect_runs(settings.db, report.ReportFilter(repo=run["repo"]))
             report.print_run_summary(run, console, report.measurement_history([r for r in earlier if r["id"] <= run_id]))
-        console.print(f"[dim]Stored as run {run_id} in {escape(str(settings.db))}; see it again with "
-                      f"`reviewer report --db {escape(str(settings.db))} --run {run_id}`.[/dim]")
+        where_db = escape(db.display_url(str(settings.db)))  # a PostgreSQL URL's password stays off the screen
+        console.print(f"[dim]Stored as run {run_id} in {where_db}; see it again with "
+                      f"`reviewer report --db {where_db} --run {run_id}`.[/dim]")
     return {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(status, EXIT_FAILED)

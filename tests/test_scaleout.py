@@ -340,7 +340,10 @@ def test_review_routes_each_persona_to_one_endpoint_and_fails_over_when_one_stop
     def first_answer_then_stop(request):
         if sum(len(s.requests) for s in servers) == 1:  # the very first request of the review, wherever it went
             me = next(s for s in servers if s.requests)
-            me._server.should_exit = True  # uvicorn answers this request, then closes
+            me._server.should_exit = True  # uvicorn answers this request, then closes its connections and exits
+            from tests.scripted_llm import tool
+
+            return tool("bash", command="sleep 2")  # time enough for that before the run's next request
         return scripted_persona_turn(request)
 
     servers += [scripted_llm([], after=first_answer_then_stop), scripted_llm([], after=first_answer_then_stop)]
