@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from datetime import timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -49,6 +49,9 @@ def wait_until(what: str, check, timeout: float):
 
 
 def utc(dt):
+    """A timestamp from a raw query as an aware UTC datetime (SQLite hands back text, PostgreSQL naive UTC)."""
+    if isinstance(dt, str):
+        dt = datetime.fromisoformat(dt)
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
@@ -147,8 +150,9 @@ def test_concurrent_claims_take_each_row_once(pg_database):
     assert len({name for name, _ in taken}) > 1  # the work was actually shared
 
 
-def test_heartbeat_keeps_a_slow_job_and_an_expired_lease_is_requeued(pg_database, monkeypatch):
-    url = pg_database()
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_heartbeat_keeps_a_slow_job_and_an_expired_lease_is_requeued(backend, tmp_path, request):
+    url = str(tmp_path / "r.db") if backend == "sqlite" else request.getfixturevalue("pg_database")()
     queue_commits(url, 2)
     lease = 3.0
     with db.session(url) as s:
