@@ -37,6 +37,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from sqlalchemy import update
+from sqlalchemy.exc import DBAPIError
 from sqlmodel import select
 
 from reviewer import db
@@ -638,14 +639,25 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
         with signals_as_interrupt(), contextlib.closing(backend):
             while True:
                 due = [w for w in watched if w.next_poll <= time.monotonic()]
-                unreachable = [w for w in due if not poll(w, settings.db, interval, console)]
                 blocked = False
-                while max_reviews is None or reviews < max_reviews:
-                    outcome = review_next(watched, settings, console, worker, lease, backend)
-                    if outcome != "reviewed":
-                        blocked = outcome == "blocked"
-                        break
-                    reviews += 1
+                try:
+                    unreachable = [w for w in due if not poll(w, settings.db, interval, console)]
+                    while max_reviews is None or reviews < max_reviews:
+                        outcome = review_next(watched, settings, console, worker, lease, backend)
+                        if outcome != "reviewed":
+                            blocked = outcome == "blocked"
+                            break
+                        reviews += 1
+                except DBAPIError as e:
+                    # The database went away (a restart, the network): wait and try again. A job claimed meanwhile
+                    # keeps its lease only while we can renew it; after that another worker may take it.
+                    wait = 1.0 if once else max(interval, 5.0)
+                    log(console, f"the database {db.display_url(settings.db)} failed: {first_line(e)}; "
+                                 + ("giving up this pass" if once else f"trying again in {wait:g} s"), "red")
+                    if once:
+                        return EXIT_SOME_FAILED
+                    time.sleep(wait)
+                    continue
                 if max_reviews is not None and reviews >= max_reviews:
                     log(console, f"stopping after {reviews} review(s) (--max-reviews)")
                     return EXIT_OK

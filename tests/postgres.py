@@ -70,6 +70,14 @@ class PostgresServer:
                         "--no-sync", "--no-instructions")
         if made.returncode:
             raise RuntimeError(f"initdb failed: {made.stderr or made.stdout}")
+        return self.resume()
+
+    def halt(self) -> None:
+        """Stop the server abruptly, keeping its data (a crash or a network cut, as clients see it)."""
+        self.run(self.pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def resume(self) -> PostgresServer:
+        """Start the server (again) on the same data, port and socket folder."""
         options = (f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off "
                    "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
         started = self.run(self.pg_ctl, "-D", str(self.data), "-o", options, "-l", str(self.log), "-w", "-t", "60",

@@ -469,3 +469,49 @@ def test_run_sends_the_api_key_from_config_to_a_server_that_requires_one(tmp_pat
     (persona,) = rows(str(dbp), "SELECT status, error FROM personarun")
     assert persona[0] == "failed" and "context window holds 2048" in persona[1], accepted.output
     assert "refused the API key" not in accepted.output
+
+
+def test_a_loop_waits_out_a_database_restart(tmp_path):
+    """The database stops (kill, reboot, network cut) while a loop watches: the loop says so, keeps trying, and goes
+    on reviewing once the database is back. Its own PostgreSQL server, so the other tests are not disturbed."""
+    from tests.postgres import PostgresServer
+
+    server = PostgresServer().start()
+    try:
+        url = server.create_database()
+        repo = make_project(tmp_path / "quick", test_seconds=0)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "REVIEWER_LOCK_FILE": str(tmp_path / "review.lock"),
+               "XDG_CONFIG_HOME": str(tmp_path / "config")}
+        log = tmp_path / "loop.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-c", LOOP_CLI, "loop", "--db", url, "--persona", "smoke",
+                                     "--interval", "1", "--repo", str(repo)], cwd=tmp_path, stdout=out,
+                                    stderr=subprocess.STDOUT, env=env)
+
+        def done(count: int):
+            def check():
+                assert proc.poll() is None, log.read_text()
+                try:
+                    return rows(url, "SELECT count(*) FROM reviewqueue WHERE status = 'done'") == [(count,)]
+                except Exception:  # noqa: BLE001 - the database is down: not yet
+                    return False
+            return check
+
+        try:
+            wait_until("the first review", done(1), 180)
+            server.halt()
+            db.get_engine(url).dispose()  # this test's own pooled connections died with the server
+            wait_until("the loop to notice", lambda: "failed: " in log.read_text() and "trying again in" in
+                       log.read_text(), 60)
+            server.resume()
+            head = commit_change(repo, "after the restart")
+            wait_until("the review of the new commit", done(2), 180)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        out = log.read_text()
+        assert proc.returncode == 0, out
+        assert "Traceback" not in out
+        assert rows(url, "SELECT status FROM reviewrun WHERE commit_sha = :c", c=head) == [("completed",)]
+    finally:
+        server.stop()
