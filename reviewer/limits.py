@@ -285,7 +285,7 @@ def disk_usage_and_files(paths: list[Path]) -> tuple[int, int]:
 
 
 class DiskWatch:
-    """Polls the writable folders' size (each walk at most ~10% of the time) and their filesystem's free space."""
+    """Polls the writable folders' size (each walk at most ~5% of the time) and their filesystem's free space."""
 
     def __init__(self, paths: list[Path], limits: Limits):
         self.paths = [p for p in paths if p.exists()]
@@ -316,7 +316,7 @@ class DiskWatch:
             t0 = time.monotonic()
             self.last_usage, files = disk_usage_and_files(self.paths)
             took = time.monotonic() - t0
-            self.next_walk = now + max(0.5, 10 * took)
+            self.next_walk = now + max(1.0, 20 * took)  # at most ~5% of a core; RLIMIT_FSIZE caps one file meanwhile
             if self.limits.disk_bytes and self.last_usage > self.limits.disk_bytes:
                 return (f"the workspace grew to {self.last_usage // MiB} MiB, over its "
                         f"{self.limits.disk_bytes // MiB} MiB limit")
