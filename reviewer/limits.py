@@ -174,6 +174,21 @@ class Cgroup:
                     time.sleep(0.02)
 
 
+def sweep_stale(parent: Path) -> None:
+    """Remove empty reviewer-<pid>-<n> cgroups whose reviewer is gone (it was SIGKILLed before it could)."""
+    try:
+        entries = list(parent.glob("reviewer-*-*"))
+    except OSError:
+        return
+    for d in entries:
+        pid = d.name.split("-")[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            try:
+                d.rmdir()  # fails (EBUSY) while anything is still inside, which is what we want
+            except OSError:
+                pass
+
+
 def create_cgroup(limits: Limits) -> tuple[Cgroup | None, str]:
     """A fresh cgroup with the memory and process limits, below this process's own; (None, why not) when this
     machine does not let us (no delegation, read-only cgroupfs, no controllers)."""
@@ -187,6 +202,7 @@ def create_cgroup(limits: Limits) -> tuple[Cgroup | None, str]:
         available = set(_read(parent / "cgroup.controllers").split())
         if {"memory", "pids"} <= available:
             wanted = {"memory", "pids"} | ({"cpu"} & available)
+            sweep_stale(parent)
             try:
                 enabled = set(_read(parent / "cgroup.subtree_control").split())
                 if not wanted <= enabled:
@@ -212,6 +228,7 @@ def create_cgroup(limits: Limits) -> tuple[Cgroup | None, str]:
         if controller not in mounts or (setting and not value):
             continue
         d = mounts[controller] / own.get(controller, "/").lstrip("/") / name
+        sweep_stale(d.parent)
         try:
             d.mkdir()
         except OSError as e:
