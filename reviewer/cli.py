@@ -228,6 +228,15 @@ def personas(
     console.print(table)
 
 
+@app.command()
+def doctor(db: DbOption = None) -> None:
+    """Report what isolation this machine offers the sandbox (bubblewrap, namespaces, cgroups, the egress proxy) and
+    why not; exit 0 when full isolation is available."""
+    from reviewer.doctor import doctor_command
+
+    raise typer.Exit(doctor_command(settings_or_exit(db=db), console))
+
+
 def main() -> None:
     try:
         app()

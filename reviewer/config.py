@@ -51,11 +51,20 @@ class Settings(BaseSettings):
     timeout: float = Field(1800.0, gt=0, description="wall-clock limit per persona, seconds")
     command_timeout: int = Field(600, gt=0, description="upper bound for one sandboxed command, seconds")
     isolation: Literal["auto", "bwrap", "none"] = "auto"
+    network_allow: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["auto"],
+        description="hosts the sandbox's proxy lets through ('auto': pip's and npm's configured registries)",
+    )
+    sandbox_memory_mb: int = Field(4096, ge=64, description="memory limit of one sandboxed command")
+    sandbox_max_processes: int = Field(1024, ge=8, description="process limit of one sandboxed command")
+    sandbox_disk_mb: int = Field(10240, ge=16, description="workspace disk limit; the command is stopped past it")
+    sandbox_output_mb: int = Field(64, ge=1, description="output limit of one sandboxed command")
+    sandbox_cpu_seconds: int | None = Field(None, ge=1, description="CPU-time limit (default: 2 x command_timeout)")
     embedded_model: str = Field("embedded", description="what `--llm embedded` serves (a path or 'embedded')")
     workdir: Path | None = Field(None, description="where review workspaces are made (default: a temp dir)")
     lock_file: Path | None = Field(None, description="the machine-wide review lock (default: /tmp/reviewer-review.lock)")
 
-    @field_validator("llm", "personas", "personas_dir", mode="before")
+    @field_validator("llm", "personas", "personas_dir", "network_allow", mode="before")
     @classmethod
     def _split_commas(cls, value):
         # REVIEWER_LLM="http://a/v1,http://b/v1" and llm = "embedded" in TOML both work.

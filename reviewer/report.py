@@ -60,6 +60,7 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
     personas = s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id).order_by(PersonaRun.id)).all()
     all_findings = s.exec(select(Finding).where(Finding.run_id == run.id).order_by(Finding.id)).all()
     measurements = s.exec(select(Measurement).where(Measurement.run_id == run.id).order_by(Measurement.id)).all()
+    events = s.exec(select(db.SandboxEvent).where(db.SandboxEvent.run_id == run.id).order_by(db.SandboxEvent.id)).all()
     # Near-duplicates merged into another finding are hidden; the kept one says how many it absorbed.
     merged: dict[int, int] = {}
     for f in all_findings:
@@ -70,6 +71,7 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
         personas = [p for p in personas if p.persona == flt.persona]
         findings = [f for f in findings if f.persona == flt.persona]
         measurements = [m for m in measurements if m.persona == flt.persona]
+        events = [e for e in events if e.persona == flt.persona]
     if flt.severity:
         limit = SEVERITY_ORDER[flt.severity]
         findings = [f for f in findings if SEVERITY_ORDER.get(f.severity, 99) <= limit]
@@ -90,6 +92,12 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
         "machine": run.machine,
         "worker": run.worker,  # the `reviewer loop` worker that ran it (None for `reviewer run`)
         "error": run.error,
+        # What the sandbox blocked or contained (docs/sandbox.md); `inferred`: read from the command's output.
+        "sandbox_events": [
+            {"persona": e.persona, "kind": e.kind, "detail": e.detail, "command": e.command, "inferred": e.inferred,
+             "at": db.iso(e.created_at)}
+            for e in events
+        ],
         "personas": [
             {
                 "name": p.persona,
@@ -245,6 +253,15 @@ def print_run_summary(run: dict, console: Console, history: list[dict] | None = 
                 VERIFIED_TEXT[f["verified"]],
             )
     console.print(table)
+    if run.get("sandbox_events"):
+        ev_table = Table(title=f"Sandbox events ({len(run['sandbox_events'])}): blocked or contained")
+        for col in ("persona", "kind", "detail", "command"):
+            ev_table.add_column(col)
+        for e in run["sandbox_events"]:
+            style = "bold red" if e["kind"] == "isolation_disabled" else "yellow"
+            ev_table.add_row(escape(e["persona"]), f"[{style}]{escape(e['kind'])}[/]" + (" (inferred)" if e["inferred"] else ""),
+                             escape(e["detail"]), escape((e["command"] or "")[:60]))
+        console.print(ev_table)
     if run["measurements"]:
         points = _changes_for_run(history, run)
         m_table = Table(title="Measurements")
@@ -280,6 +297,12 @@ def render_markdown(runs: list[dict], history: list[dict], *, source: str) -> st
             lines += ["| persona | status | steps | tokens (prompt/completion) |", "|---|---|---|---|"]
             lines += [f"| {p['name']} | {p['status']} | {p['steps']} | {p['prompt_tokens']}/{p['completion_tokens']} |"
                       for p in run["personas"]]
+            lines.append("")
+        if run.get("sandbox_events"):
+            lines += [f"### Sandbox events ({len(run['sandbox_events'])})", "", "| persona | kind | detail | command |",
+                      "|---|---|---|---|"]
+            lines += [f"| {e['persona']} | {e['kind']}{' (inferred)' if e['inferred'] else ''} | {_md(e['detail'])} | "
+                      f"`{_md((e['command'] or '')[:80])}` |" for e in run["sandbox_events"]]
             lines.append("")
         lines += [f"### Findings ({len(run['findings'])})", ""]
         for severity in db.SEVERITIES:

@@ -31,8 +31,8 @@ from rich.table import Table
 from rich.text import Text
 from sqlmodel import select
 
-from reviewer import db, sandbox
-from reviewer.db import Finding, Measurement, PersonaRun, ReviewRun
+from reviewer import db, isolation
+from reviewer.db import Finding, Measurement, PersonaRun, ReviewRun, SandboxEvent
 from reviewer.lock import LockBusy, lock_path, review_lock
 from reviewer.personas import Persona, PersonaError, select_personas
 from reviewer.smoke import run_smoke
@@ -106,6 +106,17 @@ class DbRecorder:
         self.on_record("measurement", row)
         return row.id
 
+    def record_sandbox_event(self, event, command: str | None = None) -> int:
+        """A reviewer.limits.Event the sandbox raised while one of this persona's commands ran."""
+        row = SandboxEvent(run_id=self.run_id, persona_run_id=self.persona_run_id, persona=self.persona,
+                           kind=event.kind, detail=event.detail, command=(command or "")[:2000] or None,
+                           inferred=event.inferred, created_at=event.time)
+        with db.session(self.db) as s:
+            s.add(row)
+            s.commit()
+        self.on_record("sandbox_event", row)
+        return row.id
+
     def save_transcript(self, messages: list[dict], *, steps: int, prompt_tokens: int, completion_tokens: int,
                         llm_seconds: float) -> None:
         with db.session(self.db) as s:
@@ -126,7 +137,7 @@ def update_row(db_path: str, model, row_id: int, **values) -> None:
         s.commit()
 
 
-def machine_fingerprint() -> dict:
+def machine_fingerprint(isolation_mode: str = "bwrap") -> dict:
     """What the measurements were taken on: enough to tell two machines (or two container limits) apart."""
     cpu = platform.processor() or ""
     with contextlib.suppress(OSError):
@@ -152,7 +163,7 @@ def machine_fingerprint() -> dict:
         "memory_gib": memory,
         "os": platform.platform(),
         "python": platform.python_version(),
-        "isolation": sandbox.ISOLATION,
+        "isolation": isolation_mode,
     }
 
 
@@ -277,6 +288,8 @@ class LiveView:
         if kind == "finding":
             p.findings += 1
             self.say(f"  {name} found [{row.severity}] {row.title}")
+        elif kind == "sandbox_event":
+            self.say(f"  {name} sandbox: {row.kind}: {row.detail}")
         else:
             p.measurements += 1
             self.say(f"  {name} measured {row.name} = {row.value:.4g} {row.unit}")
@@ -341,8 +354,10 @@ def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona],
         if p.deterministic and p.name not in DETERMINISTIC:
             raise UserError(f"persona {p.name!r} ({p.source}) says `deterministic: true`, but only "
                             f"{', '.join(DETERMINISTIC)} run without an LLM")
-    if settings.isolation == "bwrap":
-        raise UserError("--isolation bwrap is not available yet (it lands with the sandbox issue); use auto or none")
+    try:
+        isolation.Policy.from_settings(settings)  # bubblewrap missing or broken: one line, before anything is written
+    except isolation.IsolationError as e:
+        raise UserError(str(e)) from None
     try:
         return personas, resolve_target(target, ref)
     except WorkspaceError as e:
@@ -454,18 +469,25 @@ def create_run(settings, tgt: Target, ref: str | None, llm, worker: str | None =
         repo = db.get_or_create_repository(s, tgt.url)
         run = ReviewRun(repository_id=repo.id, ref=ref or tgt.branch, commit_sha=tgt.commit, status="running",
                         llm=llm.name if llm else None, model=llm.model if llm else None,
-                        machine=json.dumps(machine_fingerprint(), sort_keys=True), pid=os.getpid(), worker=worker)
+                        machine=json.dumps(machine_fingerprint(isolation.Policy.from_settings(settings).mode), sort_keys=True), pid=os.getpid(), worker=worker)
         s.add(run)
         s.commit()
         return run.id
+
+
+def sandbox_line(policy) -> str:
+    if policy.mode == "none":
+        return ("[bold red]isolation none: the repository's code runs WITHOUT a sandbox, as you, with your files, keys "
+                "and network[/bold red] (limits still apply; recorded on every persona run)")
+    allow = ", ".join(isolation.egress_proxy.expand_allowlist(policy.network_allow)) or "nothing"
+    return f"[dim]sandbox: bubblewrap; network only to {escape(allow)}; see docs/sandbox.md[/dim]"
 
 
 def review_personas(run_id: int, personas: list[Persona], tgt: Target, settings, llm, ui: Console, where: str) -> str:
     """Run every persona in order; returns the run status. Ctrl-C marks the persona and the run interrupted."""
     header = (f"[bold]Reviewing[/bold] {escape(where)}  run {run_id}  personas: {', '.join(p.name for p in personas)}"
               + (f"  llm: {escape(llm.name)} ({escape(llm.model)})" if llm else "")
-              + f"\n[dim]sandbox: {sandbox.ISOLATION} (commands run as you, with your network; the sandbox issue "
-                "hardens this)[/dim]")
+              + "\n" + sandbox_line(isolation.Policy.from_settings(settings)))
     view = LiveView(ui, header, [PersonaState(p.name) for p in personas])
     baseline: list[str] = []
     failures: list[str] = []
@@ -498,7 +520,9 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
     ws = None
     status, error, summary = "failed", None, None
     try:
-        ws = create_workspace(tgt, parent=settings.workdir, name=persona.name, command_timeout=settings.command_timeout)
+        ws = create_workspace(tgt, parent=settings.workdir, name=persona.name, command_timeout=settings.command_timeout,
+                              policy=isolation.Policy.from_settings(settings))
+        ws.on_event = recorder.record_sandbox_event
         if persona.deterministic:
             result = DETERMINISTIC[persona.name](
                 ws, recorder, timeout=settings.timeout,

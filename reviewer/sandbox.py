@@ -5,9 +5,10 @@ no API keys, no tokens, none of the user's own variables), in its own process gr
 expires — and also when the command returns, so a forgotten background process can neither outlive the command nor
 disturb the next persona's measurements. Output is stdout and stderr merged, capped to head + tail.
 
-This is not a security boundary: the command can still read the user's files and reach the network. The sandbox issue
-hardens it (bubblewrap, a network proxy, resource limits) through `wrap`, the one seam between "what to run" and
-"how to confine it". Until then `ISOLATION` says "none", and the run records that honestly.
+Given a `sandbox` (reviewer.isolation.Sandbox), the command runs confined instead: bubblewrap, the allowlisting
+network proxy and the resource limits (docs/sandbox.md), and what they blocked comes back as `events`. Without one,
+this is the bare baseline above, which is not a security boundary (`--isolation none` still goes through the sandbox
+module, with its limits, and says so in an event).
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-ISOLATION = "none"  # what `wrap` provides today; stored with each review so nobody mistakes it for a jail
 
 # Variables a build needs to find tools, registries and certificates. Values are passed through unchanged; anything
 # not listed here (including every API key and token in the user's environment) never reaches a command.
@@ -46,6 +45,7 @@ class CommandResult:
     seconds: float
     timed_out: bool
     truncated: bool
+    events: list = field(default_factory=list)  # reviewer.limits.Event: what the sandbox blocked or contained
 
 
 def system_path(venv: Path | None) -> str:
@@ -85,11 +85,6 @@ def sandbox_env(*, home: Path, tmp: Path, venv: Path | None = None, extra: dict[
     return env
 
 
-def wrap(argv: list[str], cwd: Path) -> list[str]:
-    """The isolation seam: turn the argv to run into the argv that runs it confined. Today: unchanged (ISOLATION)."""
-    return argv
-
-
 def cap_output(text: str, limit: int, dropped: int = 0) -> tuple[str, bool]:
     """Keep the first and last limit/2 characters; say how many were left out in between."""
     if len(text) <= limit and not dropped:
@@ -107,11 +102,20 @@ def kill_group(pgid: int) -> None:
         pass
 
 
-def run_command(command: str, *, cwd: Path, env: dict[str, str], timeout: float, max_output: int = 200_000) -> CommandResult:
-    """Run `command` with bash in `cwd`; kill its whole process group on timeout (or Ctrl-C) and when it returns."""
+def run_command(command: str, *, cwd: Path, env: dict[str, str], timeout: float, max_output: int = 200_000,
+                sandbox=None) -> CommandResult:
+    """Run `command` with bash in `cwd`; kill its whole process group on timeout (or Ctrl-C) and when it returns.
+    With `sandbox` (reviewer.isolation.Sandbox): confined, limited, and with the events it recorded."""
+    if sandbox is not None:
+        from reviewer.isolation import run_sandboxed
+
+        box = replace(sandbox, limits=replace(sandbox.limits, timeout=timeout, keep_output=max_output))
+        o = run_sandboxed(command, sandbox=box, cwd=cwd, env=env)
+        return CommandResult(exit_code=o.exit_code, output=o.output, seconds=o.seconds, timed_out=o.timed_out,
+                             truncated=o.truncated, events=o.events)
     start = time.monotonic()
     proc = subprocess.Popen(
-        wrap(["bash", "-c", command], cwd),
+        ["bash", "-c", command],
         cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,

@@ -23,6 +23,7 @@ from sqlmodel import select
 
 from reviewer import db
 from reviewer.db import Finding, Measurement, Repository, ReviewRun
+from reviewer import isolation
 from reviewer.workspace import Target, WorkspaceError, create_workspace
 
 MAX_PER_PERSONA = 10
@@ -81,6 +82,7 @@ def check(repro: str, target: Target, setup: str | None, settings) -> tuple[bool
     command_timeout = float(getattr(settings, "command_timeout", REPRO_TIMEOUT))
     try:
         ws = create_workspace(target, parent=getattr(settings, "workdir", None), name="verify",
+                              policy=isolation.Policy.from_settings(settings),
                               command_timeout=max(command_timeout, SETUP_TIMEOUT))
     except WorkspaceError as e:
         return None, f"not checked: no fresh workspace ({e})"

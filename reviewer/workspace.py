@@ -18,9 +18,11 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reviewer.isolation import Policy, Sandbox
 from reviewer.sandbox import CommandResult, run_command, sandbox_env
 
 LS_REMOTE_TIMEOUT = 60.0
@@ -52,13 +54,25 @@ class Workspace:
     url: str = ""
     command_timeout: float = 600.0  # upper bound for any one command (settings.command_timeout)
     notes: list[str] = field(default_factory=list)  # things the persona should know (e.g. submodules not fetched)
+    sandbox: Sandbox | None = None  # how commands are confined (None: the bare baseline, for tests of it)
+    on_event: Callable[[object, str], None] | None = None  # (reviewer.limits.Event, command) -> record it
+    _told: set[str] = field(default_factory=set)  # event kinds said once per workspace (isolation_disabled)
 
     @property
     def python(self) -> Path:
         return self.venv / "bin" / "python"
 
     def run(self, command: str, timeout: float) -> CommandResult:
-        return run_command(command, cwd=self.root, env=self.env, timeout=min(float(timeout), self.command_timeout))
+        result = run_command(command, cwd=self.root, env=self.env, timeout=min(float(timeout), self.command_timeout),
+                             sandbox=self.sandbox)
+        if self.on_event is not None:
+            for event in result.events:
+                if event.kind == "isolation_disabled":  # true of every command: recorded once per persona
+                    if event.kind in self._told:
+                        continue
+                    self._told.add(event.kind)
+                self.on_event(event, command)
+        return result
 
     def resolve(self, path: str) -> Path:
         """A workspace-relative or absolute path -> the real path inside root; anything escaping root (through '..'
@@ -190,7 +204,8 @@ def remove_tree(path: Path) -> None:
     def make_writable_and_retry(func, p, _exc):
         try:
             os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            os.chmod(p, stat.S_IRWXU)
+            if not os.path.islink(p):  # chmod follows symlinks: one planted by the sandbox would reach a host file
+                os.chmod(p, stat.S_IRWXU)
             func(p)
         except OSError:
             pass
@@ -224,10 +239,13 @@ def clone_commit(url: str, commit: str, dest: Path, branch: str | None = None) -
     return notes
 
 
-def create_venv(venv: Path, python: str = sys.executable) -> None:
+def create_venv(venv: Path, python: str = sys.executable, home: Path | None = None) -> None:
+    # HOME inside the workspace: ensurepip's pip runs `rustc --version` for its user agent, and rustup would create
+    # ~/.rustup in the user's real home.
+    env = {**os.environ, "HOME": str(home)} if home is not None else None
     try:
         proc = subprocess.run([python, "-m", "venv", str(venv)], capture_output=True, text=True, timeout=VENV_TIMEOUT,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, env=env)
     except subprocess.TimeoutExpired:
         raise WorkspaceError(f"creating the virtual environment took over {VENV_TIMEOUT:g} s") from None
     if proc.returncode != 0:
@@ -236,8 +254,10 @@ def create_venv(venv: Path, python: str = sys.executable) -> None:
 
 
 def create_workspace(target: Target, *, parent: Path | None, name: str, command_timeout: float = 600.0,
-                     python: str = sys.executable) -> Workspace:
-    """A fresh folder for one persona: repo/ (shallow clone at target.commit), venv/, home/, tmp/."""
+                     python: str = sys.executable, policy: Policy | None = None) -> Workspace:
+    """A fresh folder for one persona: repo/ (shallow clone at target.commit), venv/, home/, tmp/. Its commands run
+    confined by `policy` (default: bubblewrap with the default limits; IsolationError where it is unavailable)."""
+    policy = policy or Policy.from_settings(None)
     parent = Path(parent) if parent else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40] or "persona"
@@ -247,10 +267,10 @@ def create_workspace(target: Target, *, parent: Path | None, name: str, command_
         notes = clone_commit(target.url, target.commit, root, target.branch)
         home.mkdir()
         tmp.mkdir()
-        create_venv(venv, python)
+        create_venv(venv, python, home=home)
         env = sandbox_env(home=home, tmp=tmp, venv=venv)
         return Workspace(root=root, venv=venv, env=env, commit=target.commit, path=path, url=target.url,
-                         command_timeout=command_timeout, notes=notes)
+                         command_timeout=command_timeout, notes=notes, sandbox=policy.for_workspace(path, tmp))
     except BaseException:
         remove_tree(path)
         raise

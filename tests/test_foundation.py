@@ -40,7 +40,7 @@ def test_help_lists_the_seven_commands():
         assert f" {command} " in result.output, command
 
 
-@pytest.mark.parametrize("command", ["run", "loop", "report", "serve", "bench", "train", "personas"])
+@pytest.mark.parametrize("command", ["run", "loop", "report", "serve", "bench", "train", "personas", "doctor"])
 def test_every_command_has_real_help(command):
     result = runner.invoke(app, [command, "--help"])
     assert result.exit_code == 0

@@ -12,6 +12,7 @@ Set REVIEWER_HOSTILE_TABLE=path.md to get the results table (action, outcome, ev
 from __future__ import annotations
 
 import hashlib
+import io
 import http.server
 import json
 import os
@@ -339,3 +340,38 @@ def results_table():
         events = "<br>".join(e.replace("|", "\\|")[:160] for e in r["events"]) or "-"
         lines.append(f"| {r['fixture']} | {r['phase']} | {tried} | {r['exit']} | {events} |")
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+def test_review_of_a_hostile_repository(tmp_path, host, monkeypatch):
+    """`reviewer run --persona smoke` on a repository whose install script and tests attack: the review completes,
+    every attempt is a sandbox event on the persona run, shown in the report, and no secret reaches the database."""
+    from rich.console import Console
+
+    from reviewer import db, report
+    from reviewer.config import load_settings
+    from reviewer.review import run_command
+
+    repo = hostile_repo("combined", tmp_path / "combined", host)
+    monkeypatch.setenv("REVIEWER_LOCK_FILE", str(tmp_path / "review.lock"))
+    settings = load_settings(db=str(tmp_path / "reviews.db"), personas=["smoke"], workdir=tmp_path / "work")
+    settings.command_timeout = 120
+    out = io.StringIO()
+    code = run_command(str(repo), settings, console=Console(file=out, width=250))
+    text = out.getvalue()
+    assert code == 0, text
+    [run] = report.collect_runs(settings.db, report.ReportFilter())
+    assert run["status"] == "completed" and json.loads(run["machine"])["isolation"] == "bwrap"
+    events = run["sandbox_events"]
+    assert all(e["persona"] == "smoke" for e in events)
+    kinds = {e["kind"] for e in events}
+    assert {"network_refused", "process_killed", "escape_refused"} <= kinds, events
+    assert any("exfiltrate.example:443" in e["detail"] for e in events if e["kind"] == "network_refused")
+    assert any(f"sleep 1003.{host['tag']}" in e["detail"] for e in events if e["kind"] == "process_killed")
+    assert "Sandbox events" in text and "exfiltrate.example" in text  # shown at the end of the run
+    with db.session(settings.db) as s:
+        stored = " ".join(p.transcript + (p.summary or "") for p in s.exec(db.select(db.PersonaRun)).all())
+        stored += " ".join(e.detail + (e.command or "") for e in s.exec(db.select(db.SandboxEvent)).all())
+    assert "HOSTILE test phone out" in stored  # the payload ran, and its output was stored...
+    assert any("tests fail" in f["title"].lower() for f in run["findings"])  # ...and the review went on to judge it
+    for secret in (SECRET_KEY, SSH_MARKER, HOME_SECRET):
+        assert secret not in stored and secret not in text  # ...without anything it was after

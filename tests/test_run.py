@@ -83,7 +83,7 @@ def test_smoke_review_of_the_example_project(example, tmp_path):
     assert run["status"] == "completed" and run["error"] is None and run["finished_at"]
     assert run["llm"] is None  # smoke only: the LLM was never started
     machine = json.loads(run["machine"])
-    assert machine["cores"] >= 1 and machine["hostname"] and machine["isolation"] == "none"
+    assert machine["cores"] >= 1 and machine["hostname"] and machine["isolation"] == "bwrap"
     [persona] = run["personas"]
     assert persona["name"] == "smoke" and persona["status"] == "completed" and persona["steps"] >= 3
     assert persona["prompt_tokens"] == 0 and persona["llm_seconds"] == 0
@@ -260,23 +260,37 @@ def test_second_review_waits_or_fails_fast(tmp_path):
     assert not holder.exists()
 
 
+def running(marker: str) -> list[int]:
+    """Host pids whose command line holds marker (the sandboxed command cannot write anything outside its workspace,
+    so it is found from outside)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
 def test_interrupt_marks_the_run_and_kills_the_command(tmp_path):
-    pid_file = tmp_path / "test.pid"
-    repo = make_repo(tmp_path / "hang", {"Makefile": f"test:\n\techo $$$$ > {pid_file}; sleep 300\n"})
+    marker = f"300.{os.getpid()}{time.monotonic_ns() % 10**6}"  # a unique `sleep` argument
+    repo = make_repo(tmp_path / "hang", {"Makefile": f"test:\n\tsleep {marker}\n"})
     db = tmp_path / "reviews.db"
     work = tmp_path / "work"
     proc = reviewer_process(str(repo), "--db", str(db), "--persona", "smoke", cwd=tmp_path,
                             env_extra={"REVIEWER_LOCK_FILE": str(tmp_path / "l.lock"), "REVIEWER_WORKDIR": str(work)})
     deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
+    while not running(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pid_file.exists(), proc.communicate()
+    assert running(marker), proc.communicate()
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err
-    shell = int(pid_file.read_text())
-    assert not Path(f"/proc/{shell}").exists() or Path(f"/proc/{shell}/stat").read_text().split()[2] == "Z"
+    time.sleep(0.5)
+    for pid in running(marker):  # gone, or a zombie about to be reaped
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     run = report_json(db)["runs"][0]
     assert run["status"] == "interrupted" and run["finished_at"]
     assert [(p["name"], p["status"]) for p in run["personas"]] == [("smoke", "interrupted")]
