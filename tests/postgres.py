@@ -40,6 +40,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PREFIX = "reviewer-pg-"
+
+
+def sweep_orphans(pg_ctl: str, user: str | None) -> None:
+    """Servers of earlier test sessions that were killed before their teardown (SIGKILL, a CI timeout): stop them and
+    remove their folders. Only folders this module made and whose owning process is gone are touched."""
+    for folder in Path(tempfile.gettempdir()).glob(PREFIX + "*"):
+        try:
+            owner = int((folder / "owner").read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or being set up right now
+        try:
+            os.kill(owner, 0)
+            continue  # its session is still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        prefix = ["runuser", "-u", user, "--"] if user else []
+        subprocess.run(prefix + [pg_ctl, "-D", str(folder / "data"), "-m", "immediate", "-w", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class PostgresServer:
     def __init__(self):
         self.initdb, self.pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
@@ -53,8 +77,10 @@ class PostgresServer:
             except KeyError:
                 pytest.skip("running as root and there is no `postgres` user to run the test server as")
             self.user = "postgres"
+        sweep_orphans(self.pg_ctl, self.user)
         # Not under pytest's tmp_path: that is private to root, and the server runs as `postgres`.
-        self.folder = Path(tempfile.mkdtemp(prefix="reviewer-pg-"))
+        self.folder = Path(tempfile.mkdtemp(prefix=PREFIX))
+        (self.folder / "owner").write_text(str(os.getpid()))  # a later session stops the server if we were killed
         self.data, self.log = self.folder / "data", self.folder / "server.log"
         if self.user:
             shutil.chown(self.folder, self.user)
