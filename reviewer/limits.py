@@ -310,6 +310,7 @@ class DiskWatch:
         self.next_walk = 0.0
         self.next_free = 0.0
         self.last_usage = 0
+        self.free_at_walk: int | None = None  # the filesystem's free bytes at the last walk
 
     def check(self, now: float) -> str | None:
         """None while within limits, else what was exceeded."""
@@ -323,6 +324,11 @@ class DiskWatch:
                 except OSError:
                     continue
                 free = st.f_bavail * st.f_frsize
+                # A fast writer can fill gigabytes between two walks: a drop in free space larger than the room left
+                # under the limit brings the next walk forward (statvfs is cheap; the walk is the exact measure).
+                room = (self.limits.disk_bytes or 0) - self.last_usage
+                if self.free_at_walk is not None and self.free_at_walk - free > min(128 * MiB, max(room, 0)):
+                    self.next_walk = now
                 if free < self.limits.min_free_bytes:
                     return (f"the filesystem of {p} has {free // MiB} MiB left (the sandbox keeps "
                             f"{self.limits.min_free_bytes // MiB} MiB free)")
@@ -332,6 +338,10 @@ class DiskWatch:
         if (self.limits.disk_bytes or self.limits.max_files) and now >= self.next_walk:
             t0 = time.monotonic()
             self.last_usage, files = disk_usage_and_files(self.paths)
+            try:
+                self.free_at_walk = min(os.statvfs(p).f_bavail * os.statvfs(p).f_frsize for p in self.paths)
+            except OSError:
+                self.free_at_walk = None
             took = time.monotonic() - t0
             self.next_walk = now + max(1.0, 20 * took)  # at most ~5% of a core; RLIMIT_FSIZE caps one file meanwhile
             if self.limits.disk_bytes and self.last_usage > self.limits.disk_bytes:
