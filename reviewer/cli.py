@@ -113,9 +113,16 @@ def loop(
     llm: LlmOption = None,
     model: ModelOption = None,
     db: DbOption = None,
+    personas_dir: PersonasDirOption = None,
+    worker: Annotated[Optional[str], typer.Option(help="This worker's name in a shared queue [default: host name].")] = None,
+    lease: Annotated[
+        Optional[float], typer.Option(help="Seconds a claimed review stays claimed without a heartbeat [default: 300].")
+    ] = None,
 ) -> None:
-    """Review continuously: watch repositories for new commits and review each new commit once, one at a time."""
-    settings = settings_or_exit(llm=llm, model=model, db=db, personas=persona)
+    """Review continuously: watch repositories for new commits and review each new commit once, one at a time.
+    Several loops (on one or many machines) can share one database queue: `--db postgresql://...`."""
+    settings = settings_or_exit(llm=llm, model=model, db=db, personas=persona, personas_dir=personas_dir,
+                                worker=worker, lease_seconds=lease)
     from reviewer.loop import LoopError, loop_command
 
     try:
@@ -164,18 +171,29 @@ def serve(
     api_key: Annotated[
         Optional[str], typer.Option(envvar="REVIEWER_SERVE_API_KEY", help="Require this key on every route but /health.")
     ] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(help="Read the API key from this file.")] = None,
+    allow_remote_without_key: Annotated[
+        bool, typer.Option("--allow-remote-without-key", help="Bind a non-loopback address without an API key anyway.")
+    ] = False,
 ) -> None:
     """Serve a local model over an OpenAI- and Anthropic-compatible HTTP API (batch 1, speculative decoding)."""
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device must be auto, cpu or cuda, got '{device}'")
     if dtype not in ("auto", "bfloat16", "float32"):
         raise fail(f"--dtype must be auto, bfloat16 or float32, got '{dtype}'")
+    if api_key_file:
+        try:
+            api_key = api_key_file.read_text().strip()
+        except OSError as e:
+            raise fail(f"cannot read --api-key-file: {e}") from None
+        if not api_key:
+            raise fail(f"--api-key-file {api_key_file} is empty")
     try:
         from backend.server import serve as serve_backend
     except ImportError as e:
         raise fail(f"the backend is not installed ({e}); install it with: pip install 'reviewer[backend]'") from None
     serve_backend(model=model, drafter=drafter, host=host, port=port, uds=uds, device=device, dtype=dtype,
-                  max_context=max_context, api_key=api_key)
+                  max_context=max_context, api_key=api_key, allow_remote_without_key=allow_remote_without_key)
 
 
 @app.command()

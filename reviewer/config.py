@@ -62,6 +62,8 @@ class Settings(BaseSettings):
     sandbox_cpu_seconds: int | None = Field(None, ge=1, description="CPU-time limit (default: 2 x command_timeout)")
     embedded_model: str = Field("embedded", description="what `--llm embedded` serves (a path or 'embedded')")
     workdir: Path | None = Field(None, description="where review workspaces are made (default: a temp dir)")
+    worker: str | None = Field(None, description="this worker's name in a shared queue (default: the host name)")
+    lease_seconds: float = Field(300.0, ge=3, description="how long a claimed review stays claimed without a heartbeat")
     lock_file: Path | None = Field(None, description="the machine-wide review lock (default: /tmp/reviewer-review.lock)")
 
     @field_validator("llm", "personas", "personas_dir", "network_allow", mode="before")
