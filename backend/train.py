@@ -652,8 +652,8 @@ def main(**knobs) -> dict:
 # ---- command line (python -m backend.train; `reviewer train` calls main with the same options) ----------------
 
 
-def cli(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m backend.train", description=__doc__.split("\n\n")[0])
+def cli(argv: list[str] | None = None, prog: str = "python -m backend.train") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         text = OPTION_HELP[f.name]

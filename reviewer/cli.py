@@ -28,12 +28,6 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
-# Commands whose issue has not landed yet: they say so and exit non-zero instead of pretending.
-NOT_LANDED = {
-    "train": "drafter training lands with the `reviewer train` issue",
-}
-
-
 def fail(message: str, code: int = 2) -> typer.Exit:
     err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
@@ -44,10 +38,6 @@ def settings_or_exit(**overrides) -> Settings:
         return load_settings(**overrides)
     except ConfigError as e:
         raise fail(str(e)) from None
-
-
-def not_landed(command: str) -> typer.Exit:
-    return fail(f"`reviewer {command}` is not available yet: {NOT_LANDED[command]}.")
 
 
 DbOption = Annotated[Optional[str], typer.Option("--db", help="Database path or URL [default: reviews.db, or config].")]
@@ -214,10 +204,16 @@ def bench(
                                 json_out=json_out) or 0)
 
 
-@app.command()
-def train() -> None:
-    """Train a DFlash drafter for a target model on the target's own outputs."""
-    raise not_landed("train")
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def train(ctx: typer.Context) -> None:
+    """Train a DFlash drafter for a target model on the target's own outputs (loss, block attention, corruption,
+    block size, layers, draft vocabulary, seed; `--from-db` learns the review loop's own transcripts).
+    `reviewer train --help` lists every option."""
+    try:
+        from backend.train import cli as train_cli
+    except ImportError as e:
+        raise fail(f"the backend is not installed ({e}); install it with: pip install 'reviewer[backend]'") from None
+    raise typer.Exit(train_cli(ctx.args, prog="reviewer train"))
 
 
 @app.command()
