@@ -50,11 +50,15 @@ class EngineWorker:
     def stop(self) -> None:
         self.jobs.put(None)
 
-    def _send(self, job: Job, item) -> None:
+    def _call(self, job: Job, fn, *args) -> None:
+        """Run fn(*args) on the job's event loop (asyncio objects are not thread-safe)."""
         try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, item)
+            job.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening any more
             job.cancelled = True
+
+    def _send(self, job: Job, item) -> None:
+        self._call(job, job.events.put_nowait, item)
 
     def _loop(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -63,8 +67,12 @@ class EngineWorker:
                 continue
             job.queue_seconds = time.perf_counter() - job.enqueued_at
             self.metrics.queue_seconds.observe(job.queue_seconds)
-            job.loop.call_soon_threadsafe(job.started.set)
-            self._run(job)
+            self._call(job, job.started.set)
+            try:
+                self._run(job)
+            except Exception as exc:  # never let one request kill the only engine thread
+                log.exception("engine worker error")
+                self._send(job, ("error", exc))
 
     def _run(self, job: Job) -> None:
         generator = self.engine.generate(job.prompt_ids, job.params, cancelled=lambda: job.cancelled)

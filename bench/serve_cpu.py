@@ -5,8 +5,9 @@ the engine called directly, on the same prompts in one run (greedy, batch 1, CPU
 
 Modes: `hf_generate` (model.generate, do_sample=False), `engine` (backend.engine.Engine in this process), `http` (the
 server as a separate `serve` process, OpenAI SDK, non-streamed) and `http_stream` (same, streamed; also time to first
-token). tok/s = generated tokens / wall seconds of the request (prefill included, as a client sees it). The outputs of
-all modes are compared token for token (greedy decoding must agree).
+token). tok/s = generated tokens / wall seconds of the request (prefill included, as a client sees it). Each prompt goes
+through every mode in turn, so other load on the machine hits all modes alike. The answers of all modes are compared
+as text (greedy decoding must agree).
 """
 from __future__ import annotations
 
@@ -68,69 +69,64 @@ def main() -> None:
     tok, model = loaded.tokenizer, loaded.model
     stops = chat.stop_token_ids(tok, model.generation_config)
     rendered = [chat.render_chat(tok, [{"role": "user", "content": p}])[1] for p in prompts]
-    results, outputs = {}, {}
-
-    def record(mode, runs):  # runs: [(text, generated tokens, seconds, time to first token or None)]
-        tokens, seconds = sum(r[1] for r in runs), sum(r[2] for r in runs)
-        results[mode] = {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 2)}
-        outputs[mode] = [r[0].strip() for r in runs]  # the chat API trims surrounding whitespace
-        if runs[0][3] is not None:
-            results[mode]["mean_ttft_s"] = round(sum(r[3] for r in runs) / len(runs), 3)
-        print(mode, json.dumps(results[mode]), flush=True)
-
-    # transformers' generate
-    runs = []
-    model.generate(torch.tensor([rendered[0]]), max_new_tokens=4, do_sample=False)  # warm-up
-    for ids in rendered:
-        t = time.perf_counter()
-        out = model.generate(torch.tensor([ids]), max_new_tokens=opts.max_tokens, do_sample=False,
-                             eos_token_id=list(stops), pad_token_id=tok.pad_token_id)
-        seconds = time.perf_counter() - t
-        new = [i for i in out[0, len(ids):].tolist() if i not in stops]
-        runs.append((tok.decode(new), len(new), seconds, None))
-    record("hf_generate", runs)
-
-    # the engine, directly
-    engine, runs = Engine(model, max_context=loaded.max_context), []
+    engine = Engine(model, max_context=loaded.max_context)
     params = SamplingParams(max_tokens=opts.max_tokens, temperature=0.0, stop_token_ids=stops)
-    list(engine.generate(rendered[0], SamplingParams(max_tokens=4, temperature=0.0)))  # warm-up
-    for ids in rendered:  # the engine reuses the shared system-prompt prefix across prompts, as the server does
-        t = time.perf_counter()
-        new = [i for chunk in engine.generate(ids, params) for i in chunk]
-        runs.append((tok.decode(new), len(new), time.perf_counter() - t, None))
-    record("engine", runs)
-    del engine
-
-    # the server over HTTP (a separate process, as `reviewer run` uses it)
     with httpx.Client(base_url=url, timeout=600) as http:
         while http.get("/health").status_code != 200:
             time.sleep(0.2)
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
-    client.completions.create(model="embedded", prompt="Hi", max_tokens=4, temperature=0)  # warm-up
-    for stream in (False, True):
-        runs = []
-        for p in prompts:
-            messages = [{"role": "user", "content": p}]
-            t = time.perf_counter()
-            if not stream:
-                r = client.chat.completions.create(model="embedded", messages=messages, max_tokens=opts.max_tokens,
-                                                   temperature=0)
-                text, n, ttft = r.choices[0].message.content, r.usage.completion_tokens, None
-            else:
-                parts, ttft, n = [], None, 0
-                for chunk in client.chat.completions.create(model="embedded", messages=messages, stream=True,
-                                                            max_tokens=opts.max_tokens, temperature=0,
-                                                            stream_options={"include_usage": True}):
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        ttft = ttft or time.perf_counter() - t
-                        parts.append(chunk.choices[0].delta.content)
-                    if chunk.usage:
-                        n = chunk.usage.completion_tokens
-                text = "".join(parts)
-            runs.append((text, n, time.perf_counter() - t, ttft))
-        record("http_stream" if stream else "http", runs)
+
+    def hf_generate(i):
+        ids = rendered[i]
+        t = time.perf_counter()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=opts.max_tokens, do_sample=False,
+                             eos_token_id=list(stops), pad_token_id=tok.pad_token_id)
+        seconds = time.perf_counter() - t
+        new = [x for x in out[0, len(ids):].tolist() if x not in stops]
+        return tok.decode(new), len(new), seconds, None
+
+    def direct_engine(i):  # reuses the shared system-prompt prefix across requests, as the server's engine does
+        t = time.perf_counter()
+        new = [x for chunk in engine.generate(rendered[i], params) for x in chunk]
+        return tok.decode(new), len(new), time.perf_counter() - t, None
+
+    def http(i):
+        t = time.perf_counter()
+        r = client.chat.completions.create(model="embedded", messages=[{"role": "user", "content": prompts[i]}],
+                                           max_tokens=opts.max_tokens, temperature=0)
+        return r.choices[0].message.content, r.usage.completion_tokens, time.perf_counter() - t, None
+
+    def http_stream(i):
+        t, parts, ttft, n = time.perf_counter(), [], None, 0
+        for chunk in client.chat.completions.create(model="embedded", messages=[{"role": "user", "content": prompts[i]}],
+                                                    max_tokens=opts.max_tokens, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttft = ttft or time.perf_counter() - t
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage:
+                n = chunk.usage.completion_tokens
+        return "".join(parts), n, time.perf_counter() - t, ttft
+
+    modes = {"hf_generate": hf_generate, "engine": direct_engine, "http": http, "http_stream": http_stream}
+    for run in modes.values():  # warm-up, not timed
+        run(0)
+    # Interleaved (each prompt through every mode in turn), so load from other processes hits all modes alike.
+    runs = {mode: [] for mode in modes}
+    for i in range(len(prompts)):
+        for mode, run in modes.items():
+            runs[mode].append(run(i))
     server.send_signal(signal.SIGINT)
     server.wait(60)
+
+    results, outputs = {}, {}
+    for mode, rs in runs.items():  # rs: [(text, generated tokens, seconds, time to first token or None)]
+        tokens, seconds = sum(r[1] for r in rs), sum(r[2] for r in rs)
+        results[mode] = {"tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 2)}
+        if rs[0][3] is not None:
+            results[mode]["mean_ttft_s"] = round(sum(r[3] for r in rs) / len(rs), 3)
+        outputs[mode] = [r[0].strip() for r in rs]  # the chat API trims surrounding whitespace
+        print(mode, json.dumps(results[mode]), flush=True)
 
     def same(a, b):
         return outputs[a] == outputs[b]
@@ -141,6 +137,9 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
                     "torch_threads": opts.threads, "torch": torch.__version__, "transformers": transformers.__version__,
                     "load_average": os.getloadavg()},
+        # More runnable processes than cores: absolute tok/s then say more about the neighbours than about us (the
+        # modes are interleaved, so their ratios and the identical-output checks still hold).
+        "contended": os.getloadavg()[0] > (os.cpu_count() or 1),
         "model": loaded.name, "dtype": loaded.dtype, "prompts": len(prompts), "max_tokens": opts.max_tokens,
         "results": results,
         "identical_output": {f"{m}_vs_hf_generate": same(m, "hf_generate") for m in ("engine", "http", "http_stream")},
