@@ -34,9 +34,12 @@ system-deps:
 
 demo: setup system-deps
 	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
-	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke
+	# The embedded model (SmolLM2-135M on the CPU) is small and slow: a short budget keeps the demo near 10 minutes.
+	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke --persona docs \
+		--max-steps 4 --timeout 360
+	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format html --output $(DEMO_DIR)/report.html
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
-	@echo "Full report: $(DEMO_DIR)/report.json  (or: $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
+	@echo "Full report: $(DEMO_DIR)/report.html (JSON: $(DEMO_DIR)/report.json; or $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
 
 test: setup system-deps
 	$(BIN)/python -m pytest -q
