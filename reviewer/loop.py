@@ -25,11 +25,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -41,6 +39,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import select
 
 from reviewer import db
+from reviewer.review import sigterm_as_interrupt
 from reviewer.db import PersonaRun, Repository, ReviewQueue, ReviewRun
 from reviewer.lock import lock_path, review_lock
 from reviewer.workspace import WorkspaceError, is_url, list_remote, local_repository_url, resolve_target
@@ -580,23 +579,6 @@ def review_next(watched: list[Watched], settings, console: Console, worker: str,
 
 # --- the loop ------------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def signals_as_interrupt() -> Iterator[None]:
-    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt), so both stop the loop through the same clean path."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def check_options(settings, interval: float, max_reviews: int | None) -> tuple[str, float]:
     """Returns (worker name, lease seconds)."""
     from reviewer.personas import PersonaError, select_personas
@@ -636,7 +618,7 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
     reviews = 0
     backend = EmbeddedBackend(settings, console)
     try:
-        with signals_as_interrupt(), contextlib.closing(backend):
+        with sigterm_as_interrupt(), contextlib.closing(backend):
             while True:
                 due = [w for w in watched if w.next_poll <= time.monotonic()]
                 blocked = False

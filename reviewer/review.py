@@ -452,12 +452,8 @@ def close_open_rows(db_path: str, run_id: int, status: str, error: str) -> None:
 
 def open_llm_or_fail(stack: contextlib.ExitStack, settings, ui: Console, llm_personas: list[Persona]):
     """The LLM client for the review (kept open by `stack`); UserError when it cannot be reached."""
-    try:
-        from reviewer.agent import run_agent  # noqa: F401  (the agent loop is checked before the LLM starts)
-        from reviewer.llm import LLMError, open_llm
-    except ImportError as e:
-        raise UserError(f"LLM personas ({', '.join(p.name for p in llm_personas)}) need the agent loop, which is not "
-                        f"installed here ({e}); run with --persona smoke") from None
+    from reviewer.llm import LLMError, open_llm
+
     try:
         return stack.enter_context(open_llm(settings, ui))
     except LLMError as e:
