@@ -34,7 +34,7 @@ system-deps:
 
 demo: setup system-deps
 	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
-	# The embedded model (SmolLM2-135M on the CPU) is small and slow: a short budget keeps the demo near 10 minutes.
+	# The embedded model (SmolLM2-135M on the CPU) is small: a short step budget and a time limit keep the demo to minutes.
 	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke --persona docs \
 		--max-steps 4 --timeout 360
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format html --output $(DEMO_DIR)/report.html
