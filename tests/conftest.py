@@ -257,3 +257,14 @@ def live_server(tmp_path_factory):
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models gain nothing from a second thread, and on a shared CPU OpenMP barriers stall."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

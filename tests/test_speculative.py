@@ -11,14 +11,7 @@ from backend.dflash import Draft, random_drafter
 from backend.engine import Engine, SamplingParams
 from backend.bench import tiny_model
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared CPU OpenMP barriers stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_qwen35_moe():
