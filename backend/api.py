@@ -127,11 +127,15 @@ async def watch_disconnect(request: Request, job: Job) -> None:
             job.cancelled = True
 
 
-async def collect(request: Request, generation: Generation) -> str:
-    """Non-streamed: gather all text, cancelling the generation if the client disconnects meanwhile."""
+async def collect(request: Request, generation: Generation, metrics: Metrics, route: str) -> str:
+    """Non-streamed: gather all text, cancelling the generation if the client disconnects meanwhile. An engine
+    failure is counted on the route and answered as a 500 with the reason."""
     watcher = asyncio.create_task(watch_disconnect(request, generation.job))
     try:
         return "".join([delta async for delta in generation.deltas()])
+    except Exception as exc:
+        metrics.requests.labels(route, "error").inc()
+        raise APIError(500, f"generation failed: {exc}") from None
     finally:
         watcher.cancel()
 
@@ -256,11 +260,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state:
                                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})}
 
     if not body.stream:
-        try:
-            text = await collect(request, generation)
-        except Exception as exc:
-            state.metrics.requests.labels("chat", "error").inc()
-            raise APIError(500, f"generation failed: {exc}") from None
+        text = await collect(request, generation, state.metrics, "chat")
         reasoning, content, calls = chat.merge_events(parser.push(text) + parser.finish())
         message = {"role": "assistant", "content": content if (content or not calls) else None}
         if reasoning:
@@ -347,11 +347,7 @@ async def completions(request: Request, body: CompletionRequest, state: ServerSt
         return "length" if generation.finish_reason == "length" else "stop"
 
     if not body.stream:
-        try:
-            text = await collect(request, generation)
-        except Exception as exc:
-            state.metrics.requests.labels("completions", "error").inc()
-            raise APIError(500, f"generation failed: {exc}") from None
+        text = await collect(request, generation, state.metrics, "completions")
         state.metrics.requests.labels("completions", generation.finish_reason).inc()
         return {"id": cid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": echo + text, "logprobs": None, "finish_reason": finish()}],
@@ -455,11 +451,7 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
                 "cache_read_input_tokens": s.cached_tokens, "cache_creation_input_tokens": 0}
 
     if not body.stream:
-        try:
-            text = await collect(request, generation)
-        except Exception as exc:
-            state.metrics.requests.labels("messages", "error").inc()
-            raise APIError(500, f"generation failed: {exc}") from None
+        text = await collect(request, generation, state.metrics, "messages")
         reasoning, content, calls = chat.merge_events(parser.push(text) + parser.finish())
         blocks = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else [])
         blocks += [{"type": "text", "text": content}] if content or not calls else []
