@@ -185,10 +185,16 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--skip-long", action="store_true")
     ap.add_argument("--long-arm", default=None, help="skip the arms and train this arm long (a second call on a "
-                    "machine still warm from the first, whose data and arms sit in --work)")
+                    "machine still warm from the first, whose data and arms sit in --work); 'best': the arm that "
+                    "ranks first on the metrics.json files in --work (mean engine tau, then tau_est)")
+    ap.add_argument("--arm-time-limit", type=float, default=None, help="seconds of training per arm, a safety net "
+                    "so that the call ends inside its limit (default with --skip-long: what the deadline leaves "
+                    "per wave of --parallel runs after data, model loads and evaluation; else none)")
     ap.add_argument("--long-extra", default="", help="extra backend.train options for the long run only, e.g. "
                     "'--layers 2 --block-size 8' for a drafter shaped for the CPU")
     a = ap.parse_args()
+    if a.long_arm and a.long_arm != "best" and a.long_arm not in ARMS:
+        ap.error(f"--long-arm must be 'best' or one of {', '.join(ARMS)}")
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("REVIEWER_CACHE_DIR", str(a.work / "cache"))
@@ -210,12 +216,18 @@ def main() -> None:
     result["timings"]["data"] = round(time.perf_counter() - T0, 1)
 
     seeds = [int(s) for s in a.seeds.split(",")]
+    waves = -(-len(a.arms.split(",")) * len(seeds) // max(1, a.parallel))
+    arm_limit = a.arm_time_limit
+    if arm_limit is None and a.skip_long:  # 75 s per wave: target load + engine evaluation of the arm
+        arm_limit = max(60, int((a.deadline - (time.perf_counter() - T0)) / waves - 75))
+    if arm_limit:
+        log(f"arms: training time limit {arm_limit:.0f} s each (safety net; metrics say if it stopped a run)")
     jobs = []
     for name in a.arms.split(","):
         for seed in seeds:
             jobs.append((f"{name}-s{seed}", train_cmd(a, a.work / "arms" / f"{name}-s{seed}", {
                 **ARMS[name], "seed": seed, "steps": a.arm_steps, "eval-prompts": a.eval_prompts,
-                "eval-max-tokens": a.eval_max_tokens})))
+                "eval-max-tokens": a.eval_max_tokens, "time-limit": arm_limit or None})))
     if a.long_arm:
         jobs = []  # the arms ran in an earlier call: read their metrics from --work
     log(f"arms: {len(jobs)} runs x {a.arm_steps} steps x {a.batch_blocks} blocks, {a.parallel} at a time")
@@ -236,11 +248,11 @@ def main() -> None:
                 print((logs / f"{name}-s{seed}.log").read_text()[-2000:], flush=True)
         result["arms"][name] = runs
     result["summary"] = {name: arm_summary(runs) for name, runs in result["arms"].items() if runs}
-    if a.long_arm:
+    ranked = sorted(result["summary"], key=lambda n: (result["summary"][n]["tau"] or 0, result["summary"][n]["tau_est"] or 0),
+                    reverse=True)
+    result["ranking"] = ranked
+    if a.long_arm and a.long_arm != "best":
         ranked = [a.long_arm]
-    else:
-        ranked = sorted(result["summary"], key=lambda n: (result["summary"][n]["tau"] or 0, result["summary"][n]["tau_est"] or 0),
-                        reverse=True)
     if not ranked:
         sys.exit("no arm finished")
     best = ranked[0]
@@ -249,10 +261,16 @@ def main() -> None:
 
     if not a.skip_long:
         concurrent_rate = sum(rates) / len(rates) if rates else 1.0
-        solo_rate = concurrent_rate * min(a.parallel, max(1, len(jobs))) * 0.8  # alone on the GPU it runs faster
+        # alone on the GPU a run is faster, but not `parallel` times (2026-11-29: 8 at once ran 5 steps/s each, one
+        # alone 17.5); with --long-arm the arms ran in an earlier call, --parallel at a time
+        ran_at_once = a.parallel if a.long_arm else min(a.parallel, max(1, len(jobs)))
+        solo_rate = concurrent_rate * ran_at_once * 0.7
         left = a.deadline - (time.perf_counter() - T0) - a.ship_eval_reserve - 25  # 25 s: target + data load
         steps = int(max(a.arm_steps, min(a.long_steps_max, solo_rate * left)))
-        log(f"long run: {best}, {steps} steps planned (time limit {left:.0f} s)")
+        log(f"long run: {best}, {steps} steps planned (time limit {max(30, int(left))} s, {solo_rate:.1f} steps/s "
+            "expected)")
+        result["long_plan"] = {"arm": best, "steps": steps, "time_limit": max(30, int(left)),
+                               "expected_steps_per_s": round(solo_rate, 2)}
         long_out = a.work / "long"
         cmd = train_cmd(a, long_out, {**ARMS[best], "seed": seeds[0], "steps": steps, "time-limit": max(30, int(left)),
                                       "eval-prompts": a.ship_eval_prompts, "eval-max-tokens": a.eval_max_tokens,
@@ -271,7 +289,10 @@ def main() -> None:
     with open(a.out / "logs.txt", "w") as f:
         for p in sorted(logs.glob("*.log")):
             f.write(f"===== {p.name}\n{p.read_text()[-6000:]}\n")
-    plot_curves(result, a.out / "loss_curves.png")
+    curves = dict(result["arms"])
+    if "long" in result:
+        curves[f"long {best}"] = [{"config": {"seed": "long"}, "history": result["long"].get("history")}]
+    plot_curves({"arms": curves}, a.out / "loss_curves.png")
 
     print(f"\n{'arm':<24}{'tau (engine)':>16}{'tau_est':>16}{'final loss':>22}")
     for name, s in result["summary"].items():
