@@ -126,7 +126,8 @@ def make_drafter(spec: str, model, name: str, block_size: int | None):
 
 
 class ExpertCounter:
-    """Counts the distinct routed experts each MoE layer wakes per forward, split by tokens in the forward."""
+    """Counts the distinct routed experts each MoE layer wakes per forward, split by tokens in the forward: through
+    forward hooks on transformers' routers, and (watch(engine)) on the fast path's SparseMoE.route."""
 
     def __init__(self, model):
         self.by_size: dict[int, list[int]] = {}
@@ -138,8 +139,26 @@ class ExpertCounter:
                 self.handles.append(module.register_forward_hook(self._hook))
 
     def _hook(self, module, args, output):
-        indices = output[-1]
+        self._count(output[-1])
+
+    def _count(self, indices: torch.Tensor) -> None:
         self.by_size.setdefault(indices.shape[0], []).append(int(indices.unique().numel()))
+
+    def watch(self, engine) -> None:
+        """Also count the MoE layers of an engine on the fast path (its own model instance)."""
+        if not engine.fast:
+            return
+        for layer in engine.target.fast.model.layers:
+            moe = getattr(layer, "moe", None)
+            if moe is not None:
+                moe.route = self._counting(moe.route)  # an instance attribute: this engine's model only
+
+    def _counting(self, route):
+        def counted(logits):
+            weights, ids = route(logits)
+            self._count(ids)
+            return weights, ids
+        return counted
 
     def mean(self, tokens: int) -> float | None:
         seen = self.by_size.get(tokens)
@@ -284,9 +303,22 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
         run_hf_generate(target, warm, 4, stops, device)
         runs["hf_generate"] = run_hf_generate(target, prompt_ids, max_tokens, stops, device)
     plain = Engine(target, max_context=max_context)
+    result["engine"] = {"path": "fast" if plain.fast else "transformers",
+                        "exact": bool(plain.fast and plain.target.exact)}
     run_engine(plain, warm, 4, stops)
     runs["plain"] = run_engine(plain, prompt_ids, max_tokens, stops)
-    l_target = runs["plain"]["decode_s"] / max(runs["plain"]["tokens"], 1)
+    baseline = runs["plain"]
+    if result["engine"]["exact"]:
+        # exact mode pads every plain step to a 16-token block (what makes speculative output identical); a plain
+        # server would not pay that, so speed ratios use the faster of the two plain runs
+        unpadded = Engine(target, max_context=max_context, exact=False)
+        run_engine(unpadded, warm, 4, stops)
+        runs["plain_unpadded"] = run_engine(unpadded, prompt_ids, max_tokens, stops)
+        runs["plain_unpadded"]["identical_to_plain"] = runs["plain_unpadded"]["outputs"] == runs["plain"]["outputs"]
+        if runs["plain_unpadded"]["decode_tok_s"] > baseline["decode_tok_s"]:
+            baseline = runs["plain_unpadded"]
+    result["baseline"] = "plain_unpadded" if baseline is not runs["plain"] else "plain"
+    l_target = baseline["decode_s"] / max(baseline["tokens"], 1)
     result["L_target_ms"] = 1e3 * l_target
     if draft_model is not None:
         result["drafter"].update({"block_size": draft_model.block_size,
@@ -299,20 +331,24 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
         for adaptive_on in modes:
             key = "speculative_adaptive" if adaptive_on else "speculative"
             engine = Engine(target, drafter=draft_model, max_context=max_context, adaptive_verify=adaptive_on)
+            counter.watch(engine)
             run_engine(engine, warm, 4, stops)
             counter.by_size.clear()
             r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops)
             r["identical_to_plain"] = r["outputs"] == runs["plain"]["outputs"]
             if r.get("cycles"):
                 r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
-                r["eta_measured"] = r["decode_tok_s"] / runs["plain"]["decode_tok_s"]
-            if counter.handles:
-                full = draft_model.block_size
+                r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+            if counter.handles:  # exact mode pads every verify to the fast model's max_block
+                padded = engine.fast and engine.target.exact
+                full = engine.target.fast.max_block if padded else draft_model.block_size
                 r["experts_per_layer"] = {"of": counter.num_experts, "verify_block": counter.mean(full),
                                           "verify_block_tokens": full, "decode_step": None}
-        if counter.handles:  # a plain decode step, for comparison
+        if counter.handles:  # a plain decode step, for comparison (one token: no exact-mode padding)
             counter.by_size.clear()
-            run_engine(Engine(target, max_context=max_context), prompt_ids[:1], 8, stops)
+            single = Engine(target, max_context=max_context, exact=False)
+            counter.watch(single)
+            run_engine(single, prompt_ids[:1], 8, stops)
             for key in ("speculative", "speculative_adaptive"):
                 if key in runs:
                     runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
@@ -341,6 +377,7 @@ def format_table(res: dict) -> str:
              f"{res['prompts']} prompts x up to {res['max_tokens']} tokens, greedy", "",
              f"{'run':<28}{'tokens':>7}{'tok/s':>9}{'decode tok/s':>14}  identical"]
     labels = {"hf_generate": "transformers generate", "plain": "engine, plain",
+              "plain_unpadded": "engine, plain unpadded",
               "speculative": "engine, speculative", "speculative_adaptive": "engine, spec + adaptive k"}
     for key, r in runs.items():
         same = r.get("identical_to_plain", r.get("identical_to_hf_generate"))
@@ -348,7 +385,10 @@ def format_table(res: dict) -> str:
         lines.append(f"{labels[key]:<28}{r['tokens']:>7}{r['tok_s']:>9.1f}"
                      f"{(r['decode_tok_s'] if 'decode_tok_s' in r else r['tok_s']):>14.1f}  "
                      f"{'-' if same is None else ('yes' if same else 'NO')}{ref}")
-    lines.append(f"\nL_target (plain decode time per token) {res['L_target_ms']:.2f} ms")
+    eng = res.get("engine", {})
+    lines.append(f"\nengine path: {eng.get('path')}{', exact (batch-invariant) mode' if eng.get('exact') else ''}; "
+                 f"speed ratios against {labels[res.get('baseline', 'plain')]}")
+    lines.append(f"L_target (plain decode time per token) {res['L_target_ms']:.2f} ms")
     for key in ("speculative", "speculative_adaptive"):
         r = runs.get(key)
         if not r or not r.get("cycles"):

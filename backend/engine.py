@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend import speculative as spec
+from backend.target import FastTarget, HFTarget
 
 
 @dataclass
@@ -54,98 +55,65 @@ class GenerationStats:
 
 
 class Engine:
-    """Batch-1 generation with prefix reuse. Not thread-safe: the server drives it from one worker thread."""
+    """Batch-1 generation with prefix reuse. Not thread-safe: the server drives it from one worker thread.
+
+    fast: run the target on backend/models' fast path (static caches, rollback by copy, CUDA graphs) when it covers
+    the architecture (None: whenever it does; False: always transformers). exact: batch-invariant steps on the fast
+    path, so greedy speculative output is token-identical to plain decoding in bf16 too (None: on the CPU, where it
+    costs nothing; see backend/target.py)."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
-                 adaptive_verify: bool = False):
+                 adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None):
         self.model = model
         self.drafter = drafter
         self.device = next(model.parameters()).device
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_context = max_context or getattr(config, "max_position_embeddings", None) or 1 << 30
-        self.prefill_chunk = prefill_chunk
         self.adaptive_verify = adaptive_verify
-        self.decoder_layers = spec.decoder_layers(model)
-        self.hybrid = spec.model_is_hybrid(model)  # has Gated DeltaNet (linear-attention) layers
         self.last_stats = GenerationStats()
         if drafter is not None:
             drafter.check_target(model)
+        features = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        self.target = self._make_target(model, features, prefill_chunk, fast, exact)
+        self.hybrid = self.target.hybrid  # has Gated DeltaNet (linear-attention) layers
         self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
         self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
-        self._reset()
+        self.draft_context = None  # drafter KV over context features, covering the same positions as the target
 
-    # ---- cache bookkeeping -------------------------------------------------------------------------------------
+    def _make_target(self, model, features, prefill_chunk, fast, exact):
+        fast_model = None
+        if fast is not False:
+            from backend.models import load_fast
+
+            # exact mode pads plain steps and verifies alike to this many tokens, with or without a drafter: the
+            # same shapes on both sides are what makes their logits equal (drafters with blocks > 16 get their size)
+            block = max(16, getattr(self.drafter, "block_size", 0))
+            # room for a padded block past the last position the engine will ever fill
+            fast_model = load_fast(model, max_context=min(self.max_context, 1 << 20) + block, max_block=block)
+            if fast_model is None and fast:
+                raise ValueError("no fast path for this architecture (fast=True)")
+        if fast_model is None:
+            return HFTarget(model, features, prefill_chunk)
+        exact = self.device.type == "cpu" if exact is None else exact
+        return FastTarget(fast_model, features, prefill_chunk, exact=exact)
+
+    @property
+    def fast(self) -> bool:
+        return isinstance(self.target, FastTarget)
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """Token ids whose states the target cache holds, in order."""
+        return self.target.ids
+
+    @property
+    def cache(self):
+        """The transformers cache (HF path only; tests compare its states)."""
+        return getattr(self.target, "cache", None)
 
     def _reset(self) -> None:
-        self.cache = None
-        self.cache_ids: list[int] = []  # token ids whose states the target cache holds, in order
-        # Hybrid models only: linear-attention state at the end of the previous prompt (see _reuse_prefix).
-        self.prompt_checkpoint: spec.PromptCheckpoint | None = None
-        self.draft_context = None  # drafter KV over context features, covering the same positions as self.cache
-
-    def _new_cache(self):
-        return spec.new_cache(self.model)
-
-    def _reuse_prefix(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
-        """Bring the cache to the longest reusable prefix of `prompt`. Returns (tokens reused, logits after the
-        whole prompt if the reuse covers it, else None).
-
-        Attention KV can be cropped to any prefix. Gated DeltaNet conv/recurrent states cannot: they have folded in
-        every token so far and keep no per-token record. For hybrid models two points are therefore reusable: the
-        live state (exactly self.cache_ids, so a prompt that extends it just continues), and a copy of the linear
-        states taken at the end of the previous prompt (so the next turn of a conversation whose chat template
-        re-renders the previous answer differently still skips the old prompt). Anything else prefills from scratch.
-        """
-        if self.cache is None:
-            return 0, None
-        common = _common_prefix(self.cache_ids, prompt)
-        if not self.hybrid:
-            keep = min(common, len(prompt) - 1)  # at least one token must run to produce the next logits
-            self._truncate(keep)
-            return keep, None
-        if common == len(self.cache_ids) and len(prompt) > common:
-            return common, None  # the live state is the reuse point
-        ckpt = self.prompt_checkpoint
-        if ckpt is not None and len(ckpt.ids) <= common:
-            spec.restore_linear_states(self.cache, ckpt.linear_states)
-            self._truncate(len(ckpt.ids), linear_ok=True)
-            if len(prompt) == len(ckpt.ids):
-                return len(prompt), ckpt.last_logits
-            return len(ckpt.ids), None
-        self._reset()
-        return 0, None
-
-    def _truncate(self, keep: int, linear_ok: bool = False) -> None:
-        """Crop attention KV (target and drafter context) to `keep` tokens. Linear states must already be right."""
-        if keep < len(self.cache_ids):
-            spec.crop_attention(self.cache, keep)
-            del self.cache_ids[keep:]
-        if self.draft_context is not None:
-            self.draft_context.crop(keep)
-
-    # ---- forward passes -----------------------------------------------------------------------------------------
-
-    def _forward(self, ids: list[int], *, all_logits: bool = False, hidden: bool = False):
-        """Run the target over `ids` after the cached tokens; extends the cache and self.cache_ids."""
-        if self.cache is None:
-            self.cache = self._new_cache()
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=0 if all_logits else 1, output_hidden_states=hidden)
-        self.cache_ids.extend(ids)
-        return out
-
-    def _prefill(self, ids: list[int], want_features: bool, cancelled: Callable[[], bool]):
-        """Feed `ids` in chunks. Returns (last logits (V,), context features for `ids` or None)."""
-        logits, feats = None, []
-        for start in range(0, len(ids), self.prefill_chunk):
-            if cancelled():
-                return None, None
-            out = self._forward(ids[start:start + self.prefill_chunk], hidden=want_features)
-            logits = out.logits[0, -1]
-            if want_features:
-                feats.append(self.drafter.select_features(out.hidden_states))
-        return logits, (torch.cat(feats, dim=1) if want_features else None)
+        self.target.reset()
+        self.draft_context = None
 
     # ---- generation ---------------------------------------------------------------------------------------------
 
@@ -162,26 +130,25 @@ class Engine:
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt))
         rng = _generator(params.seed, self.device)
         budget = min(params.max_tokens, self.max_context - len(prompt))
+        target = self.target
         try:
             t0 = time.perf_counter()
-            reused, logits = self._reuse_prefix(prompt)
+            reused, logits = target.reuse(prompt)
             stats.cached_tokens = reused
+            if self.draft_context is not None:
+                self.draft_context.crop(len(target.ids))  # the drafter's context follows the target's cache
             features = None
             if logits is None:
                 want = self.drafter is not None
                 if want and self.draft_context is None:
                     self.draft_context = self.drafter.new_context()
-                logits, features = self._prefill(prompt[reused:], want, cancelled)
-                if logits is None:
+                logits, features = target.prefill(prompt[reused:], want, cancelled)
+                if logits is None:  # cancelled between chunks: the drafter keeps covering what the target holds
+                    if features is not None:
+                        self.draft_context.add_pending(features)
                     stats.finish_reason = "cancelled"
                     return
-                if spec.is_hybrid(self.cache) != self.hybrid:
-                    # a transformers release whose cache keeps linear-attention state where we do not look:
-                    # prefix reuse and rollback would silently be wrong, so refuse
-                    raise RuntimeError("unrecognized linear-attention cache layout in this transformers version")
-                if self.hybrid:
-                    self.prompt_checkpoint = spec.PromptCheckpoint(
-                        tuple(prompt), spec.snapshot_linear_states(self.cache), logits.clone())
+                target.remember_prompt(prompt, logits)
             _sync(self.device)
             stats.prefill_seconds = time.perf_counter() - t0
             if features is not None:
@@ -212,7 +179,7 @@ class Engine:
             yield [token]
             t = time.perf_counter()
             if i + 1 < budget:  # the last token needs no forward: nobody reads its logits
-                logits = self._forward([token]).logits[0, -1]
+                logits = self.target.step(token)
         else:
             stats.finish_reason = "length"
         _sync(self.device)
@@ -220,20 +187,6 @@ class Engine:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the common case: the new prompt extends the old one (list compare runs in C)
-        return n
-    lo, hi = 0, n  # binary search on prefix equality, still in C
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _check_params(prompt: list[int], params: SamplingParams, max_context: int, model) -> None:

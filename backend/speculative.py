@@ -1,20 +1,21 @@
-"""DFlash speculative decoding over a transformers target: the draft/verify cycle, rolling hybrid caches back to the
-accepted prefix, speculative sampling, and the cache helpers the plain engine shares.
+"""DFlash speculative decoding: the draft/verify cycle, speculative sampling, the adaptive verify length, and the
+transformers cache helpers (DynamicCache growth, cropping, Gated DeltaNet rollback by replay) that backend/target.py's
+HFTarget uses. The cycle talks to the target only through backend/target.py (HFTarget or FastTarget).
 
 One cycle (block size B):
   1. the drafter proposes B-1 tokens after the last committed token, in one forward;
   2. the target verifies [last token, drafts...] in one forward;
   3. the longest prefix the target agrees with is accepted, plus the target's own next token (greedy: exact match;
      sampling: Leviathan et al. 2022 rejection sampling, so the output distribution is exactly the target's);
-  4. every cache is brought to exactly the accepted prefix: attention KV is cropped; Gated DeltaNet conv/recurrent
-     states, which cannot be cropped, are put back to the block start and advanced over the accepted tokens only
-     (ReplayRollback); the drafter's context gets the verify's hidden features at the accepted positions.
+  4. every cache is brought to exactly the accepted prefix (target.accept): attention KV is cropped; Gated DeltaNet
+     conv/recurrent states, which cannot be cropped, are copied from the per-position states the verify recorded
+     (FastTarget) or put back to the block start and advanced over the accepted tokens (HFTarget, ReplayRollback);
+     the drafter's context gets the verify's hidden features at the accepted positions.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -150,13 +151,6 @@ def crop_attention(cache, keep: int) -> None:
                 layer.crop(-extra)
 
 
-@dataclass
-class PromptCheckpoint:
-    ids: tuple[int, ...]  # the prompt whose end the snapshot sits at
-    linear_states: list[torch.Tensor]
-    last_logits: torch.Tensor  # logits after the prompt's last token, so an identical prompt needs no forward
-
-
 class ReplayRollback:
     """Brings Gated DeltaNet layers to the accepted prefix after a block verify.
 
@@ -166,8 +160,8 @@ class ReplayRollback:
     Those inputs are exact: position j of a causal model depends only on positions <= j, so the rejected tokens
     after it changed nothing. Attention and MoE blocks are not re-run.
 
-    This is the seam for a faster rollback: a verify kernel that writes the recurrent state after every position
-    could implement begin/finish as "record per-position states" / "copy the accepted one back".
+    The fast path (backend/models) does better: its verify kernel records the state after every position, and
+    rollback is one copy.
     """
 
     def __init__(self, layers):
@@ -333,7 +327,6 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
     stop = set(params.stop_token_ids)
     greedy = params.temperature == 0
     vocab_mask = getattr(drafter, "target_vocab_mask", None)  # restricted draft vocabulary, or None
-    rollback = ReplayRollback(engine.decoder_layers)
 
     t = time.perf_counter()
     token = sample_token(logits, params.temperature, params.top_p, rng)
@@ -359,10 +352,7 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
             k = choose_verify_length(engine.calibration(draft.confidence[:k]), engine.verify_cost, t1 - t0)
         proposal = draft.tokens[:k] if k else []
         block = [token] + proposal
-        if k:
-            rollback.begin(engine.cache)
-        out = engine._forward(block, all_logits=True, hidden=True)
-        target_logits = out.logits[0]
+        target_logits, features = engine.target.verify(block, features=True)
         draft_t = torch.tensor(proposal, dtype=torch.long, device=device)
         if greedy:
             accepted, bonus = greedy_accept(draft_t, target_logits)
@@ -379,11 +369,8 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
         stop_at = next((i for i, x in enumerate(committed) if x in stop), None)
         emit = committed if stop_at is None else committed[:stop_at]
         keep = (accepted if stop_at is None else min(stop_at, accepted)) + 1  # block tokens whose state we keep
-        new_len = len(engine.cache_ids) - len(block) + keep
-        crop_attention(engine.cache, new_len)
-        del engine.cache_ids[new_len:]
-        rollback.finish(engine.cache, out.hidden_states, keep, len(block))
-        ctx.add_pending(drafter.select_features(out.hidden_states)[:, :keep])
+        engine.target.accept(keep)  # every cache now holds exactly the accepted prefix
+        ctx.add_pending(features[:, :keep])
         t3 = _now(device)
 
         stats.cycles += 1

@@ -466,7 +466,7 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
     if shape == "embedded" and args.generate:
         record["generation"] = generation(hf, tok, fast, args.generate)
         print(f"[{shape}] generation: {record['generation']}", flush=True)
-    record["cuda_graphs"], record["compiled_glue"] = fast.cuda_graphs, fast.compile
+    record["cuda_graphs"], record["compile"] = fast.cuda_graphs, fast.compile or "none"
     return record
 
 
@@ -485,7 +485,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
     ap.add_argument("--no-graphs", action="store_true", help="CUDA: run eagerly, without CUDA graphs")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer glue of decode and verify")
+    ap.add_argument("--compile", nargs="?", const="glue", default=False, choices=["glue", "full"],
+                    help="torch.compile decode and verify: the per-layer glue (default when given) or the whole forward")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -507,7 +508,8 @@ def main() -> None:
                       device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
                       torch=torch.__version__, transformers=__import__("transformers").__version__)
-        name = f"target_step_{shape}_{device.type}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
+        tag = f"_compile-{args.compile}" if args.compile else ""
+        name = f"target_step_{shape}_{device.type}{tag}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
         (Path(args.out) / name).write_text(json.dumps(record, indent=1))
         stock = record.get("stock", {})
         print(f"[{shape}] L_target {record['L_target_ms']:.2f} ms (floor {record['L_target_floor_ms']:.2f}, stock "

@@ -268,3 +268,25 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def engine_states(engine) -> list[tuple[str, torch.Tensor]]:
+    """Every target cache tensor over the cached positions, as (kind, tensor) with kind "kv" or "linear", on either
+    engine path: transformers' DynamicCache (HFTarget) or the fast model's static caches (FastTarget)."""
+    if engine.fast:
+        fm = engine.target.fast
+        n, out = fm.length, []
+        if fm.hybrid:
+            out += [("linear", fm.model.linear.conv), ("linear", fm.model.linear.state)]
+        if fm.model.kv is not None:
+            out += [("kv", fm.model.kv.k[:, :, :n]), ("kv", fm.model.kv.v[:, :, :n])]
+        return out
+    out = []
+    for layer in engine.cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            conv, rec = layer.conv_states, layer.recurrent_states
+            conv, rec = (conv[0], rec[0]) if isinstance(conv, dict) else (conv, rec)
+            out += [("linear", conv), ("linear", rec)]
+        else:
+            out += [("kv", layer.keys), ("kv", layer.values)]
+    return out

@@ -12,7 +12,7 @@ from tests.conftest import TEMPLATES, build_tokenizer
 def test_device_and_dtype_resolution():
     assert loading.resolve_device("cpu") == "cpu"
     assert loading.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert loading.resolve_dtype("auto", "cpu") == torch.float32
+    assert loading.resolve_dtype("auto", "cpu") == (torch.bfloat16 if loading.cpu_has_bf16_matmul() else torch.float32)
     assert loading.resolve_dtype("auto", "cuda") == torch.bfloat16
     assert loading.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ModelLoadError, match="--dtype"):
@@ -62,7 +62,8 @@ def test_cache_root_honours_env(monkeypatch, tmp_path):
 def test_hf_folder_loads_with_name_context_and_tokenizer(tiny_model, kind):
     path = tiny_model(kind)
     loaded = load_model(str(path), device="cpu", dtype="auto")
-    assert loaded.name == path.name and loaded.device == "cpu" and loaded.dtype == "float32"
+    auto = "bfloat16" if loading.cpu_has_bf16_matmul() else "float32"
+    assert loaded.name == path.name and loaded.device == "cpu" and loaded.dtype == auto
     assert loaded.max_context == 2048  # the config's max_position_embeddings
     assert loaded.tokenizer.chat_template
     assert not loaded.model.training
@@ -88,7 +89,7 @@ def test_qwen3_5_moe_multimodal_checkpoint_loads_as_a_causal_lm(tmp_path):
     full = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
     full.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    loaded = load_model(str(tmp_path), device="cpu")
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
     assert type(loaded.model).__name__ == "Qwen3_5MoeForCausalLM"
     assert loaded.max_context == 1024
     ids = torch.tensor([[5, 17, 42, 99, 3]])

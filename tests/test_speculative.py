@@ -10,6 +10,8 @@ from backend import speculative as spec
 from backend.dflash import Draft, random_drafter
 from backend.engine import Engine, SamplingParams
 from backend.bench import tiny_model
+from backend.target import FastTarget
+from tests.conftest import engine_states
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,6 +42,8 @@ class ScriptedDrafter:
     with a wrong token at draft index errors[cycle % len(errors)] (== block_size - 1: no error), so each cycle's
     accept length is chosen by the test."""
 
+    target_layer_ids = (0,)  # the features only count positions here
+
     def __init__(self, reference, block_size, errors, vocab):
         self.reference, self.block_size, self.errors, self.vocab = reference, block_size, errors, vocab
         self.cycle = 0
@@ -50,9 +54,6 @@ class ScriptedDrafter:
 
     def new_context(self):
         return ScriptedContext()
-
-    def select_features(self, hidden_states):
-        return hidden_states[0][..., :1]
 
     def draft(self, ctx, token, temperature, top_p, rng):
         start = ctx.covered  # the block's known token sits at this position
@@ -67,39 +68,26 @@ class ScriptedDrafter:
         return Draft(tokens=tokens, confidence=[0.5] * len(tokens), probs=None)
 
 
-def _layer_states(cache):
-    """Every cache layer's tensors: ('kv', keys, values) or ('linear', conv, recurrent)."""
-    out = []
-    for layer in cache.layers:
-        if hasattr(layer, "recurrent_states"):
-            conv, rec = layer.conv_states, layer.recurrent_states
-            conv, rec = (conv[0], rec[0]) if isinstance(conv, dict) else (conv, rec)
-            out.append(("linear", conv, rec))
-        else:
-            out.append(("kv", layer.keys, layer.values))
-    return out
-
-
 def _assert_same_states(a, b):
-    sa, sb = _layer_states(a), _layer_states(b)
+    """a, b: engines on the same path."""
+    sa, sb = engine_states(a), engine_states(b)
     assert [s[0] for s in sa] == [s[0] for s in sb]
-    for i, ((kind, x1, y1), (_, x2, y2)) in enumerate(zip(sa, sb)):
-        assert x1.shape == x2.shape and y1.shape == y2.shape, (i, kind, x1.shape, x2.shape)
-        torch.testing.assert_close(x1, x2, atol=1e-4, rtol=1e-4, msg=f"layer {i} {kind} state 0")
-        torch.testing.assert_close(y1, y2, atol=1e-4, rtol=1e-4, msg=f"layer {i} {kind} state 1")
+    for i, ((kind, x), (_, y)) in enumerate(zip(sa, sb)):
+        assert x.shape == y.shape, (i, kind, x.shape, y.shape)
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=f"state {i} ({kind})")
 
 
-def _run_lockstep(model, block, n_new):
+def _run_lockstep(model, block, n_new, fast=False):
     """Speculative decoding with a scripted drafter, checked after every cycle against plain decoding of the same
     tokens. Returns (output, reference, committed block lengths, drafter, stats)."""
     prompt = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
-    plain = Engine(model)
+    plain = Engine(model, fast=fast)
     reference = [t for b in plain.generate(prompt, SamplingParams(max_tokens=n_new)) for t in b]
 
     # error positions cycle through 0..block-1 (block-1: the whole draft is right), twice
     drafter = ScriptedDrafter(prompt + reference, block, errors=list(range(block)) * 2, vocab=model.config.vocab_size)
-    engine = Engine(model, drafter=drafter)
-    lockstep = Engine(model)
+    engine = Engine(model, drafter=drafter, fast=fast)
+    lockstep = Engine(model, fast=fast)
     lock_gen = lockstep.generate(prompt, SamplingParams(max_tokens=n_new))
     lock_out = []
     out, blocks = [], []
@@ -109,15 +97,16 @@ def _run_lockstep(model, block, n_new):
         while len(lock_out) < len(out):  # advance plain decoding to the same committed tokens
             lock_out += next(lock_gen)
         assert engine.cache_ids == lockstep.cache_ids
-        _assert_same_states(engine.cache, lockstep.cache)
+        _assert_same_states(engine, lockstep)
     lock_gen.close()
     return out, reference, blocks, drafter, engine.last_stats
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["hf", "fast"])
 @pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
-def test_every_accept_length_matches_plain_decoding(make_model):
+def test_every_accept_length_matches_plain_decoding(make_model, fast):
     block, n_new = 5, 40
-    out, reference, blocks, drafter, stats = _run_lockstep(make_model(), block, n_new)
+    out, reference, blocks, drafter, stats = _run_lockstep(make_model(), block, n_new, fast)
     assert out == reference
     # the first block is the prefill's token; then each cycle commits accepted + 1
     accepts = [n - 1 for n in blocks[1:]]
@@ -130,24 +119,39 @@ def test_every_accept_length_matches_plain_decoding(make_model):
     assert stats.generated_tokens == n_new and stats.finish_reason == "length"
 
 
-def test_state_check_catches_a_missing_rollback(monkeypatch):
+@pytest.mark.parametrize("fast", [False, True], ids=["hf", "fast"])
+def test_state_check_catches_a_missing_rollback(monkeypatch, fast):
     """Negative control: without the Gated DeltaNet rollback the per-cycle state comparison must fail."""
-    monkeypatch.setattr(spec.ReplayRollback, "finish", lambda self, *a, **k: None)
+    if fast:  # speculative accepts keep their bookkeeping but skip the copy of the accepted position's states
+        original = FastTarget.accept
+
+        def accept_without_rollback(self, keep):
+            linear = self.fast.model.linear
+            linear.accept = lambda keep: None  # shadows LinearStateCache.accept on this instance only
+            try:
+                original(self, keep)
+            finally:
+                del linear.accept
+
+        monkeypatch.setattr(FastTarget, "accept", accept_without_rollback)
+    else:
+        monkeypatch.setattr(spec.ReplayRollback, "finish", lambda self, *a, **k: None)
     with pytest.raises(AssertionError, match="linear"):
-        _run_lockstep(tiny_qwen35_moe(), 5, 20)
+        _run_lockstep(tiny_qwen35_moe(), 5, 20, fast)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["hf", "fast"])
 @pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
-def test_random_drafter_is_lossless_and_reuses_prefix(make_model):
+def test_random_drafter_is_lossless_and_reuses_prefix(make_model, fast):
     model = make_model()
     prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    plain, specd = Engine(model), Engine(model, drafter=random_drafter(model, block_size=4))
+    plain, specd = Engine(model, fast=fast), Engine(model, drafter=random_drafter(model, block_size=4), fast=fast)
     first = [t for b in specd.generate(prompt, SamplingParams(max_tokens=16)) for t in b]
     assert first == [t for b in plain.generate(prompt, SamplingParams(max_tokens=16)) for t in b]
     follow = prompt + first + [3, 4, 5]  # the next turn extends the conversation
     second = [t for b in specd.generate(follow, SamplingParams(max_tokens=12)) for t in b]
     assert specd.last_stats.cached_tokens == len(prompt) + len(first) - 1
-    assert second == [t for b in Engine(model).generate(follow, SamplingParams(max_tokens=12)) for t in b]
+    assert second == [t for b in Engine(model, fast=fast).generate(follow, SamplingParams(max_tokens=12)) for t in b]
 
 
 def test_adaptive_verify_length_is_lossless():
@@ -249,3 +253,23 @@ def test_bench_reports_the_seed_table(tmp_path, capsys):
     assert {"command", "date", "machine"} <= set(res)
     assert "eta predicted" in capsys.readouterr().out
     assert main(model="no-such-model", drafter="none", device="cpu", prompts=1, max_tokens=2) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("exact", [False, True], ids=["graphs", "graphs_exact"])
+@pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
+def test_cuda_engine_fast_path_is_lossless(make_model, exact):
+    """The engine on the GPU: FastTarget with CUDA graphs (fp32 tiny targets: rounding far below argmax margins),
+    speculative output identical to plain decoding, prefix reuse included."""
+    model = make_model().cuda()
+    prompt = list(range(3, 40))
+    plain = Engine(model, fast=True, exact=exact)
+    specd = Engine(model, drafter=random_drafter(model, block_size=6), fast=True, exact=exact)
+    assert plain.fast and plain.target.fast.cuda_graphs
+    ref = [t for b in plain.generate(prompt, SamplingParams(max_tokens=40)) for t in b]
+    assert [t for b in specd.generate(prompt, SamplingParams(max_tokens=40)) for t in b] == ref
+    follow = prompt + ref + [5, 6]
+    again = [t for b in specd.generate(follow, SamplingParams(max_tokens=20)) for t in b]
+    assert again == [t for b in Engine(model, fast=True, exact=exact).generate(follow, SamplingParams(max_tokens=20))
+                     for t in b]
+    assert specd.last_stats.cached_tokens > len(prompt)

@@ -42,14 +42,22 @@ class FastModel:
         self.max_block = int(max_block)
         self.prefill_chunk = prefill_chunk
         self.min_span = min_span
+        # > 0: every eager call attends over a multiple of this many cache columns (the masked ones add exact zeros),
+        # so a position's logits do not depend on how far the cache happened to reach (backend/target.py, exact mode)
+        self.span_multiple = 0
         self.vocab_size = model.config.vocab_size
         model.setup_caches(self.max_context, self.max_block)
         self.length = 0
         self._pending = 0  # block size of a verify awaiting accept()
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
-        # torch.compile the per-layer glue of decode steps and verifies (two compiles per glue function: one token,
-        # and any other block size); prefill stays eager, its time is in the matmuls.
-        self.compile = compile
+        # torch.compile for decode steps and verifies; prefill stays eager, its time is in the matmuls.
+        #   True / "glue": the per-layer glue functions (two compiles each: one token, then any block size)
+        #   "full": the whole forward, layers unrolled, our Triton kernels called from inside (one compile per
+        #           (tokens, span) key: for benchmarks of how far fusion goes; slow to warm up)
+        if compile not in (False, True, "glue", "full"):
+            raise ValueError(f"compile must be False, True, 'glue' or 'full', got {compile!r}")
+        self.compile = "glue" if compile is True else compile
+        self._full_forward = None
         self._graphs: dict[tuple, tuple] = {}
         self._tokens = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
@@ -155,19 +163,35 @@ class FastModel:
             raise ValueError(f"{self.length} cached + {T} new tokens exceed the context of {self.max_context}")
         if not graph:
             positions = torch.arange(self.length, self.length + T, device=self.device)
-            out = self.model(ids, positions, self.length + T, record=record, all_logits=all_logits,
-                             hidden_ids=hidden_ids, compiled=compiled)
+            end = self.length + T
+            if self.span_multiple:
+                end = min(-(-end // self.span_multiple) * self.span_multiple, self.max_context)
+            out = self._run(ids, positions, end, record, all_logits, hidden_ids, compiled)
         else:
             out = self._replay(ids, record, all_logits, hidden_ids, compiled)
         self.length += T
         return out
+
+    def _run(self, ids, positions, kv_len, record, all_logits, hidden_ids, compiled):
+        """One model forward; `compiled` (a decode step or verify of a compiling FastModel) picks the compile mode."""
+        if compiled == "full":
+            if self._full_forward is None:
+                import torch._dynamo
+
+                # one graph per (tokens, span): more than dynamo's default of 8 before it gives up and runs eagerly
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+                self._full_forward = torch.compile(self.model.forward, dynamic=False)
+            return self._full_forward(ids, positions, kv_len, record=record, all_logits=all_logits,
+                                      hidden_ids=hidden_ids, compiled=False)
+        return self.model(ids, positions, kv_len, record=record, all_logits=all_logits, hidden_ids=hidden_ids,
+                          compiled=bool(compiled))
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------------
 
     def _span(self, end: int) -> int:
         """Cache columns a graph attends over for a cache ending at `end`: rounded up to a quarter of the enclosing
         power of two (at most 25% of the KV read wasted on masked columns; ~4 graphs per doubling of the context)."""
-        quarter = max(self.min_span, (1 << (end - 1).bit_length()) // 4)
+        quarter = max(self.min_span, (1 << (end - 1).bit_length()) // 4, self.span_multiple)
         return min(-(-end // quarter) * quarter, self.max_context)
 
     def drop_graphs(self) -> None:
@@ -188,8 +212,8 @@ class FastModel:
 
     def _capture(self, T, span, record, all_logits, hidden_ids, compiled):
         saved = self.model.linear.snapshot(self.length) if self.hybrid else None
-        run = lambda: self.model(self._tokens[:T], self._positions[:T], span, record=record,  # noqa: E731
-                                 all_logits=all_logits, hidden_ids=hidden_ids, compiled=compiled)
+        run = lambda: self._run(self._tokens[:T], self._positions[:T], span, record,  # noqa: E731
+                                all_logits, hidden_ids, compiled)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up off the capture (torch.compile / Triton compile, cuBLAS picks)

@@ -1,0 +1,248 @@
+"""The target model and its cache, behind the few calls the engine makes. Two implementations:
+
+HFTarget    a transformers model + DynamicCache: any architecture. Gated DeltaNet rollback by replaying the
+            accepted positions (speculative.ReplayRollback).
+FastTarget  a backend/models FastModel: static caches, rollback by copy, CUDA graphs on the GPU. Llama (the
+            embedded model) and Qwen3.5/3.6-MoE; the engine picks it whenever load_fast() covers the model.
+
+Both keep `ids`, the token ids their cache covers, in order, and answer:
+    reuse(prompt)                  -> (tokens reused, logits after the whole prompt or None): cut the cache back to the
+                                      longest prefix of `prompt` it can keep
+    prefill(ids, features, cancelled) -> (logits [V] after the last id, features [1, T, F] or None); logits None when
+                                      cancelled between chunks (features then cover the chunks that ran)
+    remember_prompt(prompt, logits)   hybrid models: the state at the prompt's end, for the next request's reuse
+    step(token)                    -> logits [V] after `token` (plain decoding)
+    verify(block, features)        -> (logits [T, V], features [1, T, F] or None); the cache holds the block
+                                      tentatively until accept(keep) keeps its first `keep` tokens
+
+Exact mode (FastTarget, on by default on the CPU): every step and every verify runs as a block of max_block tokens
+(padded) over an attention span rounded up to a multiple of 512. The target's logits for a position then come out of
+the same kernels with the same shapes whether that position was decoded alone or inside a verified block, so greedy
+speculative decoding emits exactly the tokens plain decoding emits, in bf16 too. Without it, a bf16 matmul over 1 row
+and over 16 rows round differently (measured on the embedded model: logits differing by up to 0.8) and a near-tie can
+flip. On this CPU it costs nothing: with AMX a 16-row bf16 matmul takes as long as a 1-row one (both read the same
+weights), so a padded step costs a plain one plus a few %.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from backend import speculative as spec
+
+EXACT_SPAN = 512  # exact mode: attention spans are multiples of this (the CPU flash kernel's kv block)
+PAD_TOKEN = 0  # what fills a padded block; its positions are never kept
+
+
+@dataclass
+class PromptCheckpoint:
+    ids: tuple[int, ...]  # the prompt whose end the snapshot sits at
+    state: object  # HF: linear-state tensors; fast: a FastModel Snapshot
+    last_logits: torch.Tensor  # logits after the prompt's last token, so an identical prompt needs no forward
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the common case: the new prompt extends the old one (list compare runs in C)
+        return n
+    lo, hi = 0, n  # binary search on prefix equality, still in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _Reuse:
+    """Prefix reuse, shared by both targets. Attention KV can be cut to any prefix. Gated DeltaNet conv/recurrent
+    states cannot: they have folded in every token so far and keep no per-token record. For hybrid models two points
+    are therefore reusable: the live state (exactly self.ids, so a prompt that extends it just continues), and a copy
+    of the linear states taken at the end of the previous prompt (so the next turn of a conversation whose chat
+    template re-renders the previous answer differently still skips the old prompt). Anything else starts over."""
+
+    ids: list[int]
+    hybrid: bool
+    checkpoint: PromptCheckpoint | None
+
+    def reuse(self, prompt: list[int]) -> tuple[int, torch.Tensor | None]:
+        common = common_prefix(self.ids, prompt)
+        if not self.ids:
+            return 0, None
+        if not self.hybrid:
+            keep = min(common, len(prompt) - 1)  # at least one token must run to produce the next logits
+            self._cut(keep)
+            return keep, None
+        if common == len(self.ids) and len(prompt) > common:
+            return common, None  # the live state is the reuse point
+        ckpt = self.checkpoint
+        if ckpt is not None and len(ckpt.ids) <= common:
+            self._restore(ckpt)
+            if len(prompt) == len(ckpt.ids):
+                return len(prompt), ckpt.last_logits
+            return len(ckpt.ids), None
+        self.reset()
+        return 0, None
+
+    def remember_prompt(self, prompt: list[int], logits: torch.Tensor) -> None:
+        if self.hybrid:
+            self.checkpoint = PromptCheckpoint(tuple(prompt), self._snapshot(), logits.clone())
+
+
+class HFTarget(_Reuse):
+    """A transformers causal LM with a DynamicCache (attention layers swapped for speculative.GrowingLayer)."""
+
+    def __init__(self, model, feature_layers: tuple[int, ...] = (), prefill_chunk: int = 2048):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.hybrid = spec.model_is_hybrid(model)
+        self.layers = spec.decoder_layers(model)
+        self.feature_layers = tuple(feature_layers)
+        self.prefill_chunk = prefill_chunk
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = None
+        self.ids: list[int] = []
+        self.checkpoint = None
+        self._block = None  # (length, rollback, hidden_states) of a verify awaiting accept()
+
+    def _forward(self, ids: list[int], *, all_logits: bool = False, hidden: bool = False):
+        if self.cache is None:
+            self.cache = spec.new_cache(self.model)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=0 if all_logits else 1, output_hidden_states=hidden)
+        self.ids.extend(ids)
+        return out
+
+    def _features(self, hidden_states) -> torch.Tensor:
+        return torch.cat([hidden_states[i + 1] for i in self.feature_layers], dim=-1)
+
+    def prefill(self, ids: list[int], features: bool, cancelled: Callable[[], bool]):
+        logits, feats = None, []
+        for start in range(0, len(ids), self.prefill_chunk):
+            if cancelled():
+                return None, (torch.cat(feats, dim=1) if feats else None)
+            out = self._forward(ids[start:start + self.prefill_chunk], hidden=features)
+            logits = out.logits[0, -1]
+            if features:
+                feats.append(self._features(out.hidden_states))
+        if spec.is_hybrid(self.cache) != self.hybrid:
+            # a transformers release whose cache keeps linear-attention state where we do not look: prefix reuse and
+            # rollback would silently be wrong, so refuse
+            raise RuntimeError("unrecognized linear-attention cache layout in this transformers version")
+        return logits, (torch.cat(feats, dim=1) if features else None)
+
+    def step(self, token: int) -> torch.Tensor:
+        return self._forward([token]).logits[0, -1]
+
+    def verify(self, block: list[int], features: bool):
+        rollback = spec.ReplayRollback(self.layers)
+        if len(block) > 1:
+            rollback.begin(self.cache)
+        out = self._forward(block, all_logits=True, hidden=True)
+        self._block = (len(block), rollback, out.hidden_states)
+        return out.logits[0], (self._features(out.hidden_states) if features else None)
+
+    def accept(self, keep: int) -> None:
+        verified, rollback, hidden_states = self._block
+        self._block = None
+        new_len = len(self.ids) - verified + keep
+        spec.crop_attention(self.cache, new_len)
+        del self.ids[new_len:]
+        rollback.finish(self.cache, hidden_states, keep, verified)
+
+    # reuse hooks
+    def _cut(self, keep: int) -> None:
+        if keep < len(self.ids):
+            spec.crop_attention(self.cache, keep)
+            del self.ids[keep:]
+
+    def _snapshot(self):
+        return spec.snapshot_linear_states(self.cache)
+
+    def _restore(self, ckpt: PromptCheckpoint) -> None:
+        spec.restore_linear_states(self.cache, ckpt.state)
+        keep = len(ckpt.ids)
+        spec.crop_attention(self.cache, keep)
+        del self.ids[keep:]
+
+
+class FastTarget(_Reuse):
+    """A FastModel (backend/models). `exact`: see the module docstring."""
+
+    def __init__(self, fast, feature_layers: tuple[int, ...] = (), prefill_chunk: int = 2048, exact: bool = False):
+        self.fast = fast
+        self.device = fast.device
+        self.hybrid = fast.hybrid
+        self.feature_layers = tuple(feature_layers)
+        self.prefill_chunk = prefill_chunk
+        self.exact = exact
+        if exact:
+            fast.span_multiple = EXACT_SPAN
+        self.reset()
+
+    def reset(self) -> None:
+        self.fast.reset()
+        self.ids: list[int] = []
+        self.checkpoint = None
+        self._verified = 0
+
+    def prefill(self, ids: list[int], features: bool, cancelled: Callable[[], bool]):
+        logits, feats = None, []
+        for start in range(0, len(ids), self.prefill_chunk):
+            if cancelled():
+                return None, (torch.cat(feats)[None] if feats and features else None)
+            piece = ids[start:start + self.prefill_chunk]
+            logits, f = self.fast.prefill(piece, self.feature_layers if features else ())
+            self.ids.extend(piece)
+            feats.append(f)
+        return logits, (torch.cat(feats)[None] if features else None)
+
+    def step(self, token: int) -> torch.Tensor:
+        if self.exact:
+            logits, _ = self._padded_verify([token], ())
+            self.fast.accept(1)
+            self.ids.append(token)
+            return logits[0]
+        logits, _ = self.fast.decode(token)
+        self.ids.append(token)
+        return logits
+
+    def verify(self, block: list[int], features: bool):
+        hidden = self.feature_layers if features else ()
+        if self.exact:
+            logits, feats = self._padded_verify(block, hidden)
+        else:
+            logits, feats = self.fast.verify(block, hidden)
+        self._verified = len(block)
+        self.ids.extend(block)
+        n = len(block)
+        return logits[:n], (feats[:n][None] if feats is not None else None)
+
+    def _padded_verify(self, block: list[int], hidden: tuple[int, ...]):
+        pad = [PAD_TOKEN] * (self.fast.max_block - len(block))
+        return self.fast.verify(list(block) + pad, hidden)
+
+    def accept(self, keep: int) -> None:
+        self.fast.accept(keep)
+        del self.ids[len(self.ids) - self._verified + keep:]
+        self._verified = 0
+
+    # reuse hooks
+    def _cut(self, keep: int) -> None:
+        if keep < len(self.ids):
+            self.fast.truncate(keep)
+            del self.ids[keep:]
+
+    def _snapshot(self):
+        return self.fast.snapshot()
+
+    def _restore(self, ckpt: PromptCheckpoint) -> None:
+        self.fast.restore(ckpt.state)
+        del self.ids[len(ckpt.ids):]
