@@ -1,4 +1,11 @@
-"""Assemble bench/results/train_ablation_h200.json and docs/training_loss.png from the files the H200 runs sent back.
+"""Assemble bench/results/train_ablation_h200*.json and docs/training_loss.png from the files the H200 runs sent back.
+
+2026-11-30: two calls on one warm machine, each writing a whole ablation.json: the arms (`--skip-long`) and the long
+run (`--long-arm best`, reading the arms' metrics from the same --work). This script joins them with the command lines,
+the data summary from the first call's log and the device time the calls used:
+
+    .venv/bin/python bench/train_collect.py join /work/drafter_long/h200_call2 /work/drafter_long/h200_call3 \
+        --out bench/results/train_ablation_h200_20261130.json --device-seconds 816
 
 The 2026-11-29 run did not end cleanly (the four CE arms ran out of GPU memory with 8 runs at once, and the long run's
 final evaluation was cut by the command's time limit), so its results came back in three parts: the KL arms and the
@@ -11,7 +18,9 @@ run ends normally.
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,8 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.train_ablation import ARMS, arm_summary, plot_curves  # noqa: E402
 
 
-def main() -> None:
-    first, second = Path(sys.argv[1]), Path(sys.argv[2])
+def collect_20261129(first: Path, second: Path) -> None:
     partial = json.loads((first / "partial.json").read_text())
     runs = {k: v for k, v in partial.items() if k.split("-s")[0] in ARMS}
     runs.update(json.loads((second / "ce.json").read_text()))
@@ -60,6 +68,63 @@ def main() -> None:
         print(f"{name:<24} tau {s['tau']:.3f} ±{s['tau_sd']:.3f}  tau_est {s['tau_est']:.3f} ±{s['tau_est_sd']:.3f}  "
               f"by seed {[round(x, 3) for x in s['tau_by_seed']]}")
     print(f"wrote {out}")
+
+
+def data_summary(log_text: str) -> dict:
+    """The data step's summary line ({"data_dir": ...}) and the block-start count from a logs.txt."""
+    summary = next((json.loads(line) for line in log_text.splitlines() if line.startswith('{"data_dir"')), {})
+    m = re.search(r"\((\d+) positions, (\d+) block starts\)", log_text)
+    if m:
+        summary["train_positions"], summary["train_block_starts"] = int(m[1]), int(m[2])
+    return summary
+
+
+def join_calls(arms_dir: Path, long_dir: Path, out: Path, plot: Path, device_seconds: float | None) -> dict:
+    arms = json.loads((arms_dir / "ablation.json").read_text())
+    long = json.loads((long_dir / "ablation.json").read_text())
+    if long.get("summary") != arms["summary"]:
+        sys.exit("the long call did not read the same arms as the arms call (different --work?)")
+    L = long["long"]
+    result = {
+        "date": L["date"][:10],
+        "device": L["device"],
+        "machine": "NVIDIA H200 (device tool, one GPU, 16 CPU cores), torch 2.11, transformers 5.17; target "
+                   "SmolLM2-135M-Instruct from the embedded GGUF in float32, drafter training in bf16 autocast",
+        "commands": {"arms": "python bench/train_ablation.py " + arms["command"].split(" ", 1)[1],
+                     "long": "python bench/train_ablation.py " + long["command"].split(" ", 1)[1]},
+        "data": data_summary((arms_dir / "logs.txt").read_text()),
+        "arms": arms["arms"], "summary": arms["summary"], "ranking": arms["ranking"], "best": long["best"],
+        "long_plan": long.get("long_plan"), "long": L,
+        "timings_s": {"arms_call": arms["timings"], "long_call": long["timings"]},
+    }
+    if device_seconds is not None:
+        result["device_seconds_used"] = device_seconds
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    long_curve = {"config": {"seed": "long"}, "history": L["history"]}
+    plot_curves({"arms": {**arms["arms"], f"long {long['best']} ({L['budget']['steps']} steps)": [long_curve]}}, plot)
+    for name, s in result["summary"].items():
+        print(f"{name:<24} tau {s['tau']:.3f} ±{s['tau_sd']:.3f}  tau_est {s['tau_est']:.3f} ±{s['tau_est_sd']:.3f}  "
+              f"by seed {[round(x, 3) for x in s['tau_by_seed']]}")
+    e = L.get("engine", {})
+    print(f"long {long['best']}: {L['budget']['steps']} steps, {L['train_seconds']} s, tau_est "
+          f"{L['estimate']['tau_est']:.3f}, engine tau {e.get('tau')}, identical {e.get('identical_to_plain')}")
+    print(f"wrote {out} and {plot}")
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "join":
+        ap = argparse.ArgumentParser(description="join an arms call and a long-run call of bench/train_ablation.py")
+        ap.add_argument("cmd")
+        ap.add_argument("arms_dir", type=Path)
+        ap.add_argument("long_dir", type=Path)
+        ap.add_argument("--out", type=Path, required=True)
+        ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "training_loss.png")
+        ap.add_argument("--device-seconds", type=float, default=None, help="device time the calls used (lease)")
+        a = ap.parse_args()
+        join_calls(a.arms_dir, a.long_dir, a.out, a.plot, a.device_seconds)
+    else:
+        collect_20261129(Path(sys.argv[1]), Path(sys.argv[2]))
 
 
 if __name__ == "__main__":
