@@ -1,0 +1,65 @@
+"""Exact (batch-invariant) mode on the real embedded model in bf16: a position's logits are bitwise the same whether
+it was decoded alone (a padded step) or inside any verified block, across the 512-column attention span boundary;
+and greedy speculative decoding with the shipped drafter emits exactly the plain tokens."""
+
+import pytest
+import torch
+
+from backend.dflash import find_shipped_drafter, load_drafter
+from backend.engine import Engine, SamplingParams
+from backend.loading import ModelLoadError, load_model
+from backend.models import load_fast
+from backend.target import FastTarget
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def embedded_bf16():
+    try:
+        return load_model("embedded", device="cpu", dtype="bfloat16")
+    except ModelLoadError as exc:
+        pytest.skip(f"embedded model unavailable: {exc}")
+
+
+def _no_cancel():
+    return False
+
+
+def test_padded_steps_and_verified_blocks_give_bitwise_equal_logits(embedded_bf16):
+    hf = embedded_bf16.model
+    target = FastTarget(load_fast(hf, max_context=1024 + 16), exact=True)
+    prompt = torch.randint(100, 40000, (500,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits, _ = target.prefill(prompt, False, _no_cancel)
+    tokens, stepped = [], []
+    for _ in range(28):  # positions 500..527: the span grows from 512 to 1024 columns on the way
+        tokens.append(int(logits.argmax()))
+        logits = target.step(tokens[-1])
+        stepped.append(logits.clone())
+    target.reset()
+    target.prefill(prompt, False, _no_cancel)
+    verified = []
+    for start, size in [(0, 5), (5, 9), (14, 1), (15, 13)]:  # uneven blocks, one of them across position 512
+        block_logits, _ = target.verify(tokens[start:start + size], False)
+        target.accept(size)
+        verified += list(block_logits)
+    for i, (a, b) in enumerate(zip(stepped, verified, strict=True)):
+        assert torch.equal(a, b), f"position {500 + i}: max diff {float((a.float() - b.float()).abs().max())}"
+
+
+def test_shipped_drafter_output_is_identical_to_plain_decoding_in_bf16(embedded_bf16):
+    path = find_shipped_drafter(embedded_bf16.name)
+    assert path is not None, "the embedded model's drafter is shipped in backend/drafters/"
+    hf, tok = embedded_bf16.model, embedded_bf16.tokenizer
+    plain = Engine(hf)
+    spec = Engine(hf, drafter=load_drafter(path))
+    assert plain.fast and plain.target.exact and spec.target.exact  # the CPU default
+    for question in ["How do I install this package from source?", "Review: def first(xs): return xs[1]"]:
+        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        params = SamplingParams(max_tokens=48)
+        want = [t for b in plain.generate(ids, params) for t in b]
+        got = [t for b in spec.generate(ids, params) for t in b]
+        assert got == want
+        assert spec.last_stats.cycles > 0 and spec.last_stats.accepted_tokens > 0  # it really drafted
