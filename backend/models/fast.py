@@ -197,6 +197,10 @@ class FastModel:
     def drop_graphs(self) -> None:
         """Forget captured graphs (after changing anything they baked in, e.g. a benchmark's routing override)."""
         self._graphs.clear()
+        if self.cuda_graphs:
+            # a fresh memory pool: the old one may outlive its graphs (blocks still held by compiled code's
+            # caches), and capturing into a pool whose graphs are gone trips an allocator assert (seen on the H200)
+            self._pool = torch.cuda.graph_pool_handle()
 
     def _replay(self, ids, record, all_logits, hidden_ids, compiled):
         T = ids.numel()
