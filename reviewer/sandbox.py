@@ -178,6 +178,13 @@ def run_command(command: str, *, cwd: Path, env: dict[str, str], timeout: float,
     finally:
         sel.close()
         proc.stdout.close()
+    if drain_until is None:
+        # End of output comes a moment before the shell exits (it closes the pipe, then exits): let it finish on its
+        # own, or a kill here turns a clean exit into -9 (seen in the tests under load)
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
     kill_group(proc.pid)
     proc.wait()
     seconds = time.monotonic() - start

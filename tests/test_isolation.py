@@ -248,6 +248,14 @@ def test_timeout_kills_everything_and_says_what(ws):
 
 
 @needs_bwrap
+def test_timeout_holds_for_a_command_that_closes_its_output(ws):
+    t = time.monotonic()
+    o = sandboxed(ws, "exec >/dev/null 2>&1; sleep 30", limits=Limits(timeout=1.5))
+    assert time.monotonic() - t < 10
+    assert o.timed_out and "timeout" in {e.kind for e in o.events}
+
+
+@needs_bwrap
 def test_file_size_limit_on_a_direct_child(ws):
     o = sandboxed(ws, "exec head -c 50000000 /dev/zero > big.bin",
                   limits=Limits(timeout=30, disk_bytes=None, file_size_bytes=10 * MiB))

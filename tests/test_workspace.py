@@ -236,6 +236,14 @@ def test_environment_is_scrubbed(tmp_path, monkeypatch):
     assert env["PIP_INDEX_URL"].startswith("https://")
 
 
+def test_a_command_that_closes_its_output_still_times_out(tmp_path):
+    ws = bare_workspace(tmp_path)
+    t = time.monotonic()
+    result = ws.run("exec >/dev/null 2>&1; sleep 30", 1.5)
+    assert time.monotonic() - t < 10
+    assert result.timed_out and result.exit_code is None
+
+
 def test_ctrl_c_while_a_command_runs_kills_it(tmp_path):
     ws = bare_workspace(tmp_path)
 
