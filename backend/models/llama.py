@@ -71,12 +71,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
 
 
-def attention(q, k, v, positions, kv_len: int) -> torch.Tensor:
-    """q [Hq, T, D] at `positions`; k, v [Hkv, kv_len, D] (cache columns 0..kv_len-1). Causal by position, so columns
-    past the current length (stale or unwritten) are never attended. Returns [T, Hq * D]."""
+def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[1, 1, T, kv_len] bool: query at positions[t] sees cache columns <= it, so columns past the current length
+    (stale or unwritten) are never attended. Built once per forward and shared by every attention layer."""
+    return (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[None, None]
+
+
+def attention(q, k, v, mask) -> torch.Tensor:
+    """q [Hq, T, D]; k, v [Hkv, kv_len, D] (cache columns 0..kv_len-1); mask from causal_mask. Returns [T, Hq * D]."""
     T = q.shape[1]
-    mask = torch.arange(kv_len, device=q.device)[None, :] <= positions[:, None]
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None],
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                          enable_gqa=q.shape[0] != k.shape[0])
     return out[0].transpose(0, 1).reshape(T, -1)
 
@@ -165,13 +169,14 @@ class Llama(nn.Module):
         attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
+        mask = causal_mask(positions, kv_len)
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
             q, k, v = attn_in(x, layer.attn_norm, layer.wqkv, layer.bqkv, cos, sin, c.rms_norm_eps, c.num_heads,
                               c.num_kv_heads, c.head_dim)
             k_all, v_all = self.kv.write(i, positions, k, v, kv_len)
-            x = attn_out_mlp(x, attention(q, k_all, v_all, positions, kv_len), layer.wo, layer.bo, layer.mlp_norm,
+            x = attn_out_mlp(x, attention(q, k_all, v_all, mask), layer.wo, layer.bo, layer.mlp_norm,
                              layer.w_gate_up, layer.b_gate_up, layer.w_down, layer.b_down, c.rms_norm_eps)
             if i in hidden_ids and i != last:
                 feats[i] = x

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.models.llama import _param, apply_rope, attention, glue, rope_tables
+from backend.models.llama import _param, apply_rope, attention, causal_mask, glue, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk
 from kernels.gdn_state import gdn_chunked, gdn_recurrent
@@ -155,12 +155,12 @@ class GatedAttention(nn.Module):
         self.q_norm, self.k_norm = e(c.head_dim), e(c.head_dim)  # 1 + weight, fp32
         self.wo = e(c.hidden_size, c.num_heads * c.head_dim)
 
-    def forward(self, model, x, norm, positions, kv_len, cos, sin, record, compiled):
+    def forward(self, model, x, norm, positions, kv_len, cos, sin, mask, record, compiled):
         c = model.config
         q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         k_all, v_all = model.kv.write(self.slot, positions, k, v, kv_len)
-        return glue(attention_out, compiled)(x, attention(q, k_all, v_all, positions, kv_len), gate, self.wo)
+        return glue(attention_out, compiled)(x, attention(q, k_all, v_all, mask), gate, self.wo)
 
 
 class GatedDeltaNet(nn.Module):
@@ -176,7 +176,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = e(c.linear_value_head_dim)
         self.w_out = e(c.hidden_size, c.value_dim)
 
-    def forward(self, model, x, norm, positions, kv_len, cos, sin, record, compiled):
+    def forward(self, model, x, norm, positions, kv_len, cos, sin, mask, record, compiled):
         c, cache, i = model.config, model.linear, self.slot
         T = x.shape[0]
         window, q, k, v, z, g, beta = glue(deltanet_in, compiled)(
@@ -268,10 +268,11 @@ class Qwen35Moe(nn.Module):
         c = self.config
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
+        mask = causal_mask(positions, kv_len) if self.num_attention_layers else None
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
-            x = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, record, compiled)
+            x = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
             x = layer.moe(x, layer.norm2, c.rms_norm_eps, compiled)
             if i in hidden_ids and i != last:
                 feats[i] = x
