@@ -280,6 +280,12 @@ class Draft:
     probs: torch.Tensor | None  # (B-1, target vocab) distributions the tokens were sampled from (sampling only)
 
 
+def select_features(hidden_states, layer_ids) -> torch.Tensor:
+    """The target's features for a drafter, from transformers' hidden_states (embeddings first): the outputs of
+    decoder layers `layer_ids` (a drafter's target_layer_ids), concatenated on the last dimension."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -343,8 +349,7 @@ class DFlashDrafter(nn.Module):
         return DraftContext(len(self.layers))
 
     def select_features(self, hidden_states) -> torch.Tensor:
-        """The target's features for the drafter: outputs of the target_layer_ids decoder layers, concatenated."""
-        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        return select_features(hidden_states, self.target_layer_ids)
 
     def _absorb_pending(self, ctx: DraftContext) -> None:
         if ctx.pending is None or ctx.pending.shape[1] == 0:

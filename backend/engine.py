@@ -1,13 +1,15 @@
-"""The decoding engine: batch-1 generation over a transformers causal LM, with prefix reuse across requests and,
-when a drafter is given, DFlash speculative decoding (backend/speculative.py).
+"""The decoding engine: batch-1 generation over a causal LM (backend/target.py: the fast path where backend/models
+covers the architecture, transformers otherwise), with prefix reuse across requests and, when a drafter is given,
+DFlash speculative decoding (backend/speculative.py).
 
 Data flow: server -> Engine.generate(prompt_ids, params) -> yields committed token ids -> server.
-The engine owns one target cache and remembers which token ids it covers, so the next request (an agent resends its
-whole conversation every turn) only prefills what is new.
+The target keeps one cache and the token ids it covers, so the next request (an agent resends its whole conversation
+every turn) only prefills what is new.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +18,8 @@ import torch
 
 from backend import speculative as spec
 from backend.target import FastTarget, HFTarget
+
+log = logging.getLogger("reviewer.backend")
 
 
 @dataclass
@@ -58,9 +62,10 @@ class Engine:
     """Batch-1 generation with prefix reuse. Not thread-safe: the server drives it from one worker thread.
 
     fast: run the target on backend/models' fast path (static caches, rollback by copy, CUDA graphs) when it covers
-    the architecture (None: whenever it does; False: always transformers). exact: batch-invariant steps on the fast
-    path, so greedy speculative output is token-identical to plain decoding in bf16 too (None: on the CPU, where it
-    costs nothing; see backend/target.py)."""
+    the architecture (None: whenever it does and loads; False: always transformers; True: required). exact:
+    batch-invariant forwards on the fast path, so greedy speculative output is token-identical to plain decoding in
+    bf16 too (None: on for a CPU engine with a drafter; a plain engine that serves as its reference needs
+    exact=True; see backend/target.py for what it costs)."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
                  adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None):
@@ -75,7 +80,6 @@ class Engine:
             drafter.check_target(model)
         features = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.target = self._make_target(model, features, prefill_chunk, fast, exact)
-        self.hybrid = self.target.hybrid  # has Gated DeltaNet (linear-attention) layers
         self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
         self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
@@ -88,13 +92,19 @@ class Engine:
             # exact mode pads plain steps and verifies alike to this many tokens, with or without a drafter: the
             # same shapes on both sides are what makes their logits equal (drafters with blocks > 16 get their size)
             block = max(16, getattr(self.drafter, "block_size", 0))
-            # room for a padded block past the last position the engine will ever fill
-            fast_model = load_fast(model, max_context=min(self.max_context, 1 << 20) + block, max_block=block)
+            self.max_context = min(self.max_context, 1 << 20)  # the fast path preallocates its caches
+            try:  # room for a padded block past the last position the engine will ever fill
+                fast_model = load_fast(model, max_context=self.max_context + block, max_block=block)
+            except Exception as exc:  # an unusual layout (weights split over devices, offloaded): keep transformers
+                if fast:
+                    raise
+                log.warning("fast path unavailable (%s: %s); using transformers", type(exc).__name__, exc)
             if fast_model is None and fast:
                 raise ValueError("no fast path for this architecture (fast=True)")
         if fast_model is None:
             return HFTarget(model, features, prefill_chunk)
-        exact = self.device.type == "cpu" if exact is None else exact
+        if exact is None:
+            exact = self.device.type == "cpu" and self.drafter is not None
         return FastTarget(fast_model, features, prefill_chunk, exact=exact)
 
     @property

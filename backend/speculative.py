@@ -320,7 +320,7 @@ def _now(device) -> float:
 
 def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
     """Yield committed blocks until `budget` tokens, a stop token or cancellation. `logits`: after the prompt.
-    Invariant at every yield: engine.cache and engine.draft_context cover exactly engine.cache_ids."""
+    Invariant at every yield: the target's cache and engine.draft_context cover exactly engine.target.ids."""
     drafter, ctx, device = engine.drafter, engine.draft_context, engine.device
     block_size = drafter.block_size
     stats.accepted_per_position = [0] * (block_size - 1)

@@ -15,13 +15,17 @@ Both keep `ids`, the token ids their cache covers, in order, and answer:
     verify(block, features)        -> (logits [T, V], features [1, T, F] or None); the cache holds the block
                                       tentatively until accept(keep) keeps its first `keep` tokens
 
-Exact mode (FastTarget, on by default on the CPU): every step and every verify runs as a block of max_block tokens
-(padded) over an attention span rounded up to a multiple of 512. The target's logits for a position then come out of
-the same kernels with the same shapes whether that position was decoded alone or inside a verified block, so greedy
-speculative decoding emits exactly the tokens plain decoding emits, in bf16 too. Without it, a bf16 matmul over 1 row
-and over 16 rows round differently (measured on the embedded model: logits differing by up to 0.8) and a near-tie can
-flip. On this CPU it costs nothing: with AMX a 16-row bf16 matmul takes as long as a 1-row one (both read the same
-weights), so a padded step costs a plain one plus a few %.
+Exact mode (FastTarget; the engine turns it on for a CPU engine with a drafter, and for the plain reference it is
+compared with): every forward has exactly max_block (16) rows: plain steps, verifies and prompt chunks are padded to
+it (prompt padding: pure-attention models only), and attention spans are rounded up to a multiple of 512 columns. A
+position's logits and cache entries then come out of the same kernels with the same shapes however it was reached
+(decoded alone, inside any verified block, as a prompt token after any prefix reuse, whatever the cache held before),
+so greedy speculative decoding emits exactly the tokens plain decoding emits, in bf16 too. Without it they drift
+apart: on the embedded model in bf16 a decode step and a 16-token verify give logits up to 0.8 apart (attention over
+a different span and query count), and CPU matmuls pick their algorithm by row count (1-32, 33 to a few hundred and
+more round differently), so a near-tie can flip. The price on this 2-core AMX CPU: a padded plain step 50 ms against
+39 ms unpadded (bench/results/spec_embedded_shipped_cpu.json), and prompts prefill at ~3 ms a token against ~0.5 ms
+in 1024-token chunks; speculation more than pays back the first (1.29x over the unpadded plain speed).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from backend import speculative as spec
+from backend.dflash import select_features
 
 EXACT_SPAN = 512  # exact mode: attention spans are multiples of this (the CPU flash kernel's kv block)
 PAD_TOKEN = 0  # what fills a padded block; its positions are never kept
@@ -121,7 +126,7 @@ class HFTarget(_Reuse):
         return out
 
     def _features(self, hidden_states) -> torch.Tensor:
-        return torch.cat([hidden_states[i + 1] for i in self.feature_layers], dim=-1)
+        return select_features(hidden_states, self.feature_layers)
 
     def prefill(self, ids: list[int], features: bool, cancelled: Callable[[], bool]):
         logits, feats = None, []
@@ -199,7 +204,8 @@ class FastTarget(_Reuse):
             if cancelled():
                 return None, (torch.cat(feats)[None] if feats and features else None)
             piece = ids[start:start + self.prefill_chunk]
-            logits, f = self.fast.prefill(piece, self.feature_layers if features else ())
+            block = self.fast.max_block if self.exact and not self.hybrid else 0
+            logits, f = self.fast.prefill(piece, self.feature_layers if features else (), block=block)
             self.ids.extend(piece)
             feats.append(f)
         return logits, (torch.cat(feats)[None] if features else None)

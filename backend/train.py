@@ -400,7 +400,7 @@ def evaluate_engine(target, drafter_dir: Path, prompts: list[list[int]], max_tok
            "tok_s": tokens / wall, "draft_ms": 1e3 * sum(s.draft_seconds for s in stats) / max(cycles, 1),
            "verify_ms": 1e3 * sum(s.verify_seconds for s in stats) / max(cycles, 1)}
     if check_plain:
-        plain = Engine(target)
+        plain = Engine(target, exact=engine.target.exact if engine.fast else None)  # the same numerics
         t0 = time.perf_counter()
         ref = [[t for block in plain.generate(p, params) for t in block] for p in prompts]
         res["plain_tok_s"] = sum(map(len, ref)) / (time.perf_counter() - t0)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from backend.dflash import select_features
+
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 BUILTIN_PROMPTS = PROMPTS_DIR / "builtin.jsonl"
 AGENT_TOOLS = PROMPTS_DIR / "agent_tools.json"
@@ -172,11 +174,6 @@ def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, 
 
 
 # ---- features -----------------------------------------------------------------------------------------------------
-
-
-def select_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
-    """Outputs of the target_layer_ids decoder layers, concatenated (DFlashDrafter.select_features' convention)."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 @torch.inference_mode()

@@ -185,6 +185,10 @@ def run_command(command: str, *, cwd: Path, env: dict[str, str], timeout: float,
             proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
             timed_out = True
+        except BaseException:  # Ctrl-C while waiting: never leave the command running behind us
+            kill_group(proc.pid)
+            proc.wait()
+            raise
     kill_group(proc.pid)
     proc.wait()
     seconds = time.monotonic() - start

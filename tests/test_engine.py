@@ -13,9 +13,10 @@ from tests.conftest import engine_states
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(params=[False, True], ids=["hf", "fast"])
+@pytest.fixture(params=[dict(fast=False), dict(fast=True, exact=False), dict(fast=True, exact=True)],
+                ids=["hf", "fast", "fast_exact"])
 def fast(request):
-    """Every test runs on transformers (HFTarget) and on the fast path (FastTarget, exact mode on the CPU)."""
+    """Every test runs on transformers (HFTarget), on the fast path (FastTarget) and on it in exact mode."""
     return request.param
 
 
@@ -50,7 +51,7 @@ def test_greedy_matches_transformers_generate(fast, name, request):
     x = torch.tensor([prompt])
     ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=25, min_new_tokens=25,
                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, 30:].tolist()
-    engine = Engine(model, fast=fast)
+    engine = Engine(model, **fast)
     assert _run(engine, prompt, max_tokens=25) == ref
     stats = engine.last_stats
     assert (stats.prompt_tokens, stats.generated_tokens, stats.finish_reason) == (30, 25, "length")
@@ -61,7 +62,7 @@ def test_multi_token_cached_forward_starts_from_the_cached_state(fast, hybrid):
     """transformers 5.23 continues a chunked Gated DeltaNet forward from the cached conv/recurrent state (older 5.x
     releases restarted it from zero): chunked prefill must equal one full prefill."""
     prompt = _prompt(45, seed=2)
-    full, chunked = Engine(hybrid, fast=fast), Engine(hybrid, fast=fast, prefill_chunk=7)
+    full, chunked = Engine(hybrid, **fast), Engine(hybrid, **fast, prefill_chunk=7)
     assert _run(full, prompt, max_tokens=12) == _run(chunked, prompt, max_tokens=12)
     _assert_states_close(full, chunked)
     with torch.no_grad():  # and the raw model: logits of chunked cached forwards == one forward
@@ -75,13 +76,13 @@ def test_multi_token_cached_forward_starts_from_the_cached_state(fast, hybrid):
 @pytest.mark.parametrize("name", ["llama", "hybrid"])
 def test_prefix_reuse_is_exact(fast, name, request):
     model = request.getfixturevalue(name)
-    engine = Engine(model, fast=fast)
+    engine = Engine(model, **fast)
     first_prompt = _prompt(40, seed=3)
     first = _run(engine, first_prompt, max_tokens=10)
 
     def check(prompt, expect_cached, **kw):
         got = _run(engine, prompt, max_tokens=10, **kw)
-        fresh = Engine(model, fast=fast)
+        fresh = Engine(model, **fast)
         assert got == _run(fresh, prompt, max_tokens=10, **kw)
         assert engine.last_stats.cached_tokens == expect_cached
         assert engine.cache_ids == fresh.cache_ids
@@ -104,19 +105,19 @@ def test_prefix_reuse_is_exact(fast, name, request):
 def test_hybrid_checkpoint_is_only_the_prompt_end(fast, hybrid):
     """For Gated DeltaNet layers the reusable points are the live state and the previous prompt's end, nothing
     in between: a prompt branching off inside the previous answer reuses exactly the previous prompt."""
-    engine = Engine(hybrid, fast=fast)
+    engine = Engine(hybrid, **fast)
     prompt = _prompt(30, seed=7)
     out = _run(engine, prompt, max_tokens=12)
     branch = prompt + out[:5] + [1, 2, 3]
-    assert _run(engine, branch, max_tokens=6) == _run(Engine(hybrid, fast=fast), branch, max_tokens=6)
+    assert _run(engine, branch, max_tokens=6) == _run(Engine(hybrid, **fast), branch, max_tokens=6)
     assert engine.last_stats.cached_tokens == 30
 
 
 def test_stop_tokens_end_generation_without_being_emitted(fast, llama):
     prompt = _prompt(20, seed=8)
-    ref = _run(Engine(llama, fast=fast), prompt, max_tokens=30)
+    ref = _run(Engine(llama, **fast), prompt, max_tokens=30)
     stop = ref[10]
-    engine = Engine(llama, fast=fast)
+    engine = Engine(llama, **fast)
     out = _run(engine, prompt, max_tokens=30, stop_token_ids=(stop, 99999))
     assert out == ref[:ref.index(stop)]
     assert engine.last_stats.finish_reason == "stop"
@@ -124,8 +125,8 @@ def test_stop_tokens_end_generation_without_being_emitted(fast, llama):
 
 def test_cancel_and_close_leave_the_engine_usable(fast, hybrid):
     prompt = _prompt(25, seed=9)
-    ref = _run(Engine(hybrid, fast=fast), prompt, max_tokens=20)
-    engine = Engine(hybrid, fast=fast)
+    ref = _run(Engine(hybrid, **fast), prompt, max_tokens=20)
+    engine = Engine(hybrid, **fast)
     out = []
     for block in engine.generate(prompt, SamplingParams(max_tokens=20), cancelled=lambda: len(out) >= 4):
         out += block
@@ -139,7 +140,7 @@ def test_cancel_and_close_leave_the_engine_usable(fast, hybrid):
 
 def test_error_mid_generation_resets_the_cache(fast, llama):
     prompt = _prompt(20, seed=10)
-    engine = Engine(llama, fast=fast)
+    engine = Engine(llama, **fast)
     _run(engine, prompt, max_tokens=5)
 
     def boom():
@@ -148,12 +149,12 @@ def test_error_mid_generation_resets_the_cache(fast, llama):
     with pytest.raises(RuntimeError):
         list(engine.generate(prompt, SamplingParams(max_tokens=5), cancelled=boom))
     assert engine.cache_ids == []
-    assert _run(engine, prompt, max_tokens=5) == _run(Engine(llama, fast=fast), prompt, max_tokens=5)
+    assert _run(engine, prompt, max_tokens=5) == _run(Engine(llama, **fast), prompt, max_tokens=5)
 
 
 def test_sampling_is_seeded_and_top_p_narrows(fast, llama):
     prompt = _prompt(15, seed=12)
-    engine = Engine(llama, fast=fast)
+    engine = Engine(llama, **fast)
     a = _run(engine, prompt, max_tokens=20, temperature=1.0, seed=5)
     assert a == _run(engine, prompt, max_tokens=20, temperature=1.0, seed=5)
     assert a != _run(engine, prompt, max_tokens=20, temperature=1.0, seed=6)
@@ -162,7 +163,7 @@ def test_sampling_is_seeded_and_top_p_narrows(fast, llama):
 
 
 def test_bad_input_and_context_limit(fast, llama):
-    engine = Engine(llama, fast=fast, max_context=32)
+    engine = Engine(llama, **fast, max_context=32)
     for prompt, params in [([], SamplingParams()), ([5, 128], SamplingParams()), ([-1], SamplingParams()),
                            (list(range(32)), SamplingParams()), ([1, 2], SamplingParams(temperature=-1)),
                            ([1, 2], SamplingParams(top_p=0)), ([1, 2], SamplingParams(max_tokens=-1))]:

@@ -77,17 +77,17 @@ def _assert_same_states(a, b):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=f"state {i} ({kind})")
 
 
-def _run_lockstep(model, block, n_new, fast=False):
+def _run_lockstep(model, block, n_new, fast):
     """Speculative decoding with a scripted drafter, checked after every cycle against plain decoding of the same
     tokens. Returns (output, reference, committed block lengths, drafter, stats)."""
     prompt = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
-    plain = Engine(model, fast=fast)
+    plain = Engine(model, **fast)
     reference = [t for b in plain.generate(prompt, SamplingParams(max_tokens=n_new)) for t in b]
 
     # error positions cycle through 0..block-1 (block-1: the whole draft is right), twice
     drafter = ScriptedDrafter(prompt + reference, block, errors=list(range(block)) * 2, vocab=model.config.vocab_size)
-    engine = Engine(model, drafter=drafter, fast=fast)
-    lockstep = Engine(model, fast=fast)
+    engine = Engine(model, drafter=drafter, **fast)
+    lockstep = Engine(model, **fast)
     lock_gen = lockstep.generate(prompt, SamplingParams(max_tokens=n_new))
     lock_out = []
     out, blocks = [], []
@@ -102,7 +102,11 @@ def _run_lockstep(model, block, n_new, fast=False):
     return out, reference, blocks, drafter, engine.last_stats
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["hf", "fast"])
+PATHS = [dict(fast=False), dict(fast=True, exact=False), dict(fast=True, exact=True)]
+PATH_IDS = ["hf", "fast", "fast_exact"]
+
+
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
 def test_every_accept_length_matches_plain_decoding(make_model, fast):
     block, n_new = 5, 40
@@ -119,10 +123,10 @@ def test_every_accept_length_matches_plain_decoding(make_model, fast):
     assert stats.generated_tokens == n_new and stats.finish_reason == "length"
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["hf", "fast"])
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
 def test_state_check_catches_a_missing_rollback(monkeypatch, fast):
     """Negative control: without the Gated DeltaNet rollback the per-cycle state comparison must fail."""
-    if fast:  # speculative accepts keep their bookkeeping but skip the copy of the accepted position's states
+    if fast["fast"]:  # speculative accepts keep their bookkeeping but skip the copy of the accepted position's states
         original = FastTarget.accept
 
         def accept_without_rollback(self, keep):
@@ -140,38 +144,40 @@ def test_state_check_catches_a_missing_rollback(monkeypatch, fast):
         _run_lockstep(tiny_qwen35_moe(), 5, 20, fast)
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["hf", "fast"])
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
 def test_random_drafter_is_lossless_and_reuses_prefix(make_model, fast):
     model = make_model()
     prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(2)).tolist()
-    plain, specd = Engine(model, fast=fast), Engine(model, drafter=random_drafter(model, block_size=4), fast=fast)
+    plain, specd = Engine(model, **fast), Engine(model, drafter=random_drafter(model, block_size=4), **fast)
     first = [t for b in specd.generate(prompt, SamplingParams(max_tokens=16)) for t in b]
     assert first == [t for b in plain.generate(prompt, SamplingParams(max_tokens=16)) for t in b]
     follow = prompt + first + [3, 4, 5]  # the next turn extends the conversation
     second = [t for b in specd.generate(follow, SamplingParams(max_tokens=12)) for t in b]
     assert specd.last_stats.cached_tokens == len(prompt) + len(first) - 1
-    assert second == [t for b in Engine(model, fast=fast).generate(follow, SamplingParams(max_tokens=12)) for t in b]
+    assert second == [t for b in Engine(model, **fast).generate(follow, SamplingParams(max_tokens=12)) for t in b]
 
 
-def test_adaptive_verify_length_is_lossless():
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
+def test_adaptive_verify_length_is_lossless(fast):
     model = tiny_qwen35_moe()
     prompt = list(range(1, 20))
-    ref = [t for b in Engine(model).generate(prompt, SamplingParams(max_tokens=20)) for t in b]
-    engine = Engine(model, drafter=random_drafter(model, block_size=6), adaptive_verify=True)
+    ref = [t for b in Engine(model, **fast).generate(prompt, SamplingParams(max_tokens=20)) for t in b]
+    engine = Engine(model, drafter=random_drafter(model, block_size=6), adaptive_verify=True, **fast)
     out = [t for b in engine.generate(prompt, SamplingParams(max_tokens=20)) for t in b]
     assert out == ref
     assert len(engine.last_stats.verify_sizes) >= 2  # it probed more than one verify length
 
 
-def test_stop_token_inside_an_accepted_block():
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
+def test_stop_token_inside_an_accepted_block(fast):
     model = tiny_llama()
     prompt = list(range(3, 23))
-    ref = [t for b in Engine(model).generate(prompt, SamplingParams(max_tokens=30)) for t in b]
+    ref = [t for b in Engine(model, **fast).generate(prompt, SamplingParams(max_tokens=30)) for t in b]
     stop = ref[7]
     first = ref.index(stop)
     drafter = ScriptedDrafter(prompt + ref, 6, errors=[5], vocab=model.config.vocab_size)  # accept everything
-    engine = Engine(model, drafter=drafter)
+    engine = Engine(model, drafter=drafter, **fast)
     out = [t for b in engine.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=(stop,))) for t in b]
     assert out == ref[:first] and engine.last_stats.finish_reason == "stop"
     assert engine.cache_ids == prompt + ref[:first]  # nothing past the stop token stays in the cache
@@ -208,7 +214,8 @@ def test_rejection_sampling_keeps_target_distribution(top_p):
     assert _chi_square_pvalue(counts.flatten(), joint.flatten()) > 1e-3
 
 
-def test_speculative_sampling_end_to_end_matches_target_distribution():
+@pytest.mark.parametrize("fast", [dict(fast=False), dict(fast=True)], ids=["hf", "fast"])
+def test_speculative_sampling_end_to_end_matches_target_distribution(fast):
     """A tiny target with 4 tokens and an untrained drafter: the distribution of the first three generated tokens
     (which span the prefill's token and a speculative cycle's positions 0 and 1) equals the target's."""
     model = tiny_llama(vocab=4, hidden=32, layers=1, seed=3)
@@ -216,7 +223,7 @@ def test_speculative_sampling_end_to_end_matches_target_distribution():
     drafter = random_drafter(model, block_size=3, seed=5)
     with torch.no_grad():  # an overconfident, wrong drafter makes rejections (and residual draws) common
         drafter.fc.weight.mul_(50)
-    engine = Engine(model, drafter=drafter)
+    engine = Engine(model, drafter=drafter, **fast)
     n = 1500
     counts = torch.zeros(4, 4, 4)
     for seed in range(n):

@@ -244,7 +244,10 @@ def test_a_command_that_closes_its_output_still_times_out(tmp_path):
     assert result.timed_out and result.exit_code is None
 
 
-def test_ctrl_c_while_a_command_runs_kills_it(tmp_path):
+@pytest.mark.parametrize("command", ["echo $$ > shell.pid; sleep 300",
+                                     "echo $$ > shell.pid; exec >/dev/null 2>&1; sleep 300"],
+                         ids=["printing", "output_closed"])
+def test_ctrl_c_while_a_command_runs_kills_it(tmp_path, command):
     ws = bare_workspace(tmp_path)
 
     def interrupt(signum, frame):
@@ -254,7 +257,7 @@ def test_ctrl_c_while_a_command_runs_kills_it(tmp_path):
     signal.setitimer(signal.ITIMER_REAL, 1.0)
     try:
         with pytest.raises(KeyboardInterrupt):
-            ws.run("echo $$ > shell.pid; sleep 300", 60)
+            ws.run(command, 60)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

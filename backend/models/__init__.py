@@ -28,7 +28,7 @@ def fast_class(hf_config):
 
 
 def load_fast(hf_model, max_context: int | None = None, max_block: int = 16, *,
-              cuda_graphs: bool | None = None, compile: bool = False) -> FastModel | None:
+              cuda_graphs: bool | None = None, compile: bool | str = False) -> FastModel | None:
     """Wrap a loaded transformers causal LM in a FastModel sharing its weights, or None (with the reason logged) when
     no fast implementation covers its architecture. max_context defaults to the config's max_position_embeddings."""
     config = hf_model.config

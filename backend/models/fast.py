@@ -33,7 +33,7 @@ class Snapshot:
 
 class FastModel:
     def __init__(self, model, max_context: int, max_block: int = 16, *, cuda_graphs: bool | None = None,
-                 compile: bool = False, prefill_chunk: int = 1024, min_span: int = 256):
+                 compile: bool | str = False, prefill_chunk: int = 1024, min_span: int = 256):
         self.model = model
         self.config = model.config
         self.device = model.embed.device
@@ -108,18 +108,31 @@ class FastModel:
     # ---- forward passes ---------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, tokens, hidden_ids: tuple[int, ...] = ()):
+    def prefill(self, tokens, hidden_ids: tuple[int, ...] = (), *, block: int = 0):
         """Append `tokens` (prompt or any run of known tokens). Returns (logits [V] after the last one, features
-        [T, F] for all of them, or None without hidden_ids)."""
+        [T, F] for all of them, or None without hidden_ids).
+
+        block > 0 (exact mode; pure-attention models): every forward holds exactly `block` rows, the last one padded,
+        so a token's results do not depend on where its chunk started or on whether it was decoded instead (a CPU
+        bf16 matmul picks its algorithm by row count: rows of a 16-row and of a 300-row matmul round differently)."""
         self._check_idle()
         ids = _as_ids(tokens, self.device)
         if ids.numel() == 0:
             raise ValueError("nothing to prefill")
+        if block and self.hybrid:
+            raise ValueError("a padded prefill would advance the Gated DeltaNet state over the padding")
         feats, logits = [], None
-        for start in range(0, ids.numel(), self.prefill_chunk):
-            piece = ids[start:start + self.prefill_chunk]
-            logits, f = self._forward(piece, record=False, all_logits=False, hidden_ids=tuple(hidden_ids),
+        step = block or self.prefill_chunk
+        for start in range(0, ids.numel(), step):
+            piece = ids[start:start + step]
+            n = piece.numel()
+            if block:
+                piece = torch.cat([piece, piece.new_zeros(block - n)])
+            logits, f = self._forward(piece, record=False, all_logits=bool(block), hidden_ids=tuple(hidden_ids),
                                       graph=False, compiled=False)
+            if block:  # forget the padding (its keys sit past the length: masked, then overwritten)
+                self.length -= block - n
+                logits, f = logits[:n], (f[:n] if f is not None else None)
             feats.append(f)
         return logits[-1], (torch.cat(feats) if hidden_ids else None)
 
