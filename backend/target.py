@@ -25,7 +25,7 @@ apart: on the embedded model in bf16 a decode step and a 16-token verify give lo
 a different span and query count), and CPU matmuls pick their algorithm by row count (1-32, 33 to a few hundred and
 more round differently), so a near-tie can flip. The price on this 2-core AMX CPU: a padded plain step 50 ms against
 39 ms unpadded (bench/results/spec_embedded_shipped_cpu.json), and prompts prefill at ~3 ms a token against ~0.5 ms
-in 1024-token chunks; speculation more than pays back the first (1.29x over the unpadded plain speed).
+in 1024-token chunks; speculation more than pays back the first (1.3x over the unpadded plain speed).
 """
 
 from __future__ import annotations
