@@ -62,6 +62,8 @@ class TrainConfig:
     max_heldout: int = 96
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 256
+    samples_per_prompt: int = 0  # sampled responses per training prompt, beside the greedy one
+    sample_temperature: float = 0.8
     gen_batch: int = 64
     data_dir: str | None = None
     data_only: bool = False
@@ -107,6 +109,9 @@ OPTION_HELP = {
                    "for the engine).",
     "max_prompt_tokens": "Skip prompts longer than this (tokens).",
     "max_new_tokens": "Length cap of the target's greedy responses (tokens).",
+    "samples_per_prompt": "Also this many sampled responses per training prompt (beside the greedy one): more, and "
+                          "more varied, contexts from the target's own distribution (held-out prompts stay greedy).",
+    "sample_temperature": "Temperature of those sampled responses.",
     "gen_batch": "Prompts per batch while the target generates its responses.",
     "data_dir": "Where the response/feature shards go; reused when target, layers and prompts match "
                 "[default: <out>/data].",
@@ -479,6 +484,8 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError("--block-size must be at least 2 (the known token plus one draft)")
     if cfg.decay <= 0 or cfg.lr <= 0:
         raise TrainError("--decay and --lr must be positive")
+    if cfg.samples_per_prompt < 0 or cfg.sample_temperature <= 0:
+        raise TrainError("--samples-per-prompt must be >= 0 and --sample-temperature positive")
     if not cfg.builtin_prompts and not cfg.from_db:
         raise TrainError("no prompts: keep the built-in set or give --from-db reviews.db")
 
@@ -521,7 +528,8 @@ def main(**knobs) -> dict:
     t0 = time.perf_counter()
     manifest = td.prepare_data(target, tokenizer, records, data_dir, target_name=loaded.name, layer_ids=layer_ids,
                                max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-                               gen_batch=cfg.gen_batch, log=_log)
+                               gen_batch=cfg.gen_batch, samples=cfg.samples_per_prompt,
+                               temperature=cfg.sample_temperature, seed=cfg.seed, log=_log)
     data_seconds = time.perf_counter() - t0
     if cfg.data_only:
         summary = {"data_dir": str(data_dir), "seconds": round(data_seconds, 1),

@@ -135,9 +135,12 @@ def stop_ids(model, tokenizer) -> tuple[int, ...]:
 
 @torch.inference_mode()
 def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, stops: tuple[int, ...],
-                       batch_size: int, batch_tokens: int = 1 << 18, log=print) -> list[list[int]]:
-    """The target's greedy responses, batched with left padding; each cut after its first stop token (kept: the
-    drafter learns to draft the end of a turn too)."""
+                       batch_size: int, batch_tokens: int = 1 << 18, temperature: float = 0.0, seed: int = 0,
+                       log=print) -> list[list[int]]:
+    """The target's responses (greedy, or sampled at `temperature` > 0 from `seed`), batched with left padding; each
+    cut after its first stop token (kept: the drafter learns to draft the end of a turn too)."""
+    if temperature > 0:
+        torch.manual_seed(seed)
     device = next(model.parameters()).device
     pad = stops[0] if stops else 0
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
@@ -159,6 +162,8 @@ def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, 
             mask[row, width - len(prompts[i]):] = 1
         kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None, top_p=None,
                   top_k=None)
+        if temperature > 0:  # the whole distribution at that temperature: no top-k / top-p cut
+            kw.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
         if stops:
             kw["eos_token_id"] = list(stops)
         else:
@@ -332,10 +337,11 @@ def token_counts(data: FeatureSet, vocab: int) -> torch.Tensor:
 
 
 def data_key(target_name: str, layer_ids: list[int], records: list[PromptRecord], max_new_tokens: int,
-             max_prompt_tokens: int) -> str:
-    """Identifies a prepared data set: reused only when target, layers, prompts and lengths all match."""
+             max_prompt_tokens: int, samples: int = 0, temperature: float = 0.0, seed: int = 0) -> str:
+    """Identifies a prepared data set: reused only when target, layers, prompts, lengths and sampling all match."""
     h = hashlib.sha256()
-    h.update(json.dumps([target_name, layer_ids, max_new_tokens, max_prompt_tokens]).encode())
+    sampling = [samples, temperature, seed] if samples else []  # greedy-only keys stay what they were
+    h.update(json.dumps([target_name, layer_ids, max_new_tokens, max_prompt_tokens] + sampling).encode())
     for r in records:
         h.update(r.id.encode())
     return h.hexdigest()[:16]
@@ -343,18 +349,21 @@ def data_key(target_name: str, layer_ids: list[int], records: list[PromptRecord]
 
 def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, *, target_name: str,
                  layer_ids: list[int], max_new_tokens: int, max_prompt_tokens: int, gen_batch: int,
-                 gen_tokens: int = 1 << 18, batch_tokens: int = 16384, log=print) -> dict:
+                 gen_tokens: int = 1 << 18, batch_tokens: int = 16384, samples: int = 0, temperature: float = 0.8,
+                 seed: int = 0, log=print) -> dict:
     """Render, generate and extract features for both splits into data_dir (reusing it when its key matches).
+    Training prompts get their greedy response and `samples` more sampled at `temperature` (record ids "<id>~k").
     Returns the manifest."""
     data_dir = Path(data_dir)
-    key = data_key(target_name, layer_ids, records, max_new_tokens, max_prompt_tokens)
+    key = data_key(target_name, layer_ids, records, max_new_tokens, max_prompt_tokens, samples, temperature, seed)
     manifest = read_manifest(data_dir)
     if manifest is not None and manifest.get("key") == key:
         log(f"data: reusing {data_dir} (key {key})")
         return manifest
     stops = stop_ids(model, tokenizer)
     manifest = {"key": key, "target": target_name, "layer_ids": layer_ids, "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "stop_ids": list(stops), "splits": {}}
+                "max_prompt_tokens": max_prompt_tokens, "stop_ids": list(stops), "splits": {},
+                "samples_per_prompt": samples, "sample_temperature": temperature if samples else None}
     t0 = time.perf_counter()
     for split in ("train", "heldout"):
         chosen = [r for r in records if r.split == split]
@@ -373,11 +382,21 @@ def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, 
             f"generating up to {max_new_tokens} tokens each")
         responses = generate_responses(model, prompts, max_new_tokens=max_new_tokens, stops=stops,
                                        batch_size=gen_batch, batch_tokens=gen_tokens, log=log)
+        ids, categories = [r.id for r in kept], [r.category for r in kept]
+        n_prompts = len(prompts)
+        for k in range(samples if split == "train" else 0):
+            log(f"data[{split}]: sampled responses, round {k + 1}/{samples} (temperature {temperature})")
+            responses += generate_responses(model, prompts[:n_prompts], max_new_tokens=max_new_tokens, stops=stops,
+                                            batch_size=gen_batch, batch_tokens=gen_tokens, temperature=temperature,
+                                            seed=seed * 1000 + k, log=log)
+            ids += [f"{r.id}~{k + 1}" for r in kept]
+            categories += [r.category for r in kept]
+        prompts = prompts * (len(responses) // n_prompts)
         sequences = [p + r for p, r in zip(prompts, responses)]
         shards = extract_features(model, sequences, [len(p) for p in prompts], layer_ids, data_dir / split,
                                   batch_tokens=batch_tokens, log=log)
         manifest["splits"][split] = {
-            "shards": shards, "records": [r.id for r in kept], "categories": [r.category for r in kept],
+            "shards": shards, "records": ids, "categories": categories,
             "skipped_long": skipped, "prompt_tokens": sum(map(len, prompts)),
             "response_tokens": sum(map(len, responses)),
         }

@@ -63,7 +63,8 @@ def train_cmd(a, out: Path, extra: dict) -> list[str]:
              "max-new-tokens": a.max_new_tokens, "max-prompts": a.max_prompts, "max-heldout": a.max_heldout,
              "layers": a.layers, "intermediate-size": a.intermediate_size, "block-size": a.block_size,
              "batch-blocks": a.batch_blocks, "anchors-per-seq": a.anchors_per_seq, "lr": a.lr,
-             "gen-batch": a.gen_batch, "log-every": a.log_every, "save-every": 100000}
+             "gen-batch": a.gen_batch, "log-every": a.log_every, "save-every": 100000,
+             "samples-per-prompt": a.samples_per_prompt, "sample-temperature": a.sample_temperature}
     knobs.update(extra)
     cmd = [sys.executable, "-m", "backend.train"]
     for k, v in knobs.items():
@@ -176,6 +177,9 @@ def main() -> None:
     ap.add_argument("--max-prompts", type=int, default=0)
     ap.add_argument("--max-heldout", type=int, default=96)
     ap.add_argument("--gen-batch", type=int, default=384)
+    ap.add_argument("--samples-per-prompt", type=int, default=0, help="sampled responses per training prompt "
+                    "beside the greedy one (backend.train --samples-per-prompt)")
+    ap.add_argument("--sample-temperature", type=float, default=0.8)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--intermediate-size", type=int, default=1536)
     ap.add_argument("--block-size", type=int, default=16)

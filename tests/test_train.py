@@ -197,6 +197,35 @@ def test_features_are_the_targets_and_responses_its_greedy_output(tiny_model, da
     assert response[: len(greedy)] == greedy  # the stored response is the target's own (plus its stop token)
 
 
+def test_sampled_responses_add_training_sequences(tiny_model, reviews_db, data_dir, tmp_path):
+    """--samples-per-prompt 2: every training prompt appears three times (greedy + 2 sampled, some different from
+    the greedy one), the held-out split is untouched, and the data key changes (no stale reuse)."""
+    greedy = td.read_manifest(data_dir)
+    out = tmp_path / "sampled"
+    summary = T.main(model=str(tiny_model("llama")), out=str(out / "prep"), data_dir=str(out), from_db=str(reviews_db),
+                     data_only=True, samples_per_prompt=2, sample_temperature=1.0, **COMMON)
+    manifest = td.read_manifest(out)
+    assert manifest["key"] != greedy["key"]
+    ids = greedy["splits"]["train"]["records"]
+    assert manifest["splits"]["train"]["records"] == ids + [f"{i}~1" for i in ids] + [f"{i}~2" for i in ids]
+    assert summary["splits"]["heldout"]["sequences"] == len(greedy["splits"]["heldout"]["records"])
+    data = td.load_features(out, "train", "cpu")
+    n = len(ids)
+    where = {seq: s for s, seq in enumerate(data.index)}  # shards are sorted by length; index maps back
+
+    def split(i):  # (prompt, response) of the i-th sequence in manifest order
+        s = where[i]
+        start, cut, end = int(data.offsets[s]), int(data.offsets[s]) + int(data.prompt_lens[s]), int(data.offsets[s + 1])
+        return data.tokens[start:cut].tolist(), data.tokens[cut:end].tolist()
+
+    for i in range(n):
+        assert split(i)[0] == split(n + i)[0] == split(2 * n + i)[0]  # the same prompt three times
+    assert any(split(i)[1] != split(n + i)[1] for i in range(n))  # and sampling really sampled
+    with pytest.raises(T.TrainError, match="samples-per-prompt"):
+        T.main(model=str(tiny_model("llama")), out=str(tmp_path / "bad"), from_db=str(reviews_db), data_only=True,
+               samples_per_prompt=-1, **COMMON)
+
+
 @pytest.mark.parametrize("loss,attention,corruption,top_k", [
     ("kl", "mixed", "full", 0), ("ce", "causal", "full", 0), ("ce", "bidirectional", "full", 0),
     ("kl", "mixed", "uniform", 0), ("ce", "mixed", "uniform", 64), ("kl", "causal", "full", 64),
