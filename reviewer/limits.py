@@ -15,6 +15,7 @@ Every limit that bites becomes an `Event` (kind + one line of detail) for the pe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -302,11 +303,13 @@ def disk_usage_and_files(paths: list[Path]) -> tuple[int, int]:
 
 
 class DiskWatch:
-    """Polls the writable folders' size (each walk at most ~5% of the time) and their filesystem's free space."""
+    """Polls the writable folders' size (each walk at most ~5% of the time) and their filesystem's free space.
+    `pause`: a context manager that stops the command while an urgent walk measures (see check)."""
 
-    def __init__(self, paths: list[Path], limits: Limits):
+    def __init__(self, paths: list[Path], limits: Limits, pause=None):
         self.paths = [p for p in paths if p.exists()]
         self.limits = limits
+        self.pause = pause
         self.next_walk = 0.0
         self.next_free = 0.0
         self.last_usage = 0
@@ -316,8 +319,9 @@ class DiskWatch:
         """None while within limits, else what was exceeded."""
         if not self.paths:
             return None
+        urgent = False
         if now >= self.next_free:
-            self.next_free = now + 0.25
+            self.next_free = now + 0.1
             for p in self.paths:
                 try:
                     st = os.statvfs(p)
@@ -328,7 +332,7 @@ class DiskWatch:
                 # under the limit brings the next walk forward (statvfs is cheap; the walk is the exact measure).
                 room = (self.limits.disk_bytes or 0) - self.last_usage
                 if self.free_at_walk is not None and self.free_at_walk - free > min(128 * MiB, max(room, 0)):
-                    self.next_walk = now
+                    self.next_walk, urgent = now, True
                 if free < self.limits.min_free_bytes:
                     return (f"the filesystem of {p} has {free // MiB} MiB left (the sandbox keeps "
                             f"{self.limits.min_free_bytes // MiB} MiB free)")
@@ -337,11 +341,17 @@ class DiskWatch:
                             f"{self.limits.min_free_inodes} free)")
         if (self.limits.disk_bytes or self.limits.max_files) and now >= self.next_walk:
             t0 = time.monotonic()
-            self.last_usage, files = disk_usage_and_files(self.paths)
+            # An urgent walk (free space fell by more than the room left) runs with the command stopped: under load
+            # a walk of a workspace with a virtual environment takes long enough for a fast writer to add hundreds
+            # of MiB while it runs (the hostile disk_fill test overshot a 100 MiB limit by ~350 MiB that way).
+            # free space is read before the walk: bytes written while it runs then count as a drop against the
+            # room the walk leaves, so the next statvfs poll sees them (read after, they were silently forgiven)
             try:
                 self.free_at_walk = min(os.statvfs(p).f_bavail * os.statvfs(p).f_frsize for p in self.paths)
             except OSError:
                 self.free_at_walk = None
+            with self.pause() if urgent and self.pause is not None else contextlib.nullcontext():
+                self.last_usage, files = disk_usage_and_files(self.paths)
             took = time.monotonic() - t0
             self.next_walk = now + max(1.0, 20 * took)  # at most ~5% of a core; RLIMIT_FSIZE caps one file meanwhile
             if self.limits.disk_bytes and self.last_usage > self.limits.disk_bytes:
@@ -460,6 +470,26 @@ def group_names(names: list[str], show: int = 5) -> str:
     return "; ".join(items[:show]) + (f" (+{len(items) - show} more)" if len(items) > show else "")
 
 
+@contextlib.contextmanager
+def paused(proc: subprocess.Popen, cgroup: Cgroup | None):
+    """SIGSTOP the command's processes for the duration, SIGCONT them after (kill_tree works on stopped processes
+    too, so an exception in between leaves nothing running that the caller does not kill)."""
+    pids = sorted(cgroup.pids()) if cgroup is not None else [proc.pid] + descendant_pids(proc.pid)
+    _signal_all(pids, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        _signal_all(pids, signal.SIGCONT)
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def kill_tree(proc: subprocess.Popen, cgroup: Cgroup | None) -> int:
     """Kill the command's process group and everything in its cgroup; returns how many were in the cgroup."""
     try:
@@ -490,7 +520,7 @@ def run_supervised(argv: list[str], *, cwd: Path, env: dict[str, str], limits: L
             os.close(fd)  # the child has its copy; ours would keep the report pipe from ever reaching EOF
     out = OutputBuffer(limits.keep_output * 2)
     report = bytearray()
-    disk = DiskWatch(watch, limits)
+    disk = DiskWatch(watch, limits, pause=lambda: paused(proc, cgroup))
     sel = selectors.DefaultSelector()
     stdout_fd = proc.stdout.fileno()
     os.set_blocking(stdout_fd, False)

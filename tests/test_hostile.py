@@ -297,9 +297,12 @@ def test_disk_fill(tmp_path, host, template_venv):
     out = hostile_run("disk_fill", tmp_path, host, template_venv)
     for o in out.values():
         assert "disk_limit" in kinds(o), o.events
+    # The limit is base + 100 MiB. The supervisor polls, so a writer at page-cache speed (~1 GiB/s here) gets past
+    # it by what it writes between two polls; on a loaded 2-core machine that was 144-355 MiB (docs/sandbox.md).
+    # Unenforced, the payload would write until the 20 s timeout: gigabytes.
     used = limits.disk_usage([tmp_path / "ws"])
-    assert used < limits.disk_usage([tmp_path / "ws" / "venv"]) + 200 * MiB
-    assert shutil.disk_usage(tmp_path).free > free_before - 300 * MiB
+    assert used < limits.disk_usage([tmp_path / "ws" / "venv"]) + 612 * MiB, [(p, o.events) for p, o in out.items()]
+    assert shutil.disk_usage(tmp_path).free > free_before - 700 * MiB
 
 
 def test_daemon(tmp_path, host, template_venv):
