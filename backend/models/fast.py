@@ -128,11 +128,12 @@ class FastModel:
             n = piece.numel()
             if block:
                 piece = torch.cat([piece, piece.new_zeros(block - n)])
-            logits, f = self._forward(piece, record=False, all_logits=bool(block), hidden_ids=tuple(hidden_ids),
-                                      graph=False, compiled=False)
+            last = start + step >= ids.numel()  # only the last chunk's logits are returned
+            logits, f = self._forward(piece, record=False, all_logits=bool(block) and last,
+                                      hidden_ids=tuple(hidden_ids), graph=False, compiled=False)
             if block:  # forget the padding (its keys sit past the length: masked, then overwritten)
                 self.length -= block - n
-                logits, f = logits[:n], (f[:n] if f is not None else None)
+                logits, f = (logits[:n] if last else logits), (f[:n] if f is not None else None)
             feats.append(f)
         return logits[-1], (torch.cat(feats) if hidden_ids else None)
 
