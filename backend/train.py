@@ -65,6 +65,7 @@ class TrainConfig:
     samples_per_prompt: int = 0  # sampled responses per training prompt, beside the greedy one
     sample_temperature: float = 0.8
     gen_batch: int = 64
+    gen_tokens: int = 1 << 18
     data_dir: str | None = None
     data_only: bool = False
     # drafter
@@ -113,6 +114,8 @@ OPTION_HELP = {
                           "more varied, contexts from the target's own distribution (held-out prompts stay greedy).",
     "sample_temperature": "Temperature of those sampled responses.",
     "gen_batch": "Prompts per batch while the target generates its responses.",
+    "gen_tokens": "Cache positions per generation batch (its prompts' tokens plus their response caps): long prompts "
+                  "batch fewer. Raise it with --gen-batch on a big GPU (fp32 SmolLM2: ~46 KB per position).",
     "data_dir": "Where the response/feature shards go; reused when target, layers and prompts match "
                 "[default: <out>/data].",
     "data_only": "Generate the responses and features, then stop.",
@@ -476,7 +479,7 @@ def _check(cfg: TrainConfig) -> None:
         if getattr(cfg, name) not in allowed:
             raise TrainError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, not {getattr(cfg, name)!r}")
     positive = ("layers", "intermediate_size", "steps", "batch_blocks", "anchors_per_seq", "max_new_tokens",
-                "gen_batch", "save_every", "log_every", "max_prompt_tokens")
+                "gen_batch", "gen_tokens", "save_every", "log_every", "max_prompt_tokens")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise TrainError(f"--{name.replace('_', '-')} must be positive")
@@ -528,7 +531,7 @@ def main(**knobs) -> dict:
     t0 = time.perf_counter()
     manifest = td.prepare_data(target, tokenizer, records, data_dir, target_name=loaded.name, layer_ids=layer_ids,
                                max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-                               gen_batch=cfg.gen_batch, samples=cfg.samples_per_prompt,
+                               gen_batch=cfg.gen_batch, gen_tokens=cfg.gen_tokens, samples=cfg.samples_per_prompt,
                                temperature=cfg.sample_temperature, seed=cfg.seed, log=_log)
     data_seconds = time.perf_counter() - t0
     if cfg.data_only:
