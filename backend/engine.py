@@ -65,10 +65,13 @@ class Engine:
     the architecture (None: whenever it does and loads; False: always transformers; True: required). exact:
     batch-invariant forwards on the fast path, so greedy speculative output is token-identical to plain decoding in
     bf16 too (None: on for a CPU engine with a drafter; a plain engine that serves as its reference needs
-    exact=True; see backend/target.py for what it costs)."""
+    exact=True; see backend/target.py for what it costs). compile: torch.compile the fast path's per-layer glue
+    for decode steps and verifies (None: on CUDA, where it fuses the norms, RoPE and gates that otherwise cost a
+    launch each; the first step of each shape compiles, ~tens of seconds)."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
-                 adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None):
+                 adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None,
+                 compile: bool | None = None):
         self.model = model
         self.drafter = drafter
         self.device = next(model.parameters()).device
@@ -79,12 +82,14 @@ class Engine:
         if drafter is not None:
             drafter.check_target(model)
         features = tuple(drafter.target_layer_ids) if drafter is not None else ()
-        self.target = self._make_target(model, features, prefill_chunk, fast, exact)
+        if compile is None:
+            compile = self.device.type == "cuda"
+        self.target = self._make_target(model, features, prefill_chunk, fast, exact, compile)
         self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
         self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
 
-    def _make_target(self, model, features, prefill_chunk, fast, exact):
+    def _make_target(self, model, features, prefill_chunk, fast, exact, compile):
         fast_model = None
         if fast is not False:
             from backend.models import load_fast
@@ -94,7 +99,7 @@ class Engine:
             block = max(16, getattr(self.drafter, "block_size", 0))
             self.max_context = min(self.max_context, 1 << 20)  # the fast path preallocates its caches
             try:  # room for a padded block past the last position the engine will ever fill
-                fast_model = load_fast(model, max_context=self.max_context + block, max_block=block)
+                fast_model = load_fast(model, max_context=self.max_context + block, max_block=block, compile=compile)
             except Exception as exc:  # an unusual layout (weights split over devices, offloaded): keep transformers
                 if fast:
                     raise

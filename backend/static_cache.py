@@ -16,12 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.block_attention import MAX_BLOCK
+from kernels.fused_moe import triton
+
 
 class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_context: int, device, dtype):
         self.k = torch.zeros(layers, kv_heads, max_context, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.max_context = max_context
+        # kernels/block_attention (cache write + attention in one or two launches) for blocks of up to 16 tokens on
+        # CUDA; FastModel turns it off in exact mode, whose numerics must not depend on how a position was computed
+        self.use_block_kernel = triton is not None and self.k.is_cuda and head_dim >= 16 and not head_dim & (head_dim - 1)
+
+    def block_kernel(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` new tokens attends through kernels/block_attention (else write + SDPA)."""
+        return self.use_block_kernel and tokens <= MAX_BLOCK
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
         """Store k, v [kv_heads, T, head_dim] at `positions` (a device tensor: no host sync, graph-safe); return this

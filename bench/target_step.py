@@ -370,6 +370,53 @@ def measure_fast(fast, prompt, block, reps, device, stock=None) -> dict:
     return res
 
 
+def kernel_profile(fast, prompt, block, reps: int = 10, top: int = 30) -> dict:
+    """Where a step's GPU time goes (CPU: op time): the kernels of `reps` decode steps and of `reps` 16-token verify + accept cycles
+    (CUDA-graph replays when graphs are on), per kernel name: microseconds and launches per step, plus the host time
+    of one call (Python + launch, no sync) against its GPU kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fast.reset()
+    fast.prefill(prompt)
+    token = int(prompt[-1])
+
+    def verify_cycle():
+        fast.verify(block)
+        fast.accept(block.numel())
+    out = {}
+    for name, call in [("decode", lambda: fast.decode(token)), ("verify16_accept", verify_cycle)]:
+        call()  # capture / compile outside the profile
+        sync(fast.device)
+        host = []
+        for _ in range(3):
+            t = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t) * 1e6)
+            sync(fast.device)
+        cuda = fast.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(reps):
+                call()
+            sync(fast.device)
+        kernels = []
+        for e in prof.key_averages():
+            # CUDA: kernel time; CPU: each op's own time (ops, not kernels: the same table, coarser)
+            us = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
+                else e.self_cpu_time_total
+            if us > 0:
+                kernels.append({"kernel": e.key[:120], "us_per_step": us / reps, "launches_per_step": e.count / reps})
+        kernels.sort(key=lambda k: -k["us_per_step"])
+        out[name] = {"gpu_us_per_step": sum(k["us_per_step"] for k in kernels),
+                     "launches_per_step": sum(k["launches_per_step"] for k in kernels),
+                     "host_us_per_call": statistics.median(host), "top_kernels": kernels[:top]}
+        print(f"  {name}: {out[name]['gpu_us_per_step']:.0f} us of kernels, {out[name]['launches_per_step']:.0f} "
+              f"launches per step, host {out[name]['host_us_per_call']:.0f} us per call", flush=True)
+        for k in kernels[:top]:
+            print(f"    {k['us_per_step']:8.1f} us {k['launches_per_step']:6.1f}x  {k['kernel']}", flush=True)
+    fast.reset()
+    return out
+
+
 def eager_verify_distinct(fast, prompt, block) -> list[int]:
     """Distinct experts per MoE layer in one 16-token verify after `prompt`, run eagerly so routing is observable."""
     fast.reset()
@@ -438,6 +485,9 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
         print(f"[{shape}] stock: {record['stock']}", flush=True)
     record.update(L_target_ms=ours["L_target_ms"], T_verify16_ms=ours["T_verify16_ms"], T_t_ms=ours["T_t_ms"],
                   rollback_ms=ours["rollback_ms"], context=ours["context"])
+    if args.profile:
+        print(f"[{shape}] kernel profile:", flush=True)
+        record["profile"] = kernel_profile(fast, prompt, block)
     moe = fast.model.family == "qwen3_5_moe"
     distinct = None
     if moe:
@@ -487,6 +537,8 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true", help="CUDA: run eagerly, without CUDA graphs")
     ap.add_argument("--compile", nargs="?", const="glue", default=False, choices=["glue", "full"],
                     help="torch.compile decode and verify: the per-layer glue (default when given) or the whole forward")
+    ap.add_argument("--profile", action="store_true", help="also list the kernels of a decode step and of a verify "
+                    "(torch.profiler over CUDA-graph replays): time and launches per step")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     device = torch.device(args.device)

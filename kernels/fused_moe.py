@@ -60,23 +60,30 @@ def fused_moe(
     *,
     use_triton: bool | None = None,
     config: dict | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoE experts (+ optional shared expert) for hidden_states [M, H]; returns [M, H] in its dtype.
 
     gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout), topk_weights / topk_ids [M, K].
     use_triton=None picks Triton when it can run (CUDA, or TRITON_INTERPRET=1), else the PyTorch fallback.
     config overrides the tuned tile sizes (used by the tuner).
+    residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
+    the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
     """
     _check_shapes(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+    if residual is not None and residual.shape != hidden_states.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} must have hidden_states' shape {tuple(hidden_states.shape)}")
     if use_triton is None:
         use_triton = triton_usable(hidden_states)
     if not use_triton:
-        return fused_moe_torch(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+        out = fused_moe_torch(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+        return out if residual is None else residual + out
     if shared is not None and shared.gate_proj.shape[0] != down_proj.shape[-1]:
         # The kernels treat the shared expert as expert E, which needs the same intermediate size.
         routed = fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, None, config)
-        return (routed.float() + shared_expert_torch(hidden_states.to(gate_up_proj.dtype), shared)).to(routed.dtype)
-    return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config)
+        out = (routed.float() + shared_expert_torch(hidden_states.to(gate_up_proj.dtype), shared)).to(routed.dtype)
+        return out if residual is None else residual + out
+    return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config, residual)
 
 
 def _check_shapes(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared):
@@ -353,9 +360,10 @@ if triton is not None:
                  mask=valid[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["num_routed"])
-    def _sum_slots_kernel(rows_ptr, out_ptr, num_routed, top_k, H, stride_rows, stride_out,
-                          HAS_SHARED: tl.constexpr, BH: tl.constexpr):
-        """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once."""
+    def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, num_routed, top_k, H, stride_rows, stride_out, stride_res,
+                          HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr):
+        """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once; then
+        (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of `res + out` in PyTorch."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BH + tl.arange(0, BH)
         ok = offs < H
@@ -364,7 +372,11 @@ if triton is not None:
             acc += tl.load(rows_ptr + (t * top_k + k) * stride_rows + offs, mask=ok, other=0.0)
         if HAS_SHARED:
             acc += tl.load(rows_ptr + (num_routed + t) * stride_rows + offs, mask=ok, other=0.0)
-        tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        out = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0)
+            out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * stride_out + offs, out, mask=ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,7 +414,8 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
     return sorted_slots, bexp, bstart, bcount
 
 
-def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None):
+def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None,
+                     residual=None):
     """The Triton path (see the module docstring). Inputs as for `fused_moe`; no host synchronisation."""
     if triton is None:
         raise RuntimeError("triton is not installed; use fused_moe(), which falls back to PyTorch")
@@ -465,7 +478,8 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_warps=dn["warps"], num_stages=dn["stages"])
     out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
     block_h = min(256, triton.next_power_of_2(hidden))
+    res = residual if residual is not None else out  # unused without a residual
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        rows, out, num_routed, top_k, hidden, rows.stride(0), out.stride(0), HAS_SHARED=has_shared, BH=block_h,
-        num_warps=4)
+        rows, out, res, num_routed, top_k, hidden, rows.stride(0), out.stride(0), res.stride(0),
+        HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, BH=block_h, num_warps=4)
     return out

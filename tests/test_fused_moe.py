@@ -133,6 +133,33 @@ def test_triton_kernel_matches_reference_in_interpreter(interpreter_results, cas
     assert result["err"] < (1e-5 if case[0] == "float32" else 2e-3), result
 
 
+RESIDUAL_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_fused_moe import random_moe
+from kernels import fused_moe
+for dt, m, shared in [("float32", 1, "gated"), ("float16", 5, "gated"), ("float16", 16, None)]:
+    inputs = random_moe(m, 8, 64, 32, 2, getattr(torch, dt), shared, seed=m)
+    res = torch.randn(m, 64).to(getattr(torch, dt))
+    fused = fused_moe(*inputs, use_triton=True, residual=res)
+    apart = res + fused_moe(*inputs, use_triton=True)
+    print(json.dumps({"case": [dt, m, shared], "equal": bool(torch.equal(fused, apart))}))
+"""
+
+
+def test_residual_is_added_by_the_sum_kernel_with_pytorch_rounding():
+    """fused_moe(..., residual=r) is bit-for-bit r + fused_moe(...): the model may fold its residual add in."""
+    pytest.importorskip("triton")
+    results = run_interpreted(RESIDUAL_SCRIPT)
+    assert len(results) == 3 and all(r["equal"] for r in results), results
+    inputs = random_moe(4, 8, 64, 32, 2, torch.bfloat16, "gated", seed=3)  # the CPU fallback: same contract
+    res = torch.randn(4, 64).to(torch.bfloat16)
+    assert torch.equal(fused_moe(*inputs, residual=res), res + fused_moe(*inputs))
+    with pytest.raises(ValueError, match="residual"):
+        fused_moe(*inputs, residual=res[:2])
+
+
 ALIGN_SCRIPT = r"""
 import importlib, json, sys
 import torch

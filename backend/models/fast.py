@@ -42,11 +42,9 @@ class FastModel:
         self.max_block = int(max_block)
         self.prefill_chunk = prefill_chunk
         self.min_span = min_span
-        # > 0: every eager call attends over a multiple of this many cache columns (the masked ones add exact zeros),
-        # so a position's logits do not depend on how far the cache happened to reach (backend/target.py, exact mode)
-        self.span_multiple = 0
         self.vocab_size = model.config.vocab_size
         model.setup_caches(self.max_context, self.max_block)
+        self.span_multiple = 0
         self.length = 0
         self._pending = 0  # block size of a verify awaiting accept()
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -62,6 +60,21 @@ class FastModel:
         self._tokens = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(self.max_block, dtype=torch.long, device=self.device)
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    @property
+    def span_multiple(self) -> int:
+        """> 0 (exact mode, backend/target.py): every eager call attends over a multiple of this many cache columns
+        (the masked ones add exact zeros), so a position's logits do not depend on how far the cache happened to
+        reach. It also turns off kernels/block_attention, whose block tokens take another path than cached ones."""
+        return self._span_multiple
+
+    @span_multiple.setter
+    def span_multiple(self, columns: int) -> None:
+        self._span_multiple = int(columns)
+        if self.model.kv is not None and columns:
+            self.model.kv.use_block_kernel = False
+        if getattr(self, "_graphs", None):  # captured under the old setting
+            self.drop_graphs()
 
     @property
     def hybrid(self) -> bool:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.static_cache import KVCache
+from kernels.block_attention import block_attention
 
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
 # them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
@@ -85,21 +86,33 @@ def attention(q, k, v, mask) -> torch.Tensor:
     return out[0].transpose(0, 1).reshape(T, -1)
 
 
+def cached_attention(kv: KVCache, layer: int, q, k, v, positions, kv_len: int, mask) -> torch.Tensor:
+    """Store the block's k, v [Hkv, T, D] in layer `layer` of the cache and attend: through kernels/block_attention
+    when the forward chose it (mask None; positions are consecutive, as FastModel makes them), else index_copy_ + SDPA
+    over the first kv_len columns with `mask`. Returns [T, Hq * D]."""
+    if mask is None:
+        return block_attention(q, k, v, kv.k[layer], kv.v[layer], positions[:1], kv_len, use_triton=True)
+    k_all, v_all = kv.write(layer, positions, k, v, kv_len)
+    return attention(q, k_all, v_all, mask)
+
+
 # ---- per-layer glue: plain tensor functions (no modules, no cache writes), so one torch.compile serves every layer ---
 
 def attention_in(x, norm, wqkv, bqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
     """Pre-norm, fused q/k/v projection and RoPE. Returns q [H, T, D], k and v [Hkv, T, D]."""
     T = x.shape[0]
-    q, k, v = F.linear(rms_norm(x, norm, eps), wqkv, bqkv).split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(T, heads, head_dim).transpose(0, 1), cos, sin)
-    k = apply_rope(k.view(T, kv_heads, head_dim).transpose(0, 1), cos, sin)
-    return q, k, v.view(T, kv_heads, head_dim).transpose(0, 1)
+    qk, v = F.linear(rms_norm(x, norm, eps), wqkv, bqkv).split(
+        [(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+    # queries and keys rotated as one tensor: the same arithmetic per element, one fused kernel instead of two
+    qk = apply_rope(qk.view(T, heads + kv_heads, head_dim).transpose(0, 1), cos, sin)
+    return qk[:heads], qk[heads:], v.view(T, kv_heads, head_dim).transpose(0, 1)
 
 
 def attention_out_mlp(x, attn, wo, bo, mlp_norm, w_gate_up, b_gate_up, w_down, b_down, eps: float):
     """Output projection + residual, then the SwiGLU MLP block + residual."""
-    x = x + F.linear(attn, wo, bo)
+    # the residual add spelled in fp32 (the rounding of a bf16 `x + y`, which computes in fp32 too): torch.compile then
+    # fuses it into the RMSNorm below instead of turning it into a cuBLAS addmm that first copies x (one launch more)
+    x = (x.float() + F.linear(attn, wo, bo).float()).to(x.dtype)
     gate, up = F.linear(rms_norm(x, mlp_norm, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, w_down, b_down)
 
@@ -160,7 +173,8 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,
                 all_logits: bool = False, hidden_ids: tuple[int, ...] = (), compiled: bool = False):
-        """tokens, positions [T] (device tensors). Writes K/V at `positions`, attends over cache columns < kv_len.
+        """tokens, positions [T] (device tensors; positions consecutive). Writes K/V at `positions`, attends over cache
+        columns < kv_len.
         Returns (logits [T or 1, V] in the model dtype, features [T, len(hidden_ids) * H] or None): features are the
         outputs of decoder layers `hidden_ids` (transformers' hidden_states[i + 1]; the last layer's is after the final
         norm, as there). `record` has no meaning without linear-attention state. compiled: run the per-layer glue
@@ -169,15 +183,15 @@ class Llama(nn.Module):
         attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
-        mask = causal_mask(positions, kv_len)
+        mask = None if self.kv.block_kernel(tokens.numel()) else causal_mask(positions, kv_len)
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
             q, k, v = attn_in(x, layer.attn_norm, layer.wqkv, layer.bqkv, cos, sin, c.rms_norm_eps, c.num_heads,
                               c.num_kv_heads, c.head_dim)
-            k_all, v_all = self.kv.write(i, positions, k, v, kv_len)
-            x = attn_out_mlp(x, attention(q, k_all, v_all, mask), layer.wo, layer.bo, layer.mlp_norm,
-                             layer.w_gate_up, layer.b_gate_up, layer.w_down, layer.b_down, c.rms_norm_eps)
+            x = attn_out_mlp(x, cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, layer.bo,
+                             layer.mlp_norm, layer.w_gate_up, layer.b_gate_up, layer.w_down, layer.b_down,
+                             c.rms_norm_eps)
             if i in hidden_ids and i != last:
                 feats[i] = x
         x = rms_norm(x, self.norm, c.rms_norm_eps)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.models.llama import _param, apply_rope, attention, causal_mask, glue, rope_tables
+from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk
 from kernels.gdn_state import gdn_chunked, gdn_recurrent
@@ -126,8 +126,12 @@ def deltanet_in(x, norm, w_in, conv_state, conv_w, neg_A, dt_bias, eps: float, k
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
     mixed, z, b, a = F.linear(h, w_in).split([conv_dim, value_heads * value_dim, value_heads, value_heads], dim=-1)
     window = torch.cat([conv_state, mixed], dim=0)
-    conv = F.conv1d(window.t()[None], conv_w[:, None, :], groups=conv_dim)[0].t()
-    q, k, v = F.silu(conv).to(h.dtype).split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
+    # the depthwise conv as K shifted multiply-adds in fp32, rounded once (as a conv with fp32 accumulation): plain
+    # elementwise code, which torch.compile fuses with the cat, SiLU and gates into one kernel (F.conv1d stays a
+    # separate cuDNN launch per layer)
+    K = conv_w.shape[1]
+    conv = sum(window[j:j + T].float() * conv_w[:, j].float() for j in range(K)).to(h.dtype)
+    q, k, v = F.silu(conv).split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
     g = neg_A * F.softplus(a.float() + dt_bias)
     return (window, q.reshape(T, key_heads, key_dim), k.reshape(T, key_heads, key_dim),
             v.reshape(T, value_heads, value_dim), z.reshape(T, value_heads, value_dim), g, b.sigmoid())
@@ -159,8 +163,8 @@ class GatedAttention(nn.Module):
         c = model.config
         q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
-        k_all, v_all = model.kv.write(self.slot, positions, k, v, kv_len)
-        return glue(attention_out, compiled)(x, attention(q, k_all, v_all, mask), gate, self.wo)
+        attn = cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask)
+        return glue(attention_out, compiled)(x, attn, gate, self.wo)
 
 
 class GatedDeltaNet(nn.Module):
@@ -216,7 +220,7 @@ class SparseMoE(nn.Module):
         h, logits = glue(moe_in, compiled)(x, norm, self.router, eps)
         weights, ids = self.route(logits)
         shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
-        return x + fused_moe(h, self.gate_up, self.down, weights, ids, shared)
+        return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
 
 
 class DecoderLayer(nn.Module):
@@ -268,7 +272,9 @@ class Qwen35Moe(nn.Module):
         c = self.config
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
-        mask = causal_mask(positions, kv_len) if self.num_attention_layers else None
+        mask = None  # none needed without attention layers, or with kernels/block_attention (see KVCache)
+        if self.num_attention_layers and not self.kv.block_kernel(tokens.numel()):
+            mask = causal_mask(positions, kv_len)
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,198 @@
+"""Attention for a decode step or a speculative block (T <= 16 new tokens) in one or two launches, cache write included.
+
+    out = block_attention(q, k_new, v_new, k_cache, v_cache, start, span)   # out [T, H * D]
+
+q [H, T, D] (RoPE applied), k_new / v_new [Hkv, T, D]: the block's queries, keys and values; k_cache / v_cache
+[Hkv, max_context, D]: this layer's cache; start: a one-element device tensor, the position of the first new token
+(the block sits at start .. start + T - 1); span: a host bound on start + T (the CUDA-graph span), which only sets
+how many programs split the cached columns. The new keys and values are written to the cache at start .. start + T - 1
+and query t attends to cache columns 0 .. start - 1 and to new tokens 0 .. t: the same as writing the cache and
+running SDPA with a causal mask, which is what it replaces on the fast path.
+
+Why: on the H200 a decode step of the SmolLM2 shape spent ~40% of its GPU time and 8 of its ~19 launches per layer on
+attention (two index_copy cache writes, the bool mask turned into a bias, cuDNN's SDPA with its fill, copy and
+reduction kernels: bench/target_step.py --profile). Here each program reads the cached columns of one slice for all
+query heads sharing its key head (grouped-query attention reads each key once), the new tokens come straight from
+the projection instead of a round trip through the cache, and the span is read from device memory, so the cached
+columns past the length are never touched.
+
+Launches: grid (kv heads, column slices + 1, row chunks) computes partial softmax sums, one slice of cached columns
+per program and one program for the block's own tokens (which also writes them to the cache); a second small kernel
+combines them in a fixed order. Slices sit at fixed column offsets, so a position's result does not depend on the span
+(a CUDA graph's rounded span and an eager call's exact one give the same bits) up to MAX_SPLITS slices (2,048 columns
+at head_dim 256, 4,096 at 64); longer spans use wider slices. The reads of cached columns never overlap the writes
+(columns >= start), so no program waits on another. Nothing synchronises with the host: graph-capturable.
+
+The Triton path runs on CUDA (or under TRITON_INTERPRET=1, fp32/fp16 only); elsewhere `block_attention_torch` does the
+same thing with index_copy_ and SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fused_moe import triton, triton_usable
+
+MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (prefill) use SDPA
+# cached K+V bytes per program (per key head): small slices, many programs, each a short dependent chain (on the H200
+# 64 KB slices left the kernel latency-bound: 4.8 us for the SmolLM2 shape's 768-column span)
+SPLIT_BYTES = 16 * 1024
+MAX_SPLITS = 64
+COMBINE_COLS = 64  # head-dim columns per combine program
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["T"])
+    def _partial_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, start_ptr, po_ptr, pm_ptr, pl_ptr, T, scale,
+                        sq_h, sq_t, skn_h, skn_t, svn_h, svn_t, skc_h, skc_n, svc_h, svc_n,
+                        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_T: tl.constexpr, SPLIT_COLS: tl.constexpr, N_SPLITS: tl.constexpr,
+                        N_CHUNKS: tl.constexpr, IEEE: tl.constexpr):
+        h = tl.program_id(0)  # key/value head
+        split = tl.program_id(1)  # slice of cached columns; split N_SPLITS: the block's own tokens
+        chunk = tl.program_id(2)  # slice of the GROUP * T query rows
+        r = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
+        g = r // T  # query head within the group
+        t = r % T  # block token
+        row_ok = r < GROUP * T
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + (h * GROUP + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        start = tl.load(start_ptr).to(tl.int32)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile leaves the sums unchanged
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        if split < N_SPLITS:
+            # columns at fixed absolute offsets, whatever the span: a column's partial sum does not depend on how
+            # many splits the launch has (CUDA-graph spans and eager spans give the same bits). The last split also
+            # takes anything past the span (only if a caller broke span >= start + T).
+            c0 = split * SPLIT_COLS
+            c1 = tl.where(split == N_SPLITS - 1, start, tl.minimum(c0 + SPLIT_COLS, start))
+            for c in range(c0, c1, BLOCK_N):
+                cols = c + tl.arange(0, BLOCK_N)
+                ok = cols < c1
+                k = tl.load(kc_ptr + h * skc_h + cols[:, None] * skc_n + d[None, :], mask=ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                v = tl.load(vc_ptr + h * svc_h + cols[:, None] * svc_n + d[None, :], mask=ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+        else:  # the block's own tokens, causally, straight from the projection
+            j = tl.arange(0, BLOCK_T)
+            j_ok = j < T
+            k = tl.load(kn_ptr + h * skn_h + j[:, None] * skn_t + d[None, :], mask=j_ok[:, None], other=0.0)
+            v = tl.load(vn_ptr + h * svn_h + j[:, None] * svn_t + d[None, :], mask=j_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
+            s = tl.where(j_ok[None, :] & (j[None, :] <= t[:, None]), s, float("-inf"))
+            m_i = tl.max(s, axis=1)
+            p = tl.exp(s - m_i[:, None])
+            acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
+            l_i = tl.sum(p, axis=1)
+            if chunk == 0:  # one program per key head stores the block into the cache
+                tl.store(kc_ptr + h * skc_h + (start + j)[:, None] * skc_n + d[None, :], k, mask=j_ok[:, None])
+                tl.store(vc_ptr + h * svc_h + (start + j)[:, None] * svc_n + d[None, :], v, mask=j_ok[:, None])
+        # partial sums, [kv head, split, row]: combined by _combine_kernel
+        row = (h * (N_SPLITS + 1) + split) * (N_CHUNKS * BLOCK_M) + r
+        tl.store(po_ptr + row[:, None] * D + d[None, :], acc)
+        tl.store(pm_ptr + row, m_i)
+        tl.store(pl_ptr + row, l_i)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, T, so_t,
+                        GROUP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
+                        N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr):
+        h = tl.program_id(0)
+        chunk = tl.program_id(1)
+        r = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
+        g = r // T
+        t = r % T
+        row_ok = r < GROUP * T
+        d = tl.program_id(2) * DC + tl.arange(0, DC)  # a slice of the head dimension
+        rows = N_CHUNKS * BLOCK_M
+        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        for s in range(N_SPLITS + 1):
+            m = tl.maximum(m, tl.load(pm_ptr + (h * (N_SPLITS + 1) + s) * rows + r))
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DC], tl.float32)
+        for s in range(N_SPLITS + 1):  # fixed order (empty splits add exact zeros): deterministic, span-invariant
+            row = (h * (N_SPLITS + 1) + s) * rows + r
+            w = tl.exp(tl.load(pm_ptr + row) - m)
+            l_sum += w * tl.load(pl_ptr + row)
+            acc += w[:, None] * tl.load(po_ptr + row[:, None] * D + d[None, :])
+        o = acc / l_sum[:, None]
+        tl.store(out_ptr + t[:, None] * so_t + ((h * GROUP + g) * D)[:, None] + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check(q, k_new, v_new, k_cache, v_cache, start):
+    H, T, D = q.shape
+    hkv = k_new.shape[0]
+    if k_new.shape != (hkv, T, D) or v_new.shape != k_new.shape or H % hkv:
+        raise ValueError(f"bad shapes q {tuple(q.shape)} k_new {tuple(k_new.shape)} v_new {tuple(v_new.shape)}")
+    if k_cache.shape[0] != hkv or k_cache.shape[2] != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache {tuple(k_cache.shape)} does not hold {hkv} heads of {D}")
+    if not 1 <= T <= MAX_BLOCK:
+        raise ValueError(f"block_attention takes 1..{MAX_BLOCK} new tokens, got {T}")
+    if start.numel() != 1 or start.dtype not in (torch.int32, torch.int64):
+        raise ValueError("start must be a one-element integer tensor")
+
+
+def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | None = None):
+    """The same as block_attention with index_copy_ and SDPA (the fallback, and the reference in tests)."""
+    _check(q, k_new, v_new, k_cache, v_cache, start)
+    H, T, D = q.shape
+    positions = start.reshape(1).long() + torch.arange(T, device=q.device)
+    k_cache.index_copy_(1, positions, k_new)
+    v_cache.index_copy_(1, positions, v_new)
+    end = int(span) if span is not None else int(positions[-1]) + 1
+    mask = torch.arange(end, device=q.device)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end], attn_mask=mask,
+                                         enable_gqa=H != k_new.shape[0])
+    return out[0].transpose(0, 1).reshape(T, H * D)
+
+
+def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_triton: bool | None = None):
+    """See the module docstring. span >= start + T (a host number; the caller's attention span)."""
+    if use_triton is None:
+        use_triton = triton_usable(q)
+    if not use_triton:
+        return block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span)
+    _check(q, k_new, v_new, k_cache, v_cache, start)
+    H, T, D = q.shape
+    hkv = k_new.shape[0]
+    group = H // hkv
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+    for x in (q, k_new, v_new, k_cache, v_cache):
+        if x.stride(-1) != 1:
+            raise ValueError("the last dimension of every tensor must be contiguous")
+    block_n = 64 if D <= 64 else 32
+    split_cols = max(block_n, SPLIT_BYTES // (4 * D) // block_n * block_n)  # K and V, 2 bytes each
+    split_cols = max(split_cols, math.ceil(int(span) / MAX_SPLITS / block_n) * block_n)  # long spans: wider slices
+    n_splits = max(1, math.ceil(int(span) / split_cols))
+    rows = group * T
+    block_m = max(16, min(triton.next_power_of_2(rows), 64 if D > 128 else 128))
+    n_chunks = math.ceil(rows / block_m)
+    out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
+    part_rows = hkv * (n_splits + 1) * n_chunks * block_m
+    po = torch.empty(part_rows, D, device=q.device, dtype=torch.float32)
+    pm = torch.empty(part_rows, device=q.device, dtype=torch.float32)
+    pl = torch.empty(part_rows, device=q.device, dtype=torch.float32)
+    _partial_kernel[(hkv, n_splits + 1, n_chunks)](
+        q, k_new, v_new, k_cache, v_cache, start, po, pm, pl, T, D ** -0.5,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
+        N_CHUNKS=n_chunks, IEEE=q.dtype == torch.float32, num_warps=8 if D > 128 else 4)
+    dc = min(D, COMBINE_COLS)
+    _combine_kernel[(hkv, n_chunks, D // dc)](out, po, pm, pl, T, out.stride(0), GROUP=group, D=D, DC=dc,
+                                              BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, num_warps=4)
+    return out
