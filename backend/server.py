@@ -59,12 +59,17 @@ class ServerState:
     # -- loading (background thread) --
     def load(self) -> None:
         try:
-            from backend.engine import Engine
+            from backend.engine import Engine, SamplingParams
 
             loaded = self.model_spec if isinstance(self.model_spec, LoadedModel) else load_model(
                 self.model_spec, self.device, self.dtype, self.max_context_arg)
             drafter = resolve_drafter(self.drafter_spec, loaded)
             engine = Engine(loaded.model, drafter=drafter, max_context=loaded.max_context)
+            if engine.fast and engine.device.type == "cuda":
+                # the fast path compiles its glue and captures CUDA graphs on first use: do it now, while /health
+                # says "loading", not inside the first request
+                log.info("warming up the fast path (torch.compile + CUDA graphs; up to a minute)")
+                list(engine.generate([0] * 8, SamplingParams(max_tokens=4)))
             self.loaded, self.tool_style = loaded, chat.tool_style(loaded.tokenizer)
             self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
             self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]

@@ -371,9 +371,9 @@ def measure_fast(fast, prompt, block, reps, device, stock=None) -> dict:
 
 
 def kernel_profile(fast, prompt, block, reps: int = 10, top: int = 30) -> dict:
-    """Where a step's GPU time goes (CPU: op time): the kernels of `reps` decode steps and of `reps` 16-token verify + accept cycles
-    (CUDA-graph replays when graphs are on), per kernel name: microseconds and launches per step, plus the host time
-    of one call (Python + launch, no sync) against its GPU kernel time."""
+    """Where a step's GPU time goes (CPU: op time): the kernels of `reps` decode steps and of `reps` 16-token verify +
+    accept cycles (CUDA-graph replays when graphs are on), per kernel name: microseconds and launches per step, plus
+    the host time of one call (Python + launch, no sync) against its GPU kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
     fast.reset()

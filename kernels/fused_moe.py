@@ -72,7 +72,8 @@ def fused_moe(
     """
     _check_shapes(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
     if residual is not None and residual.shape != hidden_states.shape:
-        raise ValueError(f"residual {tuple(residual.shape)} must have hidden_states' shape {tuple(hidden_states.shape)}")
+        raise ValueError(f"residual {tuple(residual.shape)} must have the shape of hidden_states, "
+                         f"{tuple(hidden_states.shape)}")
     if use_triton is None:
         use_triton = triton_usable(hidden_states)
     if not use_triton:
