@@ -68,6 +68,8 @@ class TrainConfig:
     gen_tokens: int = 1 << 18
     data_dir: str | None = None
     data_only: bool = False
+    responses: str | None = None
+    responses_only: bool = False
     # drafter
     layers: int = 3
     intermediate_size: int = 1536
@@ -119,6 +121,11 @@ OPTION_HELP = {
     "data_dir": "Where the response/feature shards go; reused when target, layers and prompts match "
                 "[default: <out>/data].",
     "data_only": "Generate the responses and features, then stop.",
+    "responses": "Reuse responses generated earlier: comma-separated responses.jsonl files (or data dirs holding one; "
+                 "every run writes <data-dir>/responses.jsonl). Prompts and sample rounds they cover are not "
+                 "generated again; the target must be the same model.",
+    "responses_only": "Generate the responses, write <data-dir>/responses.jsonl and stop (no features, no training): "
+                      "e.g. on a CPU, for a GPU run to reuse with --responses.",
     "layers": "Drafter layers (the last one full attention, the others sliding-window layers).",
     "intermediate_size": "Drafter MLP width (its hidden size is the target's: it shares the target's embedding and "
                          "LM head).",
@@ -528,12 +535,19 @@ def main(**knobs) -> dict:
     layer_ids = parse_layer_ids(cfg.target_layers, n_layers)
     records = load_records(cfg)
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out / "data"
+    given = td.load_responses([Path(p) for p in cfg.responses.split(",") if p], loaded.name) if cfg.responses \
+        else None
+    if given:
+        _log(f"data: {len(given)} responses from earlier runs ({cfg.responses})")
     t0 = time.perf_counter()
     manifest = td.prepare_data(target, tokenizer, records, data_dir, target_name=loaded.name, layer_ids=layer_ids,
                                max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
                                gen_batch=cfg.gen_batch, gen_tokens=cfg.gen_tokens, samples=cfg.samples_per_prompt,
-                               temperature=cfg.sample_temperature, seed=cfg.seed, log=_log)
+                               temperature=cfg.sample_temperature, seed=cfg.seed, given=given,
+                               responses_only=cfg.responses_only, log=_log)
     data_seconds = time.perf_counter() - t0
+    if cfg.responses_only:
+        return manifest  # the summary: where the responses went
     if cfg.data_only:
         summary = {"data_dir": str(data_dir), "seconds": round(data_seconds, 1),
                    "splits": {s: {k: v for k, v in m.items() if k not in ("shards", "records", "categories")}

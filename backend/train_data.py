@@ -4,8 +4,10 @@ Data flow (backend/train.py drives it):
   prompts      load_builtin() (backend/prompts/builtin.jsonl, made by bench/train_build_prompts.py) and/or
                load_from_db() (the review loop's transcripts in reviews.db: every assistant turn's context)
   token ids    render() with the target's chat template (backend.chat, exactly as the server renders requests)
-  responses    generate_responses(): the target's greedy continuation, batched (the drafter learns the target's
-               distribution, not a dataset's)
+  responses    generate_responses(): the target's greedy continuation (and, with samples, sampled ones), batched
+               (the drafter learns the target's distribution, not a dataset's); all of them are also written to
+               <data dir>/responses.jsonl, and load_responses() reads such files back so a later run (another
+               machine, another session) reuses them instead of generating again
   features     extract_features(): one forward over prompt + response; keeps per position the outputs of the
                `target_layer_ids` decoder layers (what the drafter reads), the final normed hidden state (the KL loss
                recomputes the target's logits from it with the frozen LM head) and the target's argmax (CE labels,
@@ -30,6 +32,7 @@ PROMPTS_DIR = Path(__file__).parent / "prompts"
 BUILTIN_PROMPTS = PROMPTS_DIR / "builtin.jsonl"
 AGENT_TOOLS = PROMPTS_DIR / "agent_tools.json"
 MANIFEST = "manifest.json"
+RESPONSES = "responses.jsonl"
 
 
 class DataError(ValueError):
@@ -337,33 +340,92 @@ def token_counts(data: FeatureSet, vocab: int) -> torch.Tensor:
 
 
 def data_key(target_name: str, layer_ids: list[int], records: list[PromptRecord], max_new_tokens: int,
-             max_prompt_tokens: int, samples: int = 0, temperature: float = 0.0, seed: int = 0) -> str:
-    """Identifies a prepared data set: reused only when target, layers, prompts, lengths and sampling all match."""
+             max_prompt_tokens: int, samples: int = 0, temperature: float = 0.0, seed: int = 0,
+             given: dict[str, list[int]] | None = None) -> str:
+    """Identifies a prepared data set: reused only when target, layers, prompts, lengths, sampling and any responses
+    given from earlier runs all match."""
     h = hashlib.sha256()
     sampling = [samples, temperature, seed] if samples else []  # greedy-only keys stay what they were
     h.update(json.dumps([target_name, layer_ids, max_new_tokens, max_prompt_tokens] + sampling).encode())
     for r in records:
         h.update(r.id.encode())
+    for rid in sorted(given or {}):
+        h.update(json.dumps([rid, given[rid]]).encode())
     return h.hexdigest()[:16]
+
+
+def save_responses(path: Path, target_name: str, responses: dict[str, list[int]], meta: dict) -> None:
+    """responses.jsonl: a header line (target, settings), then one {"id", "tokens"} per response. Record ids are the
+    prompt's id for its greedy response and "<id>~k" for the k-th sampled one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        f.write(json.dumps({"target": target_name, **meta}) + "\n")
+        for rid, tokens in responses.items():
+            f.write(json.dumps({"id": rid, "tokens": tokens}) + "\n")
+    tmp.replace(path)  # never a half-written file under the real name
+
+
+def load_responses(paths: list[Path], target_name: str) -> dict[str, list[int]]:
+    """Responses written by earlier runs (save_responses), for this target only; later files win on repeated ids."""
+    out: dict[str, list[int]] = {}
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            path = path / RESPONSES
+        if not path.is_file():
+            raise DataError(f"no responses file at {path}")
+        with path.open() as f:
+            try:
+                header = json.loads(f.readline() or "{}")
+                rows = [json.loads(line) for line in f if line.strip()]
+            except ValueError as exc:
+                raise DataError(f"{path} is not a responses file (JSON lines): {exc}") from None
+        if header.get("target") != target_name:
+            raise DataError(f"{path} holds responses of {header.get('target')!r}, not of the target {target_name!r}")
+        for row in rows:
+            if not isinstance(row.get("id"), str) or not isinstance(row.get("tokens"), list):
+                raise DataError(f"{path}: a line without an id and a token list")
+            out[row["id"]] = [int(t) for t in row["tokens"]]
+    return out
+
+
+def _generate_missing(model, prompts: list[list[int]], ids: list[str], given: dict[str, list[int]], log,
+                      **gen) -> tuple[list[list[int]], int]:
+    """Responses for `prompts` (record ids `ids`): from `given` where it has them, generated for the rest."""
+    missing = [i for i, rid in enumerate(ids) if rid not in given]
+    made = generate_responses(model, [prompts[i] for i in missing], log=log, **gen) if missing else []
+    out = [given.get(rid) for rid in ids]
+    for i, tokens in zip(missing, made):
+        out[i] = tokens
+    return out, len(missing)
 
 
 def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, *, target_name: str,
                  layer_ids: list[int], max_new_tokens: int, max_prompt_tokens: int, gen_batch: int,
                  gen_tokens: int = 1 << 18, batch_tokens: int = 16384, samples: int = 0, temperature: float = 0.8,
-                 seed: int = 0, log=print) -> dict:
+                 seed: int = 0, given: dict[str, list[int]] | None = None, responses_only: bool = False,
+                 log=print) -> dict:
     """Render, generate and extract features for both splits into data_dir (reusing it when its key matches).
     Training prompts get their greedy response and `samples` more sampled at `temperature` (record ids "<id>~k").
+    `given` (load_responses) supplies responses by record id; only the others are generated. Every response is
+    written to data_dir/responses.jsonl. responses_only: stop there (no features; returns a summary, no manifest).
     Returns the manifest."""
     data_dir = Path(data_dir)
-    key = data_key(target_name, layer_ids, records, max_new_tokens, max_prompt_tokens, samples, temperature, seed)
+    given = given or {}
+    key = data_key(target_name, layer_ids, records, max_new_tokens, max_prompt_tokens, samples, temperature, seed,
+                   given)
     manifest = read_manifest(data_dir)
-    if manifest is not None and manifest.get("key") == key:
+    if manifest is not None and manifest.get("key") == key and not responses_only:
         log(f"data: reusing {data_dir} (key {key})")
         return manifest
     stops = stop_ids(model, tokenizer)
     manifest = {"key": key, "target": target_name, "layer_ids": layer_ids, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "stop_ids": list(stops), "splits": {},
                 "samples_per_prompt": samples, "sample_temperature": temperature if samples else None}
+    gen = dict(max_new_tokens=max_new_tokens, stops=stops, batch_size=gen_batch, batch_tokens=gen_tokens)
+    all_responses: dict[str, list[int]] = {}
+    pending = []  # (split, prompts, ids, categories, responses, skipped) until the responses file is written
     t0 = time.perf_counter()
     for split in ("train", "heldout"):
         chosen = [r for r in records if r.split == split]
@@ -380,18 +442,35 @@ def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, 
             continue
         log(f"data[{split}]: {len(prompts)} prompts ({skipped} longer than {max_prompt_tokens} tokens skipped), "
             f"generating up to {max_new_tokens} tokens each")
-        responses = generate_responses(model, prompts, max_new_tokens=max_new_tokens, stops=stops,
-                                       batch_size=gen_batch, batch_tokens=gen_tokens, log=log)
         ids, categories = [r.id for r in kept], [r.category for r in kept]
+        responses, made = _generate_missing(model, prompts, ids, given, log, **gen)
+        if made < len(prompts):
+            log(f"data[{split}]: {len(prompts) - made} greedy responses taken from earlier runs")
         n_prompts = len(prompts)
         for k in range(samples if split == "train" else 0):
             log(f"data[{split}]: sampled responses, round {k + 1}/{samples} (temperature {temperature})")
-            responses += generate_responses(model, prompts[:n_prompts], max_new_tokens=max_new_tokens, stops=stops,
-                                            batch_size=gen_batch, batch_tokens=gen_tokens, temperature=temperature,
-                                            seed=seed * 1000 + k, log=log)
-            ids += [f"{r.id}~{k + 1}" for r in kept]
+            round_ids = [f"{r.id}~{k + 1}" for r in kept]
+            more, made = _generate_missing(model, prompts[:n_prompts], round_ids, given, log, **gen,
+                                           temperature=temperature, seed=seed * 1000 + k)
+            if made < n_prompts:
+                log(f"data[{split}]: {n_prompts - made} of them taken from earlier runs")
+            responses += more
+            ids += round_ids
             categories += [r.category for r in kept]
-        prompts = prompts * (len(responses) // n_prompts)
+        all_responses.update(zip(ids, responses))
+        pending.append((split, prompts * (len(responses) // n_prompts), ids, categories, responses, skipped))
+    save_responses(data_dir / RESPONSES, target_name, all_responses,
+                   {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                    "samples_per_prompt": samples, "sample_temperature": temperature if samples else None,
+                    "seed": seed, "dtype": str(next(model.parameters()).dtype)})
+    if responses_only:
+        summary = {"responses_file": str(data_dir / RESPONSES), "responses": len(all_responses),
+                   "response_tokens": sum(map(len, all_responses.values())),
+                   "seconds": round(time.perf_counter() - t0, 1)}
+        log(f"data: {summary['responses']} responses ({summary['response_tokens']} tokens) in "
+            f"{summary['responses_file']}")
+        return summary
+    for split, prompts, ids, categories, responses, skipped in pending:
         sequences = [p + r for p, r in zip(prompts, responses)]
         shards = extract_features(model, sequences, [len(p) for p in prompts], layer_ids, data_dir / split,
                                   batch_tokens=batch_tokens, log=log)

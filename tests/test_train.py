@@ -226,6 +226,52 @@ def test_sampled_responses_add_training_sequences(tiny_model, reviews_db, data_d
                samples_per_prompt=-1, **COMMON)
 
 
+def test_responses_are_written_and_reused_instead_of_generated(tiny_model, reviews_db, data_dir, tmp_path, capsys):
+    """Every data run leaves responses.jsonl; --responses-only stops there; a later run given the file takes its
+    responses (a planted one shows up in the features) and generates only what the file lacks."""
+    model = str(tiny_model("llama"))
+    first = tmp_path / "first"
+    summary = T.main(model=model, out=str(first / "prep"), data_dir=str(first), from_db=str(reviews_db),
+                     responses_only=True, samples_per_prompt=1, sample_temperature=1.0, **COMMON)
+    assert summary["responses"] > 0 and td.read_manifest(first) is None  # no features, no manifest
+    lines = (first / td.RESPONSES).read_text().splitlines()
+    header, rows = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    greedy = td.read_manifest(data_dir)["splits"]
+    assert {r["id"] for r in rows} == set(greedy["train"]["records"]) | {f"{i}~1" for i in greedy["train"]["records"]} \
+        | set(greedy["heldout"]["records"])
+    target = header["target"]
+    # plant a response nobody would generate, drop another (it must be generated again), and reuse the file
+    planted_id, dropped_id = rows[0]["id"], rows[1]["id"]
+    planted = [7, 8, 9, 10, 11]
+    rows[0]["tokens"] = planted
+    kept = [r for r in rows if r["id"] != dropped_id]
+    (tmp_path / "mine.jsonl").write_text("\n".join([json.dumps(header)] + [json.dumps(r) for r in kept]) + "\n")
+    second = tmp_path / "second"
+    T.main(model=model, out=str(second / "prep"), data_dir=str(second), from_db=str(reviews_db), data_only=True,
+           responses=str(tmp_path / "mine.jsonl"), samples_per_prompt=1, sample_temperature=1.0, **COMMON)
+    n_train = len(greedy["train"]["records"])
+    assert f"data[train]: {n_train - 1} greedy responses taken from earlier runs" in capsys.readouterr().out
+    manifest = td.read_manifest(second)
+    data = td.load_features(second, "train", "cpu")
+    order = manifest["splits"]["train"]["records"]
+    seq = {rid: s for s, rid in ((s, order[i]) for s, i in enumerate(data.index))}
+
+    def response(rid):
+        s = seq[rid]
+        return data.tokens[int(data.offsets[s]) + int(data.prompt_lens[s]):int(data.offsets[s + 1])].tolist()
+
+    assert response(planted_id) == planted
+    regenerated = {json.loads(line)["id"]: json.loads(line)["tokens"]
+                   for line in (second / td.RESPONSES).read_text().splitlines()[1:]}
+    assert regenerated[planted_id] == planted and dropped_id in regenerated and len(regenerated) == len(rows)
+    # another target's responses are refused with a clear error
+    (tmp_path / "other.jsonl").write_text(json.dumps({"target": "some-other-model"}) + "\n")
+    code = T.cli(["--model", model, "--out", str(tmp_path / "o"), "--device", "cpu", "--no-builtin-prompts",
+                  "--from-db", str(reviews_db), "--data-only", "--responses", str(tmp_path / "other.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 2 and "some-other-model" in err and target in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("loss,attention,corruption,top_k", [
     ("kl", "mixed", "full", 0), ("ce", "causal", "full", 0), ("ce", "bidirectional", "full", 0),
     ("kl", "mixed", "uniform", 0), ("ce", "mixed", "uniform", 64), ("kl", "causal", "full", 64),
