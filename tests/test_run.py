@@ -59,10 +59,16 @@ def make_repo(path: Path, files: dict[str, str]) -> Path:
     return path
 
 
+def _default_sigint() -> None:
+    # A test runner started in the background (`pytest &` from a script) ignores SIGINT, and children inherit that:
+    # Python then installs no KeyboardInterrupt handler. The reviewer starts as it would in a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def reviewer_process(*args: str, env_extra: dict | None = None, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "reviewer.cli", "run", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
 
 
 # --- the smoke review: no LLM at all --------------------------------------------------------------------------------
