@@ -254,7 +254,7 @@ def test_responses_are_written_and_reused_instead_of_generated(tiny_model, revie
     manifest = td.read_manifest(second)
     data = td.load_features(second, "train", "cpu")
     order = manifest["splits"]["train"]["records"]
-    seq = {rid: s for s, rid in ((s, order[i]) for s, i in enumerate(data.index))}
+    seq = {order[i]: s for s, i in enumerate(data.index)}  # shards are sorted by length; index maps back
 
     def response(rid):
         s = seq[rid]
