@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.block_attention import MAX_BLOCK
+from kernels.block_attention import MAX_BLOCK, supports
 from kernels.fused_moe import triton
 
 
@@ -27,8 +27,8 @@ class KVCache:
         self.max_context = max_context
         # kernels/block_attention (cache write + attention in one or two launches) for blocks of up to 16 tokens on
         # CUDA; FastModel turns it off in exact mode, whose numerics must not depend on how a position was computed
-        power_of_two = head_dim >= 16 and not head_dim & (head_dim - 1)
-        self.use_block_kernel = triton is not None and self.k.is_cuda and power_of_two
+        self.block_kernel_available = triton is not None and self.k.is_cuda and supports(head_dim)
+        self.use_block_kernel = self.block_kernel_available
 
     def block_kernel(self, tokens: int) -> bool:
         """Whether a forward of `tokens` new tokens attends through kernels/block_attention (else write + SDPA)."""

@@ -132,6 +132,11 @@ if triton is not None:
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def supports(head_dim: int) -> bool:
+    """The Triton kernel takes power-of-two head dims >= 16 (tl.arange and tl.dot shapes)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def _check(q, k_new, v_new, k_cache, v_cache, start):
     H, T, D = q.shape
     hkv = k_new.shape[0]
@@ -169,7 +174,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     H, T, D = q.shape
     hkv = k_new.shape[0]
     group = H // hkv
-    if D & (D - 1) or D < 16:
+    if not supports(D):
         raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
     for x in (q, k_new, v_new, k_cache, v_cache):
         if x.stride(-1) != 1:

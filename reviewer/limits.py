@@ -435,11 +435,7 @@ def stop_and_name(pids: list[int], budget: float = 1.0) -> list[tuple[int, str]]
     """SIGSTOP the processes, then read their command lines: reading /proc/PID/cmdline of a process that keeps
     forking waits on its memory map lock (seconds, in a fork bomb); stopped, it answers at once. Names past the time
     budget are left blank."""
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGSTOP)
-        except (ProcessLookupError, PermissionError):
-            pass
+    _signal_all(pids, signal.SIGSTOP)
     end = time.monotonic() + budget
     return [(p, command_line(p) if time.monotonic() < end else "") for p in pids]
 

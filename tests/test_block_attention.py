@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels.block_attention import block_attention, block_attention_torch
-from tests.test_fused_moe import run_interpreted
+from tests.test_fused_moe import interpreted_by_case, run_interpreted
 
 
 def make_case(heads, kv_heads, head_dim, T, start, max_context=1024, dtype=torch.float32, device="cpu", seed=0):
@@ -106,8 +106,7 @@ for case in CASES:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    return {tuple(r["case"]): r for r in run_interpreted(INTERPRETER_SCRIPT)}
+    return interpreted_by_case(INTERPRETER_SCRIPT)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -169,3 +168,18 @@ def test_fast_models_attend_through_the_kernel_as_through_sdpa():
     for r in results:
         assert r["length"] == 20 + 3 + 2 + 16 + 1
         assert r["err"] < 1e-4 and r["kv_err"] < 1e-5, r
+
+
+def test_exact_mode_turns_the_kernel_off_and_back_on():
+    """Exact mode (span_multiple > 0) needs every position computed the same way: no block kernel while it is on."""
+    from backend.models import load_fast
+    from tests.test_fast_models import tiny_llama
+
+    fast = load_fast(tiny_llama(), 64, cuda_graphs=False)
+    kv = fast.model.kv
+    assert not kv.block_kernel_available and not kv.block_kernel(1)  # a CPU cache never has it
+    kv.block_kernel_available = True  # as on a CUDA device
+    fast.span_multiple = 512
+    assert not kv.block_kernel(1)
+    fast.span_multiple = 0
+    assert kv.block_kernel(1) and not kv.block_kernel(17)

@@ -120,10 +120,15 @@ def run_interpreted(script, *args, timeout=600):
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def interpreted_by_case(script) -> dict[tuple, dict]:
+    """run_interpreted(script), keyed by each line's "case" (skips without triton)."""
+    pytest.importorskip("triton")
+    return {tuple(r["case"]): r for r in run_interpreted(script)}
+
+
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    return {tuple(r["case"]): r for r in run_interpreted(INTERPRETER_SCRIPT)}
+    return interpreted_by_case(INTERPRETER_SCRIPT)
 
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: "-".join(map(str, c)))

@@ -71,8 +71,8 @@ class FastModel:
     @span_multiple.setter
     def span_multiple(self, columns: int) -> None:
         self._span_multiple = int(columns)
-        if self.model.kv is not None and columns:
-            self.model.kv.use_block_kernel = False
+        if self.model.kv is not None:
+            self.model.kv.use_block_kernel = self.model.kv.block_kernel_available and not columns
         if getattr(self, "_graphs", None):  # captured under the old setting
             self.drop_graphs()
 
