@@ -18,10 +18,11 @@ columns past the length are never touched.
 
 Launches: grid (kv heads, column slices + 1, row chunks) computes partial softmax sums, one slice of cached columns
 per program and one program for the block's own tokens (which also writes them to the cache); a second small kernel
-combines them in a fixed order. Slices sit at fixed column offsets, so a position's result does not depend on the span
-(a CUDA graph's rounded span and an eager call's exact one give the same bits) up to MAX_SPLITS slices (2,048 columns
-at head_dim 256, 4,096 at 64); longer spans use wider slices. The reads of cached columns never overlap the writes
-(columns >= start), so no program waits on another. Nothing synchronises with the host: graph-capturable.
+combines them, one program per query row and column slice, over a tile of fixed size. Slices sit at fixed column
+offsets, so a position's result does not depend on the span (a CUDA graph's rounded span and an eager call's exact
+one give the same bits) up to MAX_SPLITS slices (2,016 columns at head_dim 256, 4,032 at 64); longer spans use wider
+slices. The reads of cached columns never overlap the writes (columns >= start), so no program waits on another.
+Nothing synchronises with the host: graph-capturable.
 
 The Triton path runs on CUDA (or under TRITON_INTERPRET=1, fp32/fp16 only); elsewhere `block_attention_torch` does the
 same thing with index_copy_ and SDPA.
@@ -40,7 +41,8 @@ MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (pref
 # cached K+V bytes per program (per key head): small slices, many programs, each a short dependent chain (on the H200
 # 64 KB slices left the kernel latency-bound: 4.8 us for the SmolLM2 shape's 768-column span)
 SPLIT_BYTES = 16 * 1024
-MAX_SPLITS = 64
+MAX_SPLITS = 63  # + the block's own program: 64 partial sums per row at most, the combine kernel's fixed tile
+SPLIT_TILE = 64
 COMBINE_COLS = 64  # head-dim columns per combine program
 
 if triton is not None:
@@ -108,28 +110,27 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, T, so_t,
                         GROUP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                        N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr):
+                        N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr, SP: tl.constexpr):
+        """One query row, DC head-dim columns: all of its partial sums in one load each (a loop over the splits
+        was a chain of dependent loads: ~4 us for 13 splits on the H200). The tile is SP = SPLIT_TILE rows
+        whatever the split count, so the reduction tree, and with it every bit, does not depend on the span:
+        missing splits are exact zeros."""
         h = tl.program_id(0)
-        chunk = tl.program_id(1)
-        r = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
-        g = r // T
-        t = r % T
-        row_ok = r < GROUP * T
-        d = tl.program_id(2) * DC + tl.arange(0, DC)  # a slice of the head dimension
-        rows = N_CHUNKS * BLOCK_M
-        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        for s in range(N_SPLITS + 1):
-            m = tl.maximum(m, tl.load(pm_ptr + (h * (N_SPLITS + 1) + s) * rows + r))
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DC], tl.float32)
-        for s in range(N_SPLITS + 1):  # fixed order (empty splits add exact zeros): deterministic, span-invariant
-            row = (h * (N_SPLITS + 1) + s) * rows + r
-            w = tl.exp(tl.load(pm_ptr + row) - m)
-            l_sum += w * tl.load(pl_ptr + row)
-            acc += w[:, None] * tl.load(po_ptr + row[:, None] * D + d[None, :])
-        o = acc / l_sum[:, None]
-        tl.store(out_ptr + t[:, None] * so_t + ((h * GROUP + g) * D)[:, None] + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        r = tl.program_id(1)  # query row within the group: head h * GROUP + r // T, token r % T
+        d = tl.program_id(2) * DC + tl.arange(0, DC)
+        s = tl.arange(0, SP)
+        s_ok = s < N_SPLITS + 1
+        # tile row 0: the block's own tokens (partial index N_SPLITS); row i: slice i - 1. Every non-empty partial
+        # then sits at the same tile row whatever N_SPLITS is
+        part = tl.where(s == 0, N_SPLITS, s - 1)
+        row = (h * (N_SPLITS + 1) + part) * (N_CHUNKS * BLOCK_M) + r
+        pm = tl.load(pm_ptr + row, mask=s_ok, other=float("-inf"))
+        m = tl.max(pm, axis=0)
+        w = tl.exp(pm - m)  # 0 for missing splits; empty splits (m = -1e30, l = 0, acc = 0) add exact zeros too
+        l_sum = tl.sum(w * tl.load(pl_ptr + row, mask=s_ok, other=0.0), axis=0)
+        po = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(w[:, None] * po, axis=0) / l_sum
+        tl.store(out_ptr + (r % T) * so_t + (h * GROUP + r // T) * D + d, o.to(out_ptr.dtype.element_ty))
 
 
 def supports(head_dim: int) -> bool:
@@ -198,6 +199,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
         N_CHUNKS=n_chunks, IEEE=q.dtype == torch.float32, num_warps=8 if D > 128 else 4)
     dc = min(D, COMBINE_COLS)
-    _combine_kernel[(hkv, n_chunks, D // dc)](out, po, pm, pl, T, out.stride(0), GROUP=group, D=D, DC=dc,
-                                              BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, num_warps=4)
+    _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, T, out.stride(0), GROUP=group, D=D, DC=dc,
+                                          BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,
+                                          num_warps=4)
     return out

@@ -15,6 +15,7 @@ SGLang do the same). The per-token arithmetic is the same code whether the kerne
 after token j of a verify is bit-for-bit the state plain decoding reaches from the same inputs.
 
     gdn_recurrent(q, k, v, g, beta, state_in, states_out, every_position)   # decode / verify (Triton or loop)
+    gdn_recurrent(q, k, v, a, b, ..., gates=(neg_A, dt_bias))                # the same, gates computed inside
     gdn_chunked(q, k, v, g, beta, state)                                    # prefill (PyTorch, chunks of 64)
 
 Shapes (batch 1): q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; states [Hv, Dk, Dv] fp32. Outputs [T, Hv, Dv]
@@ -30,16 +31,44 @@ import torch.nn.functional as F
 from kernels.fused_moe import triton, triton_usable
 
 L2_EPS = 1e-6  # transformers' / flash-linear-attention's l2norm epsilon
+# launch shape of the Triton kernel (value columns per program, warps, next-token prefetch): the per-token chain of
+# loads and reductions is the cost (a verify is 16 dependent steps), bench/kernel_sweep.py measures the choices
+BLOCK_V, NUM_WARPS, PREFETCH = 16, 1, True  # H200, 35B-A3B shape: verify 29 -> 17 us, decode 3.2 -> 2.7 us
 
 if triton is not None:
     import triton.language as tl
 
+    @triton.jit
+    def _softplus(x):
+        """torch's softplus (threshold 20) with an accurate log1p: log(u) * e / (u - 1), u = 1 + e (Goldberg)."""
+        e = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + e
+        return tl.where(x > 20.0, x, tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0)))
+
+    @triton.jit
+    def _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, hk, h, rk, rv, k_ok, v_ok,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                    neg_a, dt_bias, RAW_GATES: tl.constexpr):
+        """Token t's q, k (its key head), v (this program's columns), g and beta, in fp32. RAW_GATES: g_ptr and
+        beta_ptr hold the projections a and b, and g = neg_a * softplus(a + dt_bias), beta = sigmoid(b) here."""
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + rv, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + h).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+        if RAW_GATES:
+            g = neg_a * _softplus(g + dt_bias)
+            beta = tl.sigmoid(beta).to(beta_ptr.dtype.element_ty).to(tl.float32)  # rounded as b.sigmoid() is
+        return q, k, v, g, beta
+
     @triton.jit(do_not_specialize=["T"])
-    def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_in_ptr, states_out_ptr, o_ptr, T, scale,
+    def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bias_ptr, state_in_ptr,
+                              states_out_ptr, o_ptr, T, scale,
                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                               stride_ot, stride_oh,
                               HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                              DKP: tl.constexpr, BV: tl.constexpr, EVERY_POSITION: tl.constexpr):
+                              DKP: tl.constexpr, BV: tl.constexpr, EVERY_POSITION: tl.constexpr,
+                              PREFETCH: tl.constexpr, RAW_GATES: tl.constexpr):
         h = tl.program_id(0)  # value head
         vb = tl.program_id(1)  # block of BV value columns: programs never share state elements
         hk = h // GROUP
@@ -50,12 +79,22 @@ if triton is not None:
         s_mask = k_ok[:, None] & v_ok[None, :]
         s_offs = h * DK * DV + rk[:, None] * DV + rv[None, :]
         S = tl.load(state_in_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)
+        neg_a = 0.0
+        dt_bias = 0.0
+        if RAW_GATES:
+            neg_a = tl.load(neg_a_ptr + h).to(tl.float32)
+            dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        q, k, v, g, beta = _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, 0, hk, h, rk, rv, k_ok, v_ok,
+                                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                       stride_gt, stride_bt, neg_a, dt_bias, RAW_GATES)
         for t in range(T):
-            q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rk, mask=k_ok, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rk, mask=k_ok, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + rv, mask=v_ok, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + t * stride_gt + h).to(tl.float32)
-            beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+            if PREFETCH:  # the next token's inputs are loaded before this token's arithmetic waits on them
+                nq, nk, nv, ng, nbeta = _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(t + 1, T - 1),
+                                                    hk, h, rk, rv, k_ok, v_ok, stride_qt, stride_qh, stride_kt,
+                                                    stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                                                    neg_a, dt_bias, RAW_GATES)
+            else:
+                nq, nk, nv, ng, nbeta = q, k, v, g, beta
             q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
             k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
             S = S * tl.exp(g)
@@ -65,6 +104,13 @@ if triton is not None:
             tl.store(o_ptr + t * stride_ot + h * stride_oh + rv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
             if EVERY_POSITION:
                 tl.store(states_out_ptr + t * HV * DK * DV + s_offs, S, mask=s_mask)
+            if PREFETCH:
+                q, k, v, g, beta = nq, nk, nv, ng, nbeta
+            else:
+                q, k, v, g, beta = _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(t + 1, T - 1),
+                                               hk, h, rk, rv, k_ok, v_ok, stride_qt, stride_qh, stride_kt,
+                                               stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                                               neg_a, dt_bias, RAW_GATES)
         if not EVERY_POSITION:
             tl.store(states_out_ptr + s_offs, S, mask=s_mask)
 
@@ -84,32 +130,48 @@ def _check(q, k, v, g, beta, state_in, states_out, every_position):
         raise ValueError("state tensors must be contiguous")
 
 
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor):
+    """transformers' gates from the projections a, b [T, Hv]: g = -exp(A_log) softplus(a + dt_bias) (fp32) and
+    beta = sigmoid(b) (b's dtype). neg_A = -exp(A_log), fp32."""
+    return neg_A * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def gdn_recurrent(q, k, v, g, beta, state_in: torch.Tensor, states_out: torch.Tensor, every_position: bool,
-                  *, use_triton: bool | None = None) -> torch.Tensor:
+                  *, gates: tuple[torch.Tensor, torch.Tensor] | None = None, use_triton: bool | None = None,
+                  block_v: int | None = None, num_warps: int | None = None, prefetch: bool | None = None
+                  ) -> torch.Tensor:
     """Run T tokens through the recurrence from `state_in`; returns the outputs [T, Hv, Dv] (v's dtype).
 
     every_position=False: the final state goes to `states_out` [Hv, Dk, Dv] (may be `state_in` itself: decode
     updates the live state in place). every_position=True: the state after token t goes to `states_out[t]`
     ([T, Hv, Dk, Dv]; a view of the first T rows of a larger snapshot buffer is fine), `state_in` is only read.
+    gates=(neg_A, dt_bias): g and beta are the raw projections a and b, turned into gates by the kernel itself
+    (gdn_gates' math; two elementwise launches fewer per layer).
+    block_v / num_warps / prefetch override the launch shape (bench/kernel_sweep.py).
     """
     _check(q, k, v, g, beta, state_in, states_out, every_position)
     if use_triton is None:
         use_triton = triton_usable(v)
     if not use_triton:
+        if gates is not None:
+            g, beta = gdn_gates(g, beta, *gates)
         return gdn_recurrent_torch(q, k, v, g, beta, state_in, states_out, every_position)
     T, hk, dk = q.shape
     _, hv, dv = v.shape
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
+    neg_a, dt_bias = gates if gates is not None else (g, g)  # unused without gates
     out = torch.empty_like(v)
-    block_v = min(32, triton.next_power_of_2(dv))  # 128/32 = 4 programs per head: 128 programs at 32 heads
+    if block_v is None:
+        block_v = min(BLOCK_V, triton.next_power_of_2(dv))  # Dv / BLOCK_V programs per head
     grid = (hv, triton.cdiv(dv, block_v))
     _gdn_recurrent_kernel[grid](
-        q, k, v, g, beta, state_in, states_out, out, T, dk ** -0.5,
+        q, k, v, g, beta, neg_a, dt_bias, state_in, states_out, out, T, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1),
         HV=hv, GROUP=hv // hk, DK=dk, DV=dv, DKP=triton.next_power_of_2(dk), BV=block_v,
-        EVERY_POSITION=every_position, num_warps=4)
+        EVERY_POSITION=every_position, PREFETCH=PREFETCH if prefetch is None else prefetch,
+        RAW_GATES=gates is not None, num_warps=num_warps or NUM_WARPS)
     return out
 
 

@@ -12,6 +12,8 @@ import torch
 
 from kernels.fused_moe import triton, triton_usable
 
+SMALL_BATCH = 64  # up to this many tokens, one token per program
+
 if triton is not None:
     import triton.language as tl
 
@@ -55,8 +57,10 @@ def route_topk_torch(logits: torch.Tensor, top_k: int, renormalize: bool = True)
     return weights.to(logits.dtype), ids
 
 
-def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_triton: bool | None = None):
-    """Routing weights [M, K] (logits' dtype) and expert ids [M, K] (int64) from router logits [M, E]."""
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_triton: bool | None = None, *,
+               block_t: int | None = None, num_warps: int | None = None):
+    """Routing weights [M, K] (logits' dtype) and expert ids [M, K] (int64) from router logits [M, E].
+    block_t / num_warps override the launch shape (bench/kernel_sweep.py)."""
     if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
         raise ValueError(f"expected logits [tokens, experts] and 0 < top_k <= experts, got {tuple(logits.shape)}, "
                          f"top_k={top_k}")
@@ -69,8 +73,14 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_t
     weights = torch.empty(num_tokens, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     padded = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(16, 4096 // padded))
+    if block_t is None:
+        # a decode step or a verify block (<= SMALL_BATCH tokens): a program per token, one warp, so the 2K + 2
+        # reductions stay within a warp (shuffles, no shared memory); the same tile at T = 1 and T = 16, so a token
+        # is routed to the same bits in both. Prefill: several tokens per program.
+        block_t = 1 if num_tokens <= SMALL_BATCH else max(1, min(16, 4096 // padded))
+    if num_warps is None:
+        num_warps = 1 if block_t == 1 and padded <= 512 else 4
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0), RENORMALIZE=renormalize, K=top_k,
-        KP=triton.next_power_of_2(top_k), EP=padded, BT=block_t, num_warps=4)
+        KP=triton.next_power_of_2(top_k), EP=padded, BT=block_t, num_warps=num_warps)
     return weights, ids

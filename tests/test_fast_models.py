@@ -136,11 +136,11 @@ TRITON_SCRIPT = textwrap.dedent("""
     import torch
     from kernels.gdn_state import gdn_recurrent
     torch.manual_seed(0)
-    for T, hk, hv, dk, dv in [(7, 2, 4, 16, 8), (3, 1, 2, 12, 40)]:
+    for T, hk, hv, dk, dv, prefetch in [(7, 2, 4, 16, 8, True), (3, 1, 2, 12, 40, True), (5, 2, 4, 16, 8, False)]:
         q, k = torch.randn(T, hk, dk), torch.randn(T, hk, dk)
         v, g, beta, s0 = torch.randn(T, hv, dv), -torch.rand(T, hv), torch.rand(T, hv), torch.randn(hv, dk, dv)
         snaps = torch.full((T, hv, dk, dv), float("nan"))
-        out = gdn_recurrent(q, k, v, g, beta, s0, snaps, True, use_triton=True)
+        out = gdn_recurrent(q, k, v, g, beta, s0, snaps, True, use_triton=True, prefetch=prefetch)
         ref_snaps = torch.empty_like(snaps)
         ref = gdn_recurrent(q, k, v, g, beta, s0, ref_snaps, True, use_triton=False)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -148,8 +148,18 @@ TRITON_SCRIPT = textwrap.dedent("""
         state = s0.clone()
         for t in range(T):  # one token at a time through the same kernel: bit-identical states
             step = gdn_recurrent(q[t:t+1], k[t:t+1], v[t:t+1], g[t:t+1], beta[t:t+1], state, state, False,
-                                 use_triton=True)
+                                 use_triton=True, prefetch=prefetch)
             assert torch.equal(state, snaps[t]) and torch.equal(step[0], out[t]), (T, t)
+    # gates computed in the kernel from the raw projections a, b (softplus over both of its branches)
+    T, hk, hv, dk, dv = 6, 2, 4, 16, 8
+    q, k, v, s0 = torch.randn(T, hk, dk), torch.randn(T, hk, dk), torch.randn(T, hv, dv), torch.randn(hv, dk, dv)
+    a, b = torch.linspace(-30, 30, T * hv).reshape(T, hv), torch.randn(T, hv) * 4
+    gates = (-torch.rand(hv) - 0.1, torch.randn(hv))
+    snaps, ref_snaps = torch.empty(T, hv, dk, dv), torch.empty(T, hv, dk, dv)
+    out = gdn_recurrent(q, k, v, a, b, s0, snaps, True, gates=gates, use_triton=True)
+    ref = gdn_recurrent(q, k, v, a, b, s0, ref_snaps, True, gates=gates, use_triton=False)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snaps, ref_snaps, rtol=1e-5, atol=1e-5)
     print("ok")
 """)
 

@@ -98,23 +98,35 @@ def cached_attention(kv: KVCache, layer: int, q, k, v, positions, kv_len: int, m
 
 # ---- per-layer glue: plain tensor functions (no modules, no cache writes), so one torch.compile serves every layer ---
 
-def attention_in(x, norm, wqkv, bqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
-    """Pre-norm, fused q/k/v projection and RoPE. Returns q [H, T, D], k and v [Hkv, T, D]."""
+def residual_add(x, y):
+    """x + y as PyTorch rounds a bf16 add (in fp32, rounded once), spelled in fp32 so that torch.compile fuses it into
+    the RMSNorm that follows instead of leaving it to a cuBLAS `addmm` epilogue (which first copies x: a launch)."""
+    return x if y is None else (x.float() + y.float()).to(x.dtype)
+
+
+def attention_in(x, y, norm, wqkv, bqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """The residual stream x plus the previous layer's MLP output y (None before the first layer), pre-norm, fused
+    q/k/v projection and RoPE. Returns the new residual stream, q [H, T, D], k and v [Hkv, T, D]."""
     T = x.shape[0]
+    x = residual_add(x, y)
     qk, v = F.linear(rms_norm(x, norm, eps), wqkv, bqkv).split(
         [(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
     # queries and keys rotated as one tensor: the same arithmetic per element, one fused kernel instead of two
     qk = apply_rope(qk.view(T, heads + kv_heads, head_dim).transpose(0, 1), cos, sin)
-    return qk[:heads], qk[heads:], v.view(T, kv_heads, head_dim).transpose(0, 1)
+    return x, qk[:heads], qk[heads:], v.view(T, kv_heads, head_dim).transpose(0, 1)
 
 
 def attention_out_mlp(x, attn, wo, bo, mlp_norm, w_gate_up, b_gate_up, w_down, b_down, eps: float):
-    """Output projection + residual, then the SwiGLU MLP block + residual."""
-    # the residual add spelled in fp32 (the rounding of a bf16 `x + y`, which computes in fp32 too): torch.compile then
-    # fuses it into the RMSNorm below instead of turning it into a cuBLAS addmm that first copies x (one launch more)
-    x = (x.float() + F.linear(attn, wo, bo).float()).to(x.dtype)
+    """Output projection + residual, then the SwiGLU MLP. Returns the residual stream and the MLP output, which the
+    next layer's attention_in (or final_norm) adds: the add fuses into that norm."""
+    x = residual_add(x, F.linear(attn, wo, bo))
     gate, up = F.linear(rms_norm(x, mlp_norm, eps), w_gate_up, b_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down, b_down)
+    return x, F.linear(F.silu(gate) * up, w_down, b_down)
+
+
+def final_norm(x, y, norm, eps: float):
+    """The last layer's residual add and the final RMSNorm."""
+    return rms_norm(residual_add(x, y), norm, eps)
 
 
 _COMPILED: dict = {}
@@ -127,6 +139,9 @@ def glue(fn, compiled: bool):
     if not compiled:
         return fn
     if fn not in _COMPILED:
+        # one process legitimately compiles each function for several block lengths, dtypes, models and for the
+        # first layer (no MLP output to add yet): dynamo's default of 8 versions per function is too few
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _COMPILED[fn] = torch.compile(fn, fullgraph=True)
     return _COMPILED[fn]
 
@@ -181,20 +196,20 @@ class Llama(nn.Module):
         through torch.compile (see glue())."""
         c = self.config
         attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
-        x = F.embedding(tokens, self.embed)
+        x, y = F.embedding(tokens, self.embed), None  # residual stream, and the MLP output not yet added to it
         cos, sin = self.cos[positions], self.sin[positions]
         mask = None if self.kv.block_kernel(tokens.numel()) else causal_mask(positions, kv_len)
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
-            q, k, v = attn_in(x, layer.attn_norm, layer.wqkv, layer.bqkv, cos, sin, c.rms_norm_eps, c.num_heads,
-                              c.num_kv_heads, c.head_dim)
-            x = attn_out_mlp(x, cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, layer.bo,
-                             layer.mlp_norm, layer.w_gate_up, layer.b_gate_up, layer.w_down, layer.b_down,
-                             c.rms_norm_eps)
-            if i in hidden_ids and i != last:
-                feats[i] = x
-        x = rms_norm(x, self.norm, c.rms_norm_eps)
+            x, q, k, v = attn_in(x, y, layer.attn_norm, layer.wqkv, layer.bqkv, cos, sin, c.rms_norm_eps,
+                                 c.num_heads, c.num_kv_heads, c.head_dim)
+            if i - 1 in hidden_ids:  # x is now layer i - 1's output
+                feats[i - 1] = x
+            x, y = attn_out_mlp(x, cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo,
+                                layer.bo, layer.mlp_norm, layer.w_gate_up, layer.b_gate_up, layer.w_down,
+                                layer.b_down, c.rms_norm_eps)
+        x = glue(final_norm, compiled)(x, y, self.norm, c.rms_norm_eps)
         if last in hidden_ids:
             feats[last] = x
         features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None

@@ -30,7 +30,7 @@ from torch import nn
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk
-from kernels.gdn_state import gdn_chunked, gdn_recurrent
+from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 CHUNKED_FROM = 64  # prefill pieces this long or longer run the chunked recurrence; shorter ones the token loop
@@ -115,26 +115,24 @@ def attention_out(x, attn, gate, wo):
     return x + F.linear(attn * torch.sigmoid(gate), wo)
 
 
-def deltanet_in(x, norm, w_in, conv_state, conv_w, neg_A, dt_bias, eps: float, key_heads: int, value_heads: int,
-                key_dim: int, value_dim: int):
+def deltanet_in(x, norm, w_in, conv_state, conv_w, eps: float, key_heads: int, value_heads: int, key_dim: int,
+                value_dim: int):
     """Pre-norm, fused input projection [qkv | z | b | a], causal depthwise conv over [last K-1 inputs ; block]
-    (transformers' causal_conv1d_update) + SiLU, and the gates: beta = sigmoid(b), g = -exp(A_log) softplus(a + dt).
-    Returns the conv window [K-1+T, C] (the caller stores what the cache keeps), q, k [T, Hk, Dk], v, z [T, Hv, Dv],
-    g (fp32) and beta [T, Hv]."""
+    (transformers' causal_conv1d_update) + SiLU. Returns the conv window [K-1+T, C] (the caller stores what the
+    cache keeps), q, k [T, Hk, Dk], v, z [T, Hv, Dv], and the gate projections a, b [T, Hv] (kernels/gdn_state turns
+    them into g and beta: gdn_gates)."""
     T = x.shape[0]
     h = qwen_rms_norm(x, norm, eps)
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
     mixed, z, b, a = F.linear(h, w_in).split([conv_dim, value_heads * value_dim, value_heads, value_heads], dim=-1)
     window = torch.cat([conv_state, mixed], dim=0)
     # the depthwise conv as K shifted multiply-adds in fp32, rounded once (as a conv with fp32 accumulation): plain
-    # elementwise code, which torch.compile fuses with the cat, SiLU and gates into one kernel (F.conv1d stays a
-    # separate cuDNN launch per layer)
+    # elementwise code, which torch.compile fuses with the cat and SiLU (F.conv1d stays a separate cuDNN launch)
     K = conv_w.shape[1]
     conv = sum(window[j:j + T].float() * conv_w[:, j].float() for j in range(K)).to(h.dtype)
     q, k, v = F.silu(conv).split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
-    g = neg_A * F.softplus(a.float() + dt_bias)
     return (window, q.reshape(T, key_heads, key_dim), k.reshape(T, key_heads, key_dim),
-            v.reshape(T, value_heads, value_dim), z.reshape(T, value_heads, value_dim), g, b.sigmoid())
+            v.reshape(T, value_heads, value_dim), z.reshape(T, value_heads, value_dim), a, b)
 
 
 def deltanet_out(x, core, z, norm, w_out, eps: float):
@@ -183,18 +181,20 @@ class GatedDeltaNet(nn.Module):
     def forward(self, model, x, norm, positions, kv_len, cos, sin, mask, record, compiled):
         c, cache, i = model.config, model.linear, self.slot
         T = x.shape[0]
-        window, q, k, v, z, g, beta = glue(deltanet_in, compiled)(
-            x, norm, self.w_in, cache.conv[i], self.conv_w, self.neg_A, self.dt_bias, c.rms_norm_eps,
-            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        window, q, k, v, z, a, b = glue(deltanet_in, compiled)(
+            x, norm, self.w_in, cache.conv[i], self.conv_w, c.rms_norm_eps, c.linear_num_key_heads,
+            c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        gates = (self.neg_A, self.dt_bias)
         if record:  # a verify: keep the whole window and every position's state; accept() picks
             cache.conv_window[i, :window.shape[0]].copy_(window)
-            core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.snapshots[i, :T], every_position=True)
+            core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.snapshots[i, :T], every_position=True,
+                                 gates=gates)
         else:
             cache.conv[i].copy_(window[-cache.width:])
             if T < CHUNKED_FROM:
-                core = gdn_recurrent(q, k, v, g, beta, cache.state[i], cache.state[i], every_position=False)
+                core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.state[i], every_position=False, gates=gates)
             else:
-                core = gdn_chunked(q, k, v, g, beta, cache.state[i])
+                core = gdn_chunked(q, k, v, *gdn_gates(a, b, *gates), cache.state[i])
         return glue(deltanet_out, compiled)(x, core, z, self.norm, self.w_out, c.rms_norm_eps)
 
 

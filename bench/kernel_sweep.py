@@ -1,0 +1,167 @@
+"""Launch-shape sweeps for the small kernels of a decode step / block verify, and the GEMVs around them (GPU).
+
+Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast path replays them), median over
+`--reps` replays, per call. What it measures:
+
+  gdn        kernels/gdn_state.gdn_recurrent at the Qwen3.6-35B-A3B shape (32 value heads, 128 x 128 state),
+             T = 1 (decode) and 16 (verify, every position), over block_v x num_warps x prefetch
+  route      kernels/moe_routing.route_topk, 256 experts, top-8, T = 1 and 16, over block_t x num_warps
+  attention  kernels/block_attention.block_attention at the SmolLM2 and 35B-A3B head shapes, T = 1 and 16
+  gemv       x [M, K] @ W^T for the step's projection shapes, M = 1 and 16: F.linear (cuBLAS as torch picks it),
+             F.linear with torch's cuBLASLt preference, and a pre-transposed weight (another cuBLAS kernel choice)
+
+    python bench/kernel_sweep.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.block_attention import block_attention  # noqa: E402
+from kernels.gdn_state import gdn_recurrent  # noqa: E402
+from kernels.moe_routing import route_topk  # noqa: E402
+
+
+def graph_time_us(fn, inner: int, reps: int) -> float:
+    """Median microseconds per call of fn() over `reps` replays of a CUDA graph holding `inner` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / inner)
+    return statistics.median(times)
+
+
+def sweep_gdn(inner, reps):
+    rows = []
+    hk, hv, dk, dv = 16, 32, 128, 128
+    for T in (1, 16):
+        q, k = torch.randn(T, hk, dk, device="cuda").bfloat16(), torch.randn(T, hk, dk, device="cuda").bfloat16()
+        v = torch.randn(T, hv, dv, device="cuda").bfloat16()
+        g, beta = -torch.rand(T, hv, device="cuda"), torch.rand(T, hv, device="cuda").bfloat16()
+        state = torch.randn(hv, dk, dv, device="cuda")
+        snaps = torch.empty(T, hv, dk, dv, device="cuda")
+        every = T > 1
+        out_state = snaps if every else state.clone()
+        ref = None
+        for block_v, warps, prefetch in itertools.product((8, 16, 32, 64), (1, 2, 4, 8), (False, True)):
+            s_in = state.clone()
+            run = lambda: gdn_recurrent(q, k, v, g, beta, s_in, out_state, every, block_v=block_v,  # noqa: E731
+                                        num_warps=warps, prefetch=prefetch)
+            out = run()
+            if ref is None:
+                ref = out.float().clone()
+            err = (out.float() - ref).abs().max().item()
+            rows.append(dict(kernel="gdn_recurrent", T=T, block_v=block_v, num_warps=warps, prefetch=prefetch,
+                             us=round(graph_time_us(run, inner, reps), 2), max_diff_vs_first=err))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def sweep_route(inner, reps):
+    rows = []
+    for T in (1, 16):
+        logits = torch.randn(T, 256, device="cuda").bfloat16()
+        for block_t, warps in itertools.product((1, 16), (1, 2, 4)):
+            run = lambda: route_topk(logits, 8, True, block_t=block_t, num_warps=warps)  # noqa: E731
+            rows.append(dict(kernel="route_topk", T=T, block_t=block_t, num_warps=warps,
+                             us=round(graph_time_us(run, inner, reps), 2)))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def sweep_attention(inner, reps):
+    rows = []
+    for name, heads, kv_heads, d in (("smollm2-135m", 9, 3, 64), ("qwen3.6-35b-a3b", 16, 2, 256)):
+        for T in (1, 16):
+            start, span = 512, 768
+            q = torch.randn(heads, T, d, device="cuda").bfloat16()
+            kn, vn = (torch.randn(kv_heads, T, d, device="cuda").bfloat16() for _ in range(2))
+            kc, vc = (torch.randn(kv_heads, 2048, d, device="cuda").bfloat16() for _ in range(2))
+            st = torch.tensor([start], device="cuda")
+            run = lambda: block_attention(q, kn, vn, kc, vc, st, span)  # noqa: E731
+            rows.append(dict(kernel="block_attention", shape=name, T=T, start=start, span=span,
+                             us=round(graph_time_us(run, inner, reps), 2)))
+            print(rows[-1], flush=True)
+    return rows
+
+
+GEMV_SHAPES = {  # (N, K): output features, input features
+    "qwen35b router": (256, 2048), "qwen35b deltanet in": (12352, 2048), "qwen35b deltanet out": (2048, 4096),
+    "qwen35b attention qkv": (17408, 2048), "qwen35b attention out": (2048, 8192),
+    "smollm2 qkv": (960, 576), "smollm2 o": (576, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
+}
+
+
+def sweep_gemv(inner, reps):
+    rows = []
+    for (name, (n, k)), m in itertools.product(GEMV_SHAPES.items(), (1, 16)):
+        w = torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5
+        wt = w.t().contiguous()
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        variants = {"F.linear": lambda: F.linear(x, w), "x @ W^T stored transposed": lambda: x @ wt}
+        row = dict(kernel="gemv", shape=name, M=m, N=n, K=k, weight_MB=round(n * k * 2 / 1e6, 2))
+        for label, fn in variants.items():
+            row[label] = round(graph_time_us(fn, inner, reps), 2)
+        try:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            row["F.linear cublaslt"] = round(graph_time_us(lambda: F.linear(x, w), inner, reps), 2)
+        finally:
+            torch.backends.cuda.preferred_blas_library("cublas")
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", choices=sorted(SWEEPS), help="run these sweeps (default: all)")
+    ap.add_argument("--inner", type=int, default=30, help="calls per captured graph (a model's layers)")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_sweep.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    results = {name: SWEEPS[name](args.inner, args.reps) for name in (args.only or SWEEPS)}
+    stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    doc = {"benchmark": "kernel_sweep", "device": torch.cuda.get_device_name(), "date": stamp,
+           "command": "python bench/kernel_sweep.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+           "inner": args.inner, "reps": args.reps, "results": results}
+    out = Path(args.out) / f"kernel_sweep_{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
