@@ -78,10 +78,11 @@ def main():
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
             with profile(activities=acts) as prof:
-                generate_responses(model, prompts[:256], max_new_tokens=min(16, args.new_tokens), stops=(), batch_size=256,
-                                   temperature=0.7, log=lambda *_: None)
+                generate_responses(model, prompts[:256], max_new_tokens=min(16, args.new_tokens), stops=(),
+                                   batch_size=256, temperature=0.7, log=lambda *_: None)
                 sync()
-            table = prof.key_averages().table(sort_by="cuda_time_total" if device == "cuda" else "cpu_time_total", row_limit=20)
+            by = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+            table = prof.key_averages().table(sort_by=by, row_limit=20)
             cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=12)
             print(table, cpu_table, sep="\n", flush=True)
             rows.append(dict(stage="profile 256 prompts x 16 tokens", cuda_table=table, cpu_table=cpu_table))
@@ -89,9 +90,9 @@ def main():
         if device == "cuda":
             torch.cuda.empty_cache()
     stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
-    doc = {"benchmark": "train_gen_speed", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "date": stamp,
-           "model": "SmolLM2-135M shape, random weights", "command": "python bench/train_gen_speed.py "
-           + " ".join(sys.argv[1:]), "rows": rows}
+    doc = {"benchmark": "train_gen_speed", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+           "date": stamp, "model": "SmolLM2-135M shape, random weights",
+           "command": "python bench/train_gen_speed.py " + " ".join(sys.argv[1:]), "rows": rows}
     out = Path(args.out) / f"train_gen_speed_{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))

@@ -2,7 +2,7 @@
 
 from kernels.fused_moe import fused_moe, fused_moe_triton, triton_usable
 from kernels.moe_reference import SharedExpert, fused_moe_torch, moe_reference
-from kernels.moe_routing import route_topk, route_topk_torch
+from kernels.moe_routing import route_topk, route_topk_from_hidden, route_topk_torch
 
 __all__ = ["SharedExpert", "fused_moe", "fused_moe_torch", "fused_moe_triton", "moe_reference", "route_topk",
-           "route_topk_torch", "triton_usable"]
+           "route_topk_from_hidden", "route_topk_torch", "triton_usable"]

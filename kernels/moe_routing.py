@@ -4,6 +4,14 @@ transformers' routers do this in ~6 small PyTorch kernels, which at decode cost 
 themselves (H200, 1 token: ~25 us router vs ~26 us experts per layer in CUDA graphs). Same math and order:
 probabilities = softmax(logits in fp32); top-k by probability, largest first; weights / their sum if
 renormalising; weights cast to the logits' dtype. Ties pick the lowest expert index.
+
+    weights, ids = route_topk(logits, top_k)                   # logits [M, E] from the caller's router matmul
+    weights, ids = route_topk_from_hidden(h, router, top_k)    # the router matmul too (M <= 16: two launches)
+
+route_topk_from_hidden: cuBLAS spends ~5 us on the 35B-A3B router (1 MB of weights, 4 CTAs) at 1 or 16 tokens
+(bench/kernel_sweep.py). Here a grid of (expert tiles x K slices) programs writes fp32 partial logits and the routing
+kernel adds the slices in a fixed order, rounds the sum to the hidden states' dtype (what F.linear returns) and
+routes: the weights are read by 64 programs at once instead of 4.
 """
 
 from __future__ import annotations
@@ -13,20 +21,54 @@ import torch
 from kernels.fused_moe import triton, triton_usable
 
 SMALL_BATCH = 64  # up to this many tokens, one token per program
+ROUTER_MAX_TOKENS = 16  # route_topk_from_hidden's own matmul up to this many tokens (a decode step or a verify block)
+ROUTER_K_SPLIT = 4  # K slices of the router matmul
+ROUTER_BLOCK_E = 16  # experts per program
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_tokens"])
+    def _router_partial_kernel(h_ptr, w_ptr, part_ptr, num_tokens, E, H, k_per_split, stride_h, stride_w,
+                               BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+        """Grid (expert tiles, K slices): part[slice, token, expert] = h[token, slice] . w[expert, slice], fp32."""
+        e = tl.program_id(0) * BE + tl.arange(0, BE)
+        split = tl.program_id(1)
+        m = tl.arange(0, BM)
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BE], tl.float32)
+        k_lo = split * k_per_split
+        for k0 in range(k_lo, k_lo + k_per_split, BK):
+            k = k0 + kk
+            k_ok = k < H
+            ht = tl.load(h_ptr + m[:, None] * stride_h + k[None, :], mask=(m < num_tokens)[:, None] & k_ok[None, :],
+                         other=0.0)
+            wt = tl.load(w_ptr + e[None, :] * stride_w + k[:, None], mask=k_ok[:, None] & (e < E)[None, :],
+                         other=0.0)
+            acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
+        out = part_ptr + (split * BM + m[:, None]) * E + e[None, :]
+        tl.store(out, acc, mask=(m < num_tokens)[:, None] & (e < E)[None, :])
+
+    @triton.jit(do_not_specialize=["num_tokens"])
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, E, stride_l,
                       RENORMALIZE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                      BT: tl.constexpr):
+                      BT: tl.constexpr, PARTS: tl.constexpr, PART_ROWS: tl.constexpr):
+        """PARTS == 0: logits_ptr holds the logits. PARTS > 0: it holds _router_partial_kernel's fp32 slices
+        [PARTS, PART_ROWS, E], added here in slice order and rounded to weights' dtype, as F.linear rounds."""
         tok = tl.program_id(0) * BT + tl.arange(0, BT)
         tok_ok = tok < num_tokens
         cols = tl.arange(0, EP)
         col_ok = cols < E
-        logits = tl.load(logits_ptr + tok.to(tl.int64)[:, None] * stride_l + cols[None, :],
-                         mask=tok_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
+        if PARTS == 0:
+            logits = tl.load(logits_ptr + tok.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                             mask=tok_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
+        else:
+            logits = tl.zeros([BT, EP], tl.float32)
+            for part in tl.static_range(PARTS):
+                logits += tl.load(logits_ptr + (part * PART_ROWS + tok)[:, None] * E + cols[None, :],
+                                  mask=tok_ok[:, None] & col_ok[None, :], other=0.0)
+            logits = logits.to(weights_ptr.dtype.element_ty).to(tl.float32)
+            logits = tl.where(tok_ok[:, None] & col_ok[None, :], logits, float("-inf"))
         p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         p = tl.where(col_ok[None, :], p, 0.0)
         p = p / tl.sum(p, axis=1)[:, None]
@@ -82,5 +124,39 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_t
         num_warps = 1 if block_t == 1 and padded <= 512 else 4
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0), RENORMALIZE=renormalize, K=top_k,
-        KP=triton.next_power_of_2(top_k), EP=padded, BT=block_t, num_warps=num_warps)
+        KP=triton.next_power_of_2(top_k), EP=padded, BT=block_t, PARTS=0, PART_ROWS=1, num_warps=num_warps)
+    return weights, ids
+
+
+def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True,
+                           use_triton: bool | None = None):
+    """route_topk(F.linear(h, router), ...) for h [M, H] and router [E, H]: with Triton and M <= ROUTER_MAX_TOKENS,
+    the matmul runs in a kernel of ours (fp32 partial sums over ROUTER_K_SPLIT slices, added in a fixed order) whose
+    rounded logits the routing kernel takes directly; otherwise F.linear + route_topk."""
+    if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
+        raise ValueError(f"expected h [tokens, hidden] and router [experts, hidden], got {tuple(h.shape)} and "
+                         f"{tuple(router.shape)}")
+    if use_triton is None:
+        use_triton = triton_usable(h)
+    num_tokens, hidden = h.shape
+    experts = router.shape[0]
+    if not use_triton or num_tokens > ROUTER_MAX_TOKENS or not 0 < top_k <= experts:
+        return route_topk(torch.nn.functional.linear(h, router), top_k, renormalize, use_triton)
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    router = router if router.stride(-1) == 1 else router.contiguous()
+    block_k = 128
+    k_per_split = triton.cdiv(hidden, ROUTER_K_SPLIT * block_k) * block_k
+    splits = triton.cdiv(hidden, k_per_split)
+    parts = torch.empty(splits, ROUTER_MAX_TOKENS, experts, dtype=torch.float32, device=h.device)
+    _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
+        h, router, parts, num_tokens, experts, hidden, k_per_split, h.stride(0), router.stride(0),
+        BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k,
+        PRECISION="ieee" if h.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+    weights = torch.empty(num_tokens, top_k, dtype=h.dtype, device=h.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=h.device)
+    padded = triton.next_power_of_2(experts)
+    _route_kernel[(num_tokens,)](
+        parts, weights, ids, num_tokens, experts, experts, RENORMALIZE=renormalize, K=top_k,
+        KP=triton.next_power_of_2(top_k), EP=padded, BT=1, PARTS=splits, PART_ROWS=ROUTER_MAX_TOKENS,
+        num_warps=1 if padded <= 512 else 4)
     return weights, ids

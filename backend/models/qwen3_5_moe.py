@@ -8,8 +8,8 @@ sparse MoE block. Same math and rounding points as transformers' Qwen3_5MoeForCa
   Gated DeltaNet in_proj -> causal depthwise conv (kernel 4) + SiLU over [q; k; v]; beta = sigmoid(b);
                  g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (kernels/gdn_state.py); output
                  RMSNorm(x) * weight * SiLU(z); out_proj
-  MoE            softmax router, top-k renormalised (kernels.route_topk); experts and the sigmoid-gated shared
-                 expert in one fused call (kernels.fused_moe)
+  MoE            router matmul, softmax, top-k renormalised (kernels.route_topk_from_hidden); experts and the
+                 sigmoid-gated shared expert in one fused call (kernels.fused_moe)
 Caches: a static KVCache for the attention layers and a LinearStateCache (conv window, fp32 recurrent state, and
 per-position snapshots written during a recorded forward) for the Gated DeltaNet layers.
 
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, rope_tables
+from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
-from kernels import SharedExpert, fused_moe, route_topk
+from kernels import SharedExpert, fused_moe, route_topk_from_hidden
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
@@ -111,8 +111,10 @@ def attention_in(x, norm, wqkv, q_norm, k_norm, cos, sin, eps: float, heads: int
     return q, k, v.view(T, kv_heads, D).transpose(0, 1), gate.reshape(T, -1)
 
 
-def attention_out(x, attn, gate, wo):
-    return x + F.linear(attn * torch.sigmoid(gate), wo)
+def attention_out(attn, gate, wo):
+    """The gated output projection. The residual add happens in moe_in, inside its norm: a cuBLAS beta-add here
+    costs a copy of x before the matmul (one launch per layer)."""
+    return F.linear(attn * torch.sigmoid(gate), wo)
 
 
 def deltanet_in(x, norm, w_in, conv_state, conv_w, eps: float, key_heads: int, value_heads: int, key_dim: int,
@@ -135,17 +137,19 @@ def deltanet_in(x, norm, w_in, conv_state, conv_w, eps: float, key_heads: int, v
             v.reshape(T, value_heads, value_dim), z.reshape(T, value_heads, value_dim), a, b)
 
 
-def deltanet_out(x, core, z, norm, w_out, eps: float):
-    """Gated RMSNorm of the recurrence output (per value head) and the output projection + residual."""
+def deltanet_out(core, z, norm, w_out, eps: float):
+    """Gated RMSNorm of the recurrence output (per value head) and the output projection (the residual add happens
+    in moe_in, as for attention_out)."""
     dv = core.shape[-1]
     out = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), norm, eps)
-    return x + F.linear(out.reshape(x.shape[0], -1), w_out)
+    return F.linear(out.reshape(core.shape[0], -1), w_out)
 
 
-def moe_in(x, norm, router, eps: float):
-    """Post-attention norm and router logits."""
-    h = qwen_rms_norm(x, norm, eps)
-    return h, F.linear(h, router)
+def moe_in(x, y, norm, eps: float):
+    """The mixer's residual add (x + its output y) and the post-attention norm. Returns the new residual stream and
+    the normed input of the MoE (the router matmul runs in kernels.route_topk_from_hidden)."""
+    x = residual_add(x, y)
+    return x, qwen_rms_norm(x, norm, eps)
 
 
 class GatedAttention(nn.Module):
@@ -162,7 +166,7 @@ class GatedAttention(nn.Module):
         q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         attn = cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask)
-        return glue(attention_out, compiled)(x, attn, gate, self.wo)
+        return glue(attention_out, compiled)(attn, gate, self.wo)
 
 
 class GatedDeltaNet(nn.Module):
@@ -195,7 +199,7 @@ class GatedDeltaNet(nn.Module):
                 core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.state[i], every_position=False, gates=gates)
             else:
                 core = gdn_chunked(q, k, v, *gdn_gates(a, b, *gates), cache.state[i])
-        return glue(deltanet_out, compiled)(x, core, z, self.norm, self.w_out, c.rms_norm_eps)
+        return glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
 
 
 class SparseMoE(nn.Module):
@@ -210,15 +214,16 @@ class SparseMoE(nn.Module):
         self.shared_gate_proj, self.shared_up_proj = e(si, c.hidden_size), e(si, c.hidden_size)
         self.shared_down_proj, self.shared_gate = e(c.hidden_size, si), e(1, c.hidden_size)
 
-    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights and expert ids [T, top_k]. (A benchmark may replace this on an instance to replay a
-        routing trace; nothing else does.)"""
-        return route_topk(router_logits, self.top_k, True)
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids [T, top_k] for the normed hidden states h [T, H]: router matmul, softmax,
+        top-k. (A benchmark may replace this on an instance to replay a routing trace; nothing else does.)"""
+        return route_topk_from_hidden(h, self.router, self.top_k, True)
 
-    def forward(self, x: torch.Tensor, norm: torch.Tensor, eps: float, compiled: bool) -> torch.Tensor:
-        """x + MoE(norm(x)): router, then all experts and the shared expert in one fused call."""
-        h, logits = glue(moe_in, compiled)(x, norm, self.router, eps)
-        weights, ids = self.route(logits)
+    def forward(self, x: torch.Tensor, y: torch.Tensor, norm: torch.Tensor, eps: float, compiled: bool) -> torch.Tensor:
+        """x + y + MoE(norm(x + y)), y the mixer's output: router, then all experts and the shared expert in one fused
+        call."""
+        x, h = glue(moe_in, compiled)(x, y, norm, eps)
+        weights, ids = self.route(h)
         shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
 
@@ -278,8 +283,8 @@ class Qwen35Moe(nn.Module):
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
-            x = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
-            x = layer.moe(x, layer.norm2, c.rms_norm_eps, compiled)
+            y = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
+            x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled)
             if i in hidden_ids and i != last:
                 feats[i] = x
         x = qwen_rms_norm(x, self.norm, c.rms_norm_eps)
