@@ -121,9 +121,9 @@ OPTION_HELP = {
     "data_dir": "Where the response/feature shards go; reused when target, layers and prompts match "
                 "[default: <out>/data].",
     "data_only": "Generate the responses and features, then stop.",
-    "responses": "Reuse responses generated earlier: comma-separated responses.jsonl files (or data dirs holding one; "
-                 "every run writes <data-dir>/responses.jsonl). Prompts and sample rounds they cover are not "
-                 "generated again; the target must be the same model.",
+    "responses": "Reuse responses generated earlier: comma-separated responses.jsonl files, gzipped ones too (or "
+                 "data dirs holding one; every run writes <data-dir>/responses.jsonl). Prompts and sample rounds they "
+                 "cover are not generated again; the target must be the same model.",
     "responses_only": "Generate the responses, write <data-dir>/responses.jsonl and stop (no features, no training): "
                       "e.g. on a CPU, for a GPU run to reuse with --responses.",
     "layers": "Drafter layers (the last one full attention, the others sliding-window layers).",

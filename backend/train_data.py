@@ -18,6 +18,7 @@ Data flow (backend/train.py drives it):
 from __future__ import annotations
 
 import hashlib
+import gzip
 import json
 import sqlite3
 import time
@@ -367,7 +368,8 @@ def save_responses(path: Path, target_name: str, responses: dict[str, list[int]]
 
 
 def load_responses(paths: list[Path], target_name: str) -> dict[str, list[int]]:
-    """Responses written by earlier runs (save_responses), for this target only; later files win on repeated ids."""
+    """Responses written by earlier runs (save_responses; plain or gzipped), for this target only; later files win on
+    repeated ids."""
     out: dict[str, list[int]] = {}
     for path in paths:
         path = Path(path)
@@ -375,7 +377,8 @@ def load_responses(paths: list[Path], target_name: str) -> dict[str, list[int]]:
             path = path / RESPONSES
         if not path.is_file():
             raise DataError(f"no responses file at {path}")
-        with path.open() as f:
+        # gzipped (.gz) files too: a responses file shrinks ~5x, which matters when it travels to a GPU machine
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
             try:
                 header = json.loads(f.readline() or "{}")
                 rows = [json.loads(line) for line in f if line.strip()]

@@ -3,6 +3,7 @@ the training forward equals the drafter's inference forward, data comes from a r
 set, every knob trains, the loss goes down, checkpoints load in the real engine and keep greedy output identical,
 and resuming continues the step count."""
 
+import gzip
 import json
 
 import pytest
@@ -224,6 +225,17 @@ def test_sampled_responses_add_training_sequences(tiny_model, reviews_db, data_d
     with pytest.raises(T.TrainError, match="samples-per-prompt"):
         T.main(model=str(tiny_model("llama")), out=str(tmp_path / "bad"), from_db=str(reviews_db), data_only=True,
                samples_per_prompt=-1, **COMMON)
+
+
+def test_responses_file_may_be_gzipped_and_must_match_the_target(tmp_path):
+    rows = [{"id": "a", "tokens": [1, 2, 3]}, {"id": "b~1", "tokens": [4]}]
+    text = "\n".join(json.dumps(r) for r in [{"target": "tiny"}] + rows) + "\n"
+    packed = tmp_path / "responses.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write(text)
+    assert td.load_responses([packed], "tiny") == {"a": [1, 2, 3], "b~1": [4]}
+    with pytest.raises(td.DataError, match="not of the target"):
+        td.load_responses([packed], "another")
 
 
 def test_responses_are_written_and_reused_instead_of_generated(tiny_model, reviews_db, data_dir, tmp_path, capsys):
