@@ -9,6 +9,9 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
   attention  kernels/block_attention.block_attention at the SmolLM2 and 35B-A3B head shapes, T = 1 and 16
   gemv       x [M, K] @ W^T for the step's projection shapes, M = 1 and 16: F.linear (cuBLAS as torch picks it),
              F.linear with torch's cuBLASLt preference, and a pre-transposed weight (another cuBLAS kernel choice)
+  moe_decode kernels/moe_decode.py's tiles (one token, 35B-A3B experts, weights from HBM) vs the grouped path
+  gemv_fused kernels/gemv.py's tiles (the 35B-A3B output projections with their gated norm / sigmoid gate, one
+             weight per call) vs the eager prologue + F.linear
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -139,7 +142,103 @@ def sweep_gemv(inner, reps):
     return rows
 
 
-SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv}
+def sweep_moe_decode(inner, reps):
+    """kernels/moe_decode.py's tiles at the 35B-A3B shape (256 experts, H 2048, I 512, top-8 + shared expert), one
+    token, against the grouped path at one token. Each of the `inner` calls routes to different random experts of
+    one layer's weights (1.5 GB), so the weights come from HBM as they do in a 40-layer step."""
+    from kernels.fused_moe import fused_moe
+    from kernels.moe_reference import SharedExpert
+    e, h, i, k = 256, 2048, 512, 8
+    gate_up = torch.randn(e, 2 * i, h, device="cuda").bfloat16() / h ** 0.5
+    down = torch.randn(e, h, i, device="cuda").bfloat16() / i ** 0.5
+    shared = [SharedExpert(*(torch.randn(*s, device="cuda").bfloat16() / s[1] ** 0.5
+                             for s in ((i, h), (i, h), (h, i), (1, h)))) for _ in range(inner)]
+    x = torch.randn(1, h, device="cuda").bfloat16()
+    calls = [(torch.randperm(e, device="cuda")[:k][None], torch.softmax(torch.randn(1, k, device="cuda"), -1).bfloat16())
+             for _ in range(inner)]
+    state = {"n": 0}
+
+    def run(decode):
+        ids, w = calls[state["n"] % inner]
+        sh = shared[state["n"] % inner]
+        state["n"] += 1
+        return fused_moe(x, gate_up, down, w, ids, sh, config={**fm_default(), "decode": decode})
+
+    rows = []
+    ref = run(False).float()
+    state["n"] = 0
+    base = dict(kernel="moe_decode", weights_MB_per_call=round(9 * 3 * i * h * 2 / 1e6, 1))
+    rows.append(dict(base, variant="grouped path (fused_moe.py at M=1)", us=round(graph_time_us(
+        lambda: run(False), inner, reps), 2)))
+    print(rows[-1], flush=True)
+    best_gu = {"BN": 8, "BK": 512, "warps": 4}
+    best_dn = {"BH": 8, "BI": 512, "warps": 4}
+    for part in ("gate_up", "down"):
+        grid = ([{"BN": bn, "BK": bk, "warps": wp} for bn, bk, wp in itertools.product((4, 8, 16), (256, 512, 1024),
+                                                                                       (2, 4, 8))]
+                if part == "gate_up" else
+                [{"BH": bh, "BI": bi, "warps": wp} for bh, bi, wp in itertools.product((4, 8, 16), (128, 256, 512),
+                                                                                       (2, 4, 8))])
+        best_us = float("inf")
+        for tile in grid:
+            tiles = {"gate_up": tile if part == "gate_up" else best_gu, "down": tile if part == "down" else best_dn}
+            state["n"] = 0
+            err = ((run(tiles).float() - ref).norm() / ref.norm()).item()
+            us = graph_time_us(lambda: run(tiles), inner, reps)
+            rows.append(dict(base, variant=f"decode, sweeping {part}", tiles=tiles, us=round(us, 2),
+                             rel_err_vs_grouped=err))
+            print(rows[-1], flush=True)
+            if us < best_us and err < 1e-2:
+                best_us = us
+                best_gu, best_dn = tiles["gate_up"], tiles["down"]
+    rows.append(dict(base, variant="best", tiles={"gate_up": best_gu, "down": best_dn}))
+    print(rows[-1], flush=True)
+    return rows
+
+
+def fm_default():
+    """The tuned grouped-path config for one token at the 35B-A3B shape (what fused_moe picks on this device)."""
+    from kernels.fused_moe import get_config, shape_key
+    return dict(get_config(torch.cuda.get_device_name(), shape_key(256, 2048, 512, 8, True), 1, 8))
+
+
+def sweep_gemv_fused(inner, reps):
+    """kernels/gemv.py at the 35B-A3B output projections (2048 x 4096), one token, each call on its own weight (as in
+    a 40-layer step: not L2-resident), against the eager prologue + F.linear and against F.linear alone."""
+    from backend.models.qwen3_5_moe import gated_rms_norm
+    from kernels.gemv import gemv
+    n, kdim, d = 2048, 4096, 128
+    ws = [torch.randn(n, kdim, device="cuda").bfloat16() / kdim ** 0.5 for _ in range(inner)]
+    x, z = torch.randn(1, kdim, device="cuda").bfloat16(), torch.randn(1, kdim, device="cuda").bfloat16()
+    nw = (torch.rand(d, device="cuda") + 0.5).bfloat16()
+    state = {"n": 0}
+
+    def weight():
+        state["n"] += 1
+        return ws[state["n"] % inner]
+    rows = []
+    base = dict(kernel="gemv_fused", N=n, K=kdim, weight_MB=round(n * kdim * 2 / 1e6, 1))
+    baselines = {
+        "F.linear alone": lambda: F.linear(x, weight()),
+        "gated_rms_norm (eager) + F.linear": lambda: F.linear(
+            gated_rms_norm(x.view(-1, d), z.view(-1, d), nw, 1e-6).view(1, -1), weight()),
+        "x * sigmoid(g) (eager) + F.linear": lambda: F.linear(x * torch.sigmoid(z), weight()),
+    }
+    for label, fn in baselines.items():
+        rows.append(dict(base, variant=label, us=round(graph_time_us(fn, inner, reps), 2)))
+        print(rows[-1], flush=True)
+    for prologue in ("gated_norm", "sigmoid_gate"):
+        kw = {"gate": z, "norm_weight": nw, "eps": 1e-6} if prologue == "gated_norm" else {"gate": z}
+        for bn, bk, wp in itertools.product((2, 4, 8, 16), (256, 512, 1024), (1, 2, 4, 8)):
+            tiles = {"BN": bn, "BK": bk, "warps": wp}
+            rows.append(dict(base, variant=f"gemv {prologue}", tiles=tiles, us=round(graph_time_us(
+                lambda: gemv(x, weight(), use_triton=True, tiles=tiles, **kw), inner, reps), 2)))
+            print(rows[-1], flush=True)
+    return rows
+
+
+SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv,
+          "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused}
 
 
 def main():

@@ -17,6 +17,7 @@ Launches (all shapes depend only on M, so the whole thing can be captured in a C
      stored in fp32 to `rows[slot]`.
   4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows in a fixed order. No atomics: results are
      deterministic, which greedy decoding relies on.
+One token (a decode step) takes kernels/moe_decode.py instead: two GEMV-shaped launches, no block table.
 Direct mode (small M, as vLLM does for small tokens*top_k): block b < M*K is slot b alone, the last block holds
 the shared expert's M slots; no sorting launch. Each expert is then read once per token routed to it, which
 costs nothing extra while M*K is small.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.moe_decode import decode_moe
 from kernels.moe_reference import SharedExpert, fused_moe_torch, shared_expert_torch
 
 try:
@@ -66,7 +68,8 @@ def fused_moe(
 
     gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout), topk_weights / topk_ids [M, K].
     use_triton=None picks Triton when it can run (CUDA, or TRITON_INTERPRET=1), else the PyTorch fallback.
-    config overrides the tuned tile sizes (used by the tuner).
+    config overrides the tuned tile sizes (used by the tuner); its "decode" entry holds kernels/moe_decode.py's
+    tiles for one token (None: DECODE_TILES; False: the grouped path at one token too, for comparisons).
     residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
     the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
     """
@@ -434,6 +437,10 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         shared = SharedExpert(*(w.contiguous() if w is not None else None for w in shared))
     cfg = config or get_config(_device_name(x), shape_key(num_experts, hidden, inter, top_k, has_shared),
                                num_tokens, top_k)
+    if num_tokens == 1 and cfg.get("decode") is not False:  # a decode step: two GEMV-shaped launches
+        return decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
+                          None if residual is None else residual.contiguous(), cfg.get("decode"),
+                          hidden_states.dtype)
     direct = cfg["direct"] and num_tokens <= cfg["BM"]
     block_m = cfg["BM"]
     ids = topk_ids.contiguous()

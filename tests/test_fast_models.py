@@ -251,6 +251,59 @@ def test_qwen_prefill_decode_verify_match_transformers(prompt_len):
     torch.testing.assert_close(fast.decode(token)[0], hf_step(hf, [token], cache).logits[0, -1], **TOL)
 
 
+QWEN_TRITON_SCRIPT = textwrap.dedent("""
+    import importlib
+    import torch
+    from transformers import DynamicCache
+    from backend.models import load_fast
+    from tests.test_fast_models import TOL, hf_step, seeded, tiny_qwen, tiny_qwen_same_shared
+    qm, fm = importlib.import_module("backend.models.qwen3_5_moe"), importlib.import_module("kernels.fused_moe")
+    calls = {"gemv": 0, "decode_moe": 0}
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+    qm.gemv, fm.decode_moe = counted("gemv", qm.gemv), counted("decode_moe", fm.decode_moe)
+    seeded()
+    for shared in (48, 32):  # the shared expert inside the kernels (same intermediate size) or beside them
+        hf = tiny_qwen() if shared == 48 else tiny_qwen_same_shared()
+        fast = load_fast(hf, max_context=64)
+        prompt = torch.randint(0, 320, (9,))
+        cache = DynamicCache(config=hf.config)
+        logits, _ = fast.prefill(prompt)
+        token = int(hf_step(hf, prompt, cache).logits[0, -1].argmax())
+        for _ in range(3):
+            logits, _ = fast.decode(token)
+            ref = hf_step(hf, [token], cache).logits[0, -1]
+            torch.testing.assert_close(logits, ref, **TOL)
+            token = int(ref.argmax())
+    # 4 layers: 3 DeltaNet + 1 attention output projections and 4 MoE blocks per decode step
+    assert calls == {"gemv": 2 * 3 * 4, "decode_moe": 2 * 3 * 4}, calls
+    print("ok")
+""")
+
+
+def tiny_qwen_same_shared():
+    """tiny_qwen with the shared expert as wide as the routed ones (the 35B-A3B case: fused into the MoE kernels)."""
+    seeded()
+    config = tiny_qwen().config
+    config.shared_expert_intermediate_size = config.moe_intermediate_size
+    model = Qwen3_5MoeForCausalLM(config).eval()
+    _spread(model)
+    return model
+
+
+def test_qwen_decode_step_through_triton_kernels_under_interpreter():
+    """A decode step with every Triton kernel (interpreted on the CPU): the output projections with their gated norm
+    or gate in one launch (kernels/gemv.py) and the one-token MoE path (kernels/moe_decode.py) are the ones taken,
+    and the logits are transformers' (fp32)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", QWEN_TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_qwen_rollback_equals_plain_decoding_at_every_accept_length():
     seeded()
     hf = tiny_qwen()

@@ -138,6 +138,55 @@ def test_triton_kernel_matches_reference_in_interpreter(interpreter_results, cas
     assert result["err"] < (1e-5 if case[0] == "float32" else 2e-3), result
 
 
+# One token takes kernels/moe_decode.py: (dtype, experts, hidden, inter, top_k, shared, gate_up BN/BK, down BH/BI);
+# small tiles so that the loops over the hidden and intermediate sizes run several times, with ragged edges.
+DECODE_CASES = [
+    (dt, *case) for dt in ("float32", "float16") for case in [
+        (8, 64, 32, 2, "gated", 8, 32, 8, 16),
+        (16, 96, 48, 4, None, 8, 32, 16, 32),
+        (12, 80, 40, 3, "ungated", 16, 64, 4, 16),
+        (8, 64, 32, 8, "gated", 4, 512, 8, 512),  # the default-sized tiles: one masked iteration
+    ]
+]
+
+DECODE_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_fused_moe import DECODE_CASES, random_moe, reference64, rel_err
+from kernels import fused_moe
+from kernels.moe_decode import decode_moe
+for case in DECODE_CASES:
+    dt, e, h, i, k, shared, bn, bk, bh, bi = case
+    inputs = random_moe(1, e, h, i, k, getattr(torch, dt), shared, seed=e + h)
+    tiles = {"gate_up": {"BN": bn, "BK": bk, "warps": 4}, "down": {"BH": bh, "BI": bi, "warps": 2}}
+    out = fused_moe(*inputs, use_triton=True, config={"decode": tiles})
+    res = torch.randn(1, h).to(out.dtype)
+    with_res = fused_moe(*inputs, use_triton=True, config={"decode": tiles}, residual=res)
+    fallback = fused_moe(*inputs, use_triton=False)
+    print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)),
+                      "residual_equal": bool(torch.equal(with_res, res + out)),
+                      "deterministic": bool(torch.equal(out, fused_moe(*inputs, use_triton=True,
+                                                                        config={"decode": tiles}))),
+                      "fallback_err": rel_err(out, fallback), "dtype": str(out.dtype)}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def decode_results():
+    return interpreted_by_case(DECODE_SCRIPT)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_kernels_match_reference_in_interpreter(decode_results, case):
+    """One token: the two GEMV-shaped kernels give the float64 reference's output, the residual added with
+    PyTorch's rounding, the same bits on a second run, and the CPU fallback's output to rounding."""
+    r = decode_results[tuple(case)]
+    tol = 1e-5 if case[0] == "float32" else 2e-3
+    assert r["dtype"] == f"torch.{case[0]}" and r["err"] < tol and r["fallback_err"] < tol, r
+    assert r["residual_equal"] and r["deterministic"], r
+
+
 RESIDUAL_SCRIPT = r"""
 import json, sys
 import torch

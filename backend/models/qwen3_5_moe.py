@@ -10,6 +10,8 @@ sparse MoE block. Same math and rounding points as transformers' Qwen3_5MoeForCa
                  RMSNorm(x) * weight * SiLU(z); out_proj
   MoE            router matmul, softmax, top-k renormalised (kernels.route_topk_from_hidden); experts and the
                  sigmoid-gated shared expert in one fused call (kernels.fused_moe)
+A decode step (one token) on Triton: each mixer's output gate or gated norm runs inside its output projection
+(kernels/gemv.py), and the experts take fused_moe's two-launch one-token path (kernels/moe_decode.py).
 Caches: a static KVCache for the attention layers and a LinearStateCache (conv window, fp32 recurrent state, and
 per-position snapshots written during a recorded forward) for the Gated DeltaNet layers.
 
@@ -29,7 +31,8 @@ from torch import nn
 
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
-from kernels import SharedExpert, fused_moe, route_topk_from_hidden
+from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
+from kernels.gemv import gemv
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
@@ -166,6 +169,8 @@ class GatedAttention(nn.Module):
         q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         attn = cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask)
+        if attn.shape[0] == 1 and triton_usable(attn):  # a decode step: gate and projection in one launch
+            return gemv(attn, self.wo, gate)
         return glue(attention_out, compiled)(attn, gate, self.wo)
 
 
@@ -199,6 +204,8 @@ class GatedDeltaNet(nn.Module):
                 core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.state[i], every_position=False, gates=gates)
             else:
                 core = gdn_chunked(q, k, v, *gdn_gates(a, b, *gates), cache.state[i])
+        if T == 1 and triton_usable(core):  # a decode step: gated norm and projection in one launch
+            return gemv(core.reshape(1, -1), self.w_out, z.reshape(1, -1), self.norm, c.rms_norm_eps)
         return glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
 
 

@@ -1,0 +1,116 @@
+"""One token's projection y = W @ prologue(x) in one Triton launch, the prologue being the elementwise step that
+Qwen3.5/3.6's mixers put in front of their output projections:
+
+    gemv(x, w)                                          y = W x
+    gemv(x, w, gate=z, norm_weight=nw, eps=eps)         y = W gated_rms_norm(x, z)   per head of nw.numel() values
+    gemv(x, w, gate=g)                                  y = W (x * sigmoid(g))       gated attention's output gate
+
+Why: at a decode step cuBLAS runs these 2048 x 4096 matrices (16.8 MB) as a split-K GEMM plus a reduction kernel
+(8.6 us on the H200 against 4.1 us of bandwidth), and the norm or gate before it is one more launch (3.7 us for the
+gated norm). Here each program owns BN rows of W and reads them once over the whole input; it recomputes the
+prologue for each BK slice of x (a few KB from L2) instead of waiting for another kernel to write it. One row
+of x: plain loads and fp32 multiply-adds, no tensor cores.
+
+Rounding follows backend/models/qwen3_5_moe.py's eager functions: gated norm = x * rsqrt(mean(x^2) + eps) cast to
+x's dtype, times the norm weight (cast again when the weight has x's dtype, as PyTorch's bf16 multiply does), times
+SiLU(gate) in fp32, cast; the sigmoid gate is cast before the multiply. y is accumulated in fp32, cast once.
+A PyTorch twin (`gemv_torch`) runs where Triton cannot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+PLAIN, GATED_NORM, SIGMOID_GATE = 0, 1, 2
+# Tiles chosen on the H200 for the 35B-A3B output projections (2048 x 4096) by bench/kernel_sweep.py.
+GEMV_TILES = {"BN": 8, "BK": 512, "warps": 4}
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps,
+                     PROLOGUE: tl.constexpr, D: tl.constexpr, ROUND_NORMED: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr):
+        """Grid (N / BN): y[n-tile] = W[n-tile] @ prologue(x). GATED_NORM needs K and BK to be multiples of D."""
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        acc = tl.zeros([BN], tl.float32)
+        for k0 in range(0, K, BK):
+            if PROLOGUE == GATED_NORM:
+                offs2 = k0 + tl.arange(0, BK // D)[:, None] * D + tl.arange(0, D)[None, :]  # [heads, D]
+                ok2 = offs2 < K
+                xv = tl.load(x_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / D + eps)
+                normed = (xv * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+                normed = normed * tl.load(nw_ptr + tl.arange(0, D)).to(tl.float32)[None, :]
+                if ROUND_NORMED:
+                    normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+                gv = tl.load(g_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
+                a2 = (normed * (gv * tl.sigmoid(gv))).to(x_ptr.dtype.element_ty).to(tl.float32)
+                a = tl.reshape(a2, [BK])
+            else:
+                offs_k = k0 + tl.arange(0, BK)
+                a = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                if PROLOGUE == SIGMOID_GATE:
+                    gv = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                    s = tl.sigmoid(gv).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    a = (a * s).to(x_ptr.dtype.element_ty).to(tl.float32)
+            offs_k = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a[None, :], axis=1)
+        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6):
+    """The same in PyTorch, with the rounding of backend/models/qwen3_5_moe.py's eager functions."""
+    if norm_weight is not None:
+        d = norm_weight.numel()
+        xf = x.reshape(-1, d).float()
+        normed = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        a = (normed * F.silu(gate.reshape(-1, d).float())).to(x.dtype).reshape(x.shape)
+    elif gate is not None:
+        a = x * torch.sigmoid(gate)
+    else:
+        a = x
+    return F.linear(a, w)
+
+
+def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, *, use_triton: bool | None = None, tiles=None):
+    """y [1, N] = w [N, K] @ prologue(x [1, K]) (see the module docstring); gate [1, K] like x; norm_weight [D]
+    with K % D == 0 for the per-head gated RMSNorm. tiles overrides GEMV_TILES (bench/kernel_sweep.py)."""
+    if x.dim() != 2 or x.shape[0] != 1 or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv takes x [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
+    if norm_weight is not None and (gate is None or x.shape[1] % norm_weight.numel()):
+        raise ValueError("the gated norm needs a gate and a norm weight whose size divides K")
+    if use_triton is None:
+        from kernels.fused_moe import triton_usable
+        use_triton = triton_usable(x)
+    if not use_triton:
+        return gemv_torch(x, w, gate, norm_weight, eps)
+    tiles = tiles or GEMV_TILES
+    n, k = w.shape
+    x = x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    prologue = PLAIN if gate is None else (GATED_NORM if norm_weight is not None else SIGMOID_GATE)
+    d = norm_weight.numel() if norm_weight is not None else 1
+    block_k = max(tiles["BK"], d) if prologue == GATED_NORM else tiles["BK"]
+    if prologue == GATED_NORM and (block_k % d or d & (d - 1)):
+        raise ValueError(f"the gated norm's head size ({d}) must be a power of two dividing BK ({block_k})")
+    g = gate.contiguous() if gate is not None else x
+    nw = norm_weight if norm_weight is not None else x
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, tiles["BN"]),)](
+        x, g, nw, w, y, n, k, w.stride(0), eps, PROLOGUE=prologue, D=d,
+        ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype,
+        BN=tiles["BN"], BK=block_k, num_warps=tiles["warps"])
+    return y
