@@ -171,14 +171,12 @@ def sweep_moe_decode(inner, reps):
     rows.append(dict(base, variant="grouped path (fused_moe.py at M=1)", us=round(graph_time_us(
         lambda: run(False), inner, reps), 2)))
     print(rows[-1], flush=True)
-    best_gu = {"BN": 8, "BK": 512, "warps": 4}
-    best_dn = {"BH": 8, "BI": 512, "warps": 4}
+    best_gu = {"BN": 2, "warps": 4}
+    best_dn = {"BH": 2, "warps": 4}
     for part in ("gate_up", "down"):
-        grid = ([{"BN": bn, "BK": bk, "warps": wp} for bn, bk, wp in itertools.product((4, 8, 16), (256, 512, 1024),
-                                                                                       (2, 4, 8))]
+        grid = ([{"BN": bn, "warps": wp} for bn, wp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8))]
                 if part == "gate_up" else
-                [{"BH": bh, "BI": bi, "warps": wp} for bh, bi, wp in itertools.product((4, 8, 16), (128, 256, 512),
-                                                                                       (2, 4, 8))])
+                [{"BH": bh, "warps": wp} for bh, wp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8))])
         best_us = float("inf")
         for tile in grid:
             tiles = {"gate_up": tile if part == "gate_up" else best_gu, "down": tile if part == "down" else best_dn}
@@ -229,8 +227,8 @@ def sweep_gemv_fused(inner, reps):
         print(rows[-1], flush=True)
     for prologue in ("gated_norm", "sigmoid_gate"):
         kw = {"gate": z, "norm_weight": nw, "eps": 1e-6} if prologue == "gated_norm" else {"gate": z}
-        for bn, bk, wp in itertools.product((2, 4, 8, 16), (256, 512, 1024), (1, 2, 4, 8)):
-            tiles = {"BN": bn, "BK": bk, "warps": wp}
+        for bn, wp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
+            tiles = {"BN": bn, "warps": wp}
             rows.append(dict(base, variant=f"gemv {prologue}", tiles=tiles, us=round(graph_time_us(
                 lambda: gemv(x, weight(), use_triton=True, tiles=tiles, **kw), inner, reps), 2)))
             print(rows[-1], flush=True)

@@ -7,9 +7,10 @@ Qwen3.5/3.6's mixers put in front of their output projections:
 
 Why: at a decode step cuBLAS runs these 2048 x 4096 matrices (16.8 MB) as a split-K GEMM plus a reduction kernel
 (8.6 us on the H200 against 4.1 us of bandwidth), and the norm or gate before it is one more launch (3.7 us for the
-gated norm). Here each program owns BN rows of W and reads them once over the whole input; it recomputes the
-prologue for each BK slice of x (a few KB from L2) instead of waiting for another kernel to write it. One row
-of x: plain loads and fp32 multiply-adds, no tensor cores.
+gated norm). Here each program owns BN rows of W and loads them in one go over the whole input (no loop: a loop's
+iterations each wait for their own DRAM round trip, which made a first version slower than cuBLAS); it computes the
+prologue over all of x (8 KB from L2) while that load is in flight, instead of waiting for another kernel to write
+it. One row of x: plain loads and fp32 multiply-adds, no tensor cores.
 
 Rounding follows backend/models/qwen3_5_moe.py's eager functions: gated norm = x * rsqrt(mean(x^2) + eps) cast to
 x's dtype, times the norm weight (cast again when the weight has x's dtype, as PyTorch's bf16 multiply does), times
@@ -30,42 +31,42 @@ except ImportError:
 
 PLAIN, GATED_NORM, SIGMOID_GATE = 0, 1, 2
 # Tiles chosen on the H200 for the 35B-A3B output projections (2048 x 4096) by bench/kernel_sweep.py.
-GEMV_TILES = {"BN": 8, "BK": 512, "warps": 4}
+GEMV_TILES = {"BN": 4, "warps": 16}
 
 if triton is not None:
+    _GATED_NORM, _SIGMOID_GATE = tl.constexpr(GATED_NORM), tl.constexpr(SIGMOID_GATE)  # what a jit'ed function sees
 
     @triton.jit
-    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, y_ptr, N, K, stride_wn, eps,
-                     PROLOGUE: tl.constexpr, D: tl.constexpr, ROUND_NORMED: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):
-        """Grid (N / BN): y[n-tile] = W[n-tile] @ prologue(x). GATED_NORM needs K and BK to be multiples of D."""
+    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, y_ptr, N, stride_wn, eps,
+                     K: tl.constexpr, KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr,
+                     ROUND_NORMED: tl.constexpr, BN: tl.constexpr):
+        """Grid (N / BN): y[n-tile] = W[n-tile] @ prologue(x). The weight tile [BN, K] is loaded in one go, before
+        the prologue's arithmetic, so its DRAM round trip overlaps it. GATED_NORM needs D | K, D a power of two."""
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, KP)
         n_ok = offs_n < N
-        acc = tl.zeros([BN], tl.float32)
-        for k0 in range(0, K, BK):
-            if PROLOGUE == GATED_NORM:
-                offs2 = k0 + tl.arange(0, BK // D)[:, None] * D + tl.arange(0, D)[None, :]  # [heads, D]
-                ok2 = offs2 < K
-                xv = tl.load(x_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
-                rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / D + eps)
-                normed = (xv * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-                normed = normed * tl.load(nw_ptr + tl.arange(0, D)).to(tl.float32)[None, :]
-                if ROUND_NORMED:
-                    normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-                gv = tl.load(g_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
-                a2 = (normed * (gv * tl.sigmoid(gv))).to(x_ptr.dtype.element_ty).to(tl.float32)
-                a = tl.reshape(a2, [BK])
-            else:
-                offs_k = k0 + tl.arange(0, BK)
-                a = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                if PROLOGUE == SIGMOID_GATE:
-                    gv = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                    s = tl.sigmoid(gv).to(x_ptr.dtype.element_ty).to(tl.float32)
-                    a = (a * s).to(x_ptr.dtype.element_ty).to(tl.float32)
-            offs_k = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
+        k_ok = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        if PROLOGUE == _GATED_NORM:
+            offs2 = tl.arange(0, KP // D)[:, None] * D + tl.arange(0, D)[None, :]  # [heads, D]
+            ok2 = offs2 < K
+            xv = tl.load(x_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / D + eps)
+            normed = (xv * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            normed = normed * tl.load(nw_ptr + tl.arange(0, D)).to(tl.float32)[None, :]
+            if ROUND_NORMED:
+                normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+            gv = tl.load(g_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
+            a2 = (normed * (gv * tl.sigmoid(gv))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            a = tl.reshape(a2, [KP])
+        else:
+            a = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            if PROLOGUE == _SIGMOID_GATE:
+                gv = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                s = tl.sigmoid(gv).to(x_ptr.dtype.element_ty).to(tl.float32)
+                a = (a * s).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -103,14 +104,13 @@ def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, *, use_triton: bo
     w = w if w.stride(-1) == 1 else w.contiguous()
     prologue = PLAIN if gate is None else (GATED_NORM if norm_weight is not None else SIGMOID_GATE)
     d = norm_weight.numel() if norm_weight is not None else 1
-    block_k = max(tiles["BK"], d) if prologue == GATED_NORM else tiles["BK"]
-    if prologue == GATED_NORM and (block_k % d or d & (d - 1)):
-        raise ValueError(f"the gated norm's head size ({d}) must be a power of two dividing BK ({block_k})")
+    if d & (d - 1):
+        raise ValueError(f"the gated norm's head size ({d}) must be a power of two")
     g = gate.contiguous() if gate is not None else x
     nw = norm_weight if norm_weight is not None else x
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, tiles["BN"]),)](
-        x, g, nw, w, y, n, k, w.stride(0), eps, PROLOGUE=prologue, D=d,
-        ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype,
-        BN=tiles["BN"], BK=block_k, num_warps=tiles["warps"])
+        x, g, nw, w, y, n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue, D=d,
+        ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype, BN=tiles["BN"],
+        num_warps=tiles["warps"])
     return y

@@ -7,17 +7,19 @@ Why a separate path: at one token the grouped GEMM of fused_moe.py runs 9 blocks
 15 of its 16 rows empty, ~144 programs of 256 KB each over 132 SMs: one and a bit waves, so a few SMs do twice the
 work and the gate_up launch took 17 us per layer against ~9 us of bandwidth on the H200 (35B-A3B shape). Here:
 
-  1. `_gate_up_kernel`, grid (K+1 slots, I / BN): each program reads BN rows of its expert's gate and the matching
-     up rows over the whole hidden size (plain loads, fp32 multiply-adds, no tensor cores: one row of x), so ~576
-     programs of ~64 KB spread evenly; SiLU(gate) * up stored in x's dtype. The program of the shared slot's first
-     tile also computes the shared expert's sigmoid gate.
-  2. `_down_kernel`, grid (H / BH): each program owns BH output columns and walks the K+1 slots in order, so the
-     weighted sum of the slots happens in registers in the order of fused_moe.py's slot-sum kernel (routed k = 0..K-1,
-     then the shared one; fp32; cast once; residual added with PyTorch's rounding). No third launch, no atomics.
+  1. `_gate_up_kernel`, grid (K+1 slots, I / BN): each program loads BN rows of its expert's gate and the matching
+     up rows over the whole hidden size in one go (plain loads, fp32 multiply-adds, no tensor cores: one row of x),
+     so ~4,600 programs of 8 KB spread evenly; SiLU(gate) * up stored in x's dtype. The program of the shared
+     slot's first tile also computes the shared expert's sigmoid gate.
+  2. `_down_kernel`, grid (H / BH): each program owns BH output columns and loads those rows of all K routed
+     experts at once ([K, BH, I]) plus the shared expert's; the weighted sum of the slots happens in registers
+     (fp32; cast once; residual added with PyTorch's rounding). No third launch, no atomics.
+No loops: a first version walked the hidden size and the slots in loops, and each iteration waited for its own
+loads (one DRAM round trip each): 13-14 us per launch in the step, no faster than the grouped path.
 
 Rounding points are those of fused_moe.py's path: inter in x's dtype, rows in fp32 scaled by the routing weight,
-one cast at the end. Only the order of the multiply-adds inside each dot differs (a dot is not a tensor-core tile
-here), so decode and verify agree to rounding, not bit for bit (as the two tile configurations already did).
+one cast at the end. The order of the additions differs (inside each dot, and across the slots: a tree here, k
+order there), so decode and verify agree to rounding, not bit for bit (as the two tile configurations already did).
 """
 
 from __future__ import annotations
@@ -31,20 +33,24 @@ except ImportError:  # CPU-only installs: fused_moe falls back to PyTorch before
     triton = None
 
 # Tiles chosen on the H200 at the Qwen3.6-35B-A3B shape by bench/kernel_sweep.py (see kernels/README.md).
-DECODE_TILES = {"gate_up": {"BN": 8, "BK": 512, "warps": 4}, "down": {"BH": 8, "BI": 512, "warps": 4}}
+DECODE_TILES = {"gate_up": {"BN": 1, "warps": 8}, "down": {"BH": 1, "warps": 1}}
 
 if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, ids_ptr, inter_ptr, sgate_ptr,
-                        top_k, H, I, stride_we, stride_wn, stride_sn,
-                        HAS_SHARED_GATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Grid (slots, I / BN): inter[slot, n-tile] = silu(g . x) * (u . x); slot top_k is the shared expert."""
+                        top_k, stride_we, stride_wn, stride_sn,
+                        H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr, HAS_SHARED_GATE: tl.constexpr,
+                        BN: tl.constexpr):
+        """Grid (slots, I / BN): inter[slot, n-tile] = silu(g . x) * (u . x); slot top_k is the shared expert.
+        Each program loads its whole [BN, H] gate and up tiles at once (no loop): a program's loads are all in
+        flight together, and the many small programs of an SM cover each other's latency."""
         slot = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_k = tl.arange(0, BK)
+        offs_k = tl.arange(0, HP)
         n_ok = offs_n < I
+        k_ok = offs_k < H
         if slot < top_k:
             e = tl.load(ids_ptr + slot).to(tl.int64)
             wg = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -52,56 +58,47 @@ if triton is not None:
         else:
             wg = sg_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
             wu = su_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
-        acc_g = tl.zeros([BN], tl.float32)
-        acc_u = tl.zeros([BN], tl.float32)
-        for k0 in range(0, H, BK):
-            k_ok = k0 + offs_k < H
-            xk = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w_ok = n_ok[:, None] & k_ok[None, :]
-            g = tl.load(wg + k0, mask=w_ok, other=0.0).to(tl.float32)
-            u = tl.load(wu + k0, mask=w_ok, other=0.0).to(tl.float32)
-            acc_g += tl.sum(g * xk[None, :], axis=1)
-            acc_u += tl.sum(u * xk[None, :], axis=1)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(wg, mask=w_ok, other=0.0)
+        u = tl.load(wu, mask=w_ok, other=0.0)
+        x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc_g = tl.sum(g.to(tl.float32) * x[None, :], axis=1)
+        acc_u = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
         h = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(inter_ptr + slot * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
         if HAS_SHARED_GATE:
             if (slot == top_k) & (pid_n == 0):  # sigmoid(x . shared_gate), in fp32 like fused_moe.py
-                acc_s = tl.zeros([BK], tl.float32)
-                for k0 in range(0, H, BK):
-                    k_ok = k0 + offs_k < H
-                    xk = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                    acc_s += xk * tl.load(sgw_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                tl.store(sgate_ptr, tl.sigmoid(tl.sum(acc_s, axis=0)))
-
-    @triton.jit
-    def _slot_row(inter_ptr, w_row_ptr, offs_h, h_ok, offs_i, I, stride_n, BH: tl.constexpr, BI: tl.constexpr):
-        """(down_e @ inter_slot) for the BH output columns at offs_h, fp32."""
-        row = tl.zeros([BH], tl.float32)
-        for i0 in range(0, I, BI):
-            i_ok = i0 + offs_i < I
-            hv = tl.load(inter_ptr + i0 + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_row_ptr + offs_h[:, None] * stride_n + (i0 + offs_i)[None, :],
-                        mask=h_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
-            row += tl.sum(w * hv[None, :], axis=1)
-        return row
+                sgw = tl.load(sgw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                tl.store(sgate_ptr, tl.sigmoid(tl.sum(x * sgw, axis=0)))
 
     @triton.jit
     def _down_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, ids_ptr, res_ptr, out_ptr,
-                     H, I, stride_we, stride_wn, stride_sn,
-                     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_SHARED_GATE: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr, BI: tl.constexpr):
-        """Grid (H / BH): out[h-tile] = sum over slots in order of scale * (down_e @ inter[slot]), then + residual."""
+                     stride_we, stride_wn, stride_sn,
+                     H: tl.constexpr, I: tl.constexpr, IP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                     HAS_SHARED: tl.constexpr, HAS_SHARED_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     BH: tl.constexpr):
+        """Grid (H / BH): out[h-tile] = sum over the routed slots of weight * (down_e @ inter[slot]), plus the shared
+        slot (times its gate), then + residual. One load brings the BH rows of all K routed experts ([K, BH, I])."""
         offs_h = tl.program_id(0) * BH + tl.arange(0, BH)
-        offs_i = tl.arange(0, BI)
+        offs_i = tl.arange(0, IP)
+        ks = tl.arange(0, KP)
         h_ok = offs_h < H
-        acc = tl.zeros([BH], tl.float32)
-        for k in tl.static_range(TOP_K):
-            e = tl.load(ids_ptr + k).to(tl.int64)
-            scale = tl.load(topk_w_ptr + k).to(tl.float32)
-            row = _slot_row(inter_ptr + k * I, w_ptr + e * stride_we, offs_h, h_ok, offs_i, I, stride_wn, BH, BI)
-            acc += row * scale
+        i_ok = offs_i < I
+        k_ok = ks < TOP_K
+        e = tl.load(ids_ptr + ks, mask=k_ok, other=0).to(tl.int64)
+        w = tl.load(w_ptr + e[:, None, None] * stride_we + offs_h[None, :, None] * stride_wn + offs_i[None, None, :],
+                    mask=k_ok[:, None, None] & h_ok[None, :, None] & i_ok[None, None, :], other=0.0)
         if HAS_SHARED:
-            row = _slot_row(inter_ptr + TOP_K * I, sd_ptr, offs_h, h_ok, offs_i, I, stride_sn, BH, BI)
+            ws = tl.load(sd_ptr + offs_h[:, None] * stride_sn + offs_i[None, :],
+                         mask=h_ok[:, None] & i_ok[None, :], other=0.0)
+        hv = tl.load(inter_ptr + ks[:, None] * I + offs_i[None, :], mask=k_ok[:, None] & i_ok[None, :],
+                     other=0.0).to(tl.float32)
+        scale = tl.load(topk_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        rows = tl.sum(w.to(tl.float32) * hv[:, None, :], axis=2)  # [K, BH], fp32
+        acc = tl.sum(rows * scale[:, None], axis=0)
+        if HAS_SHARED:
+            hs = tl.load(inter_ptr + TOP_K * I + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+            row = tl.sum(ws.to(tl.float32) * hs[None, :], axis=1)
             if HAS_SHARED_GATE:
                 row = row * tl.load(sgate_ptr)
             acc += row
@@ -130,14 +127,16 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
     inter_buf = torch.empty(top_k + int(has_shared), inter, dtype=x.dtype, device=dev)
     sgate = torch.empty(1, dtype=torch.float32, device=dev)
     _gate_up_kernel[(top_k + int(has_shared), triton.cdiv(inter, gu["BN"]))](
-        x, gate_up_proj, sg, su, sgw, topk_ids, inter_buf, sgate, top_k, hidden, inter,
+        x, gate_up_proj, sg, su, sgw, topk_ids, inter_buf, sgate, top_k,
         gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
-        HAS_SHARED_GATE=has_gate, BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"])
+        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
+        num_warps=gu["warps"])
     out = torch.empty(1, hidden, dtype=out_dtype or x.dtype, device=dev)
     res = residual if residual is not None else out  # unused without a residual
     _down_kernel[(triton.cdiv(hidden, dn["BH"]),)](
-        inter_buf, down_proj, sd, topk_weights, sgate, topk_ids, res, out, hidden, inter,
+        inter_buf, down_proj, sd, topk_weights, sgate, topk_ids, res, out,
         down_proj.stride(0), down_proj.stride(1), sd.stride(0),
-        TOP_K=top_k, HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None,
-        BH=dn["BH"], BI=dn["BI"], num_warps=dn["warps"])
+        H=hidden, I=inter, IP=triton.next_power_of_2(inter), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+        HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None, BH=dn["BH"],
+        num_warps=dn["warps"])
     return out
