@@ -155,8 +155,8 @@ class ExpertCounter:
                 moe.route = self._counting(moe.route)  # an instance attribute: this engine's model only
 
     def _counting(self, route):
-        def counted(h):
-            weights, ids = route(h)
+        def counted(h, **kw):
+            weights, ids = route(h, **kw)
             self._count(ids)
             return weights, ids
         return counted

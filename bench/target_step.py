@@ -225,8 +225,8 @@ def record_distinct_experts(fast, fn) -> list[int]:
     for moe in (mod for mod in fast.model.modules() if isinstance(mod, SparseMoE)):
         original = moe.route
 
-        def traced(h, _original=original):
-            weights, ids = _original(h)
+        def traced(h, _original=original, **kw):
+            weights, ids = _original(h, **kw)
             seen.append(int(ids.unique().numel()))
             return weights, ids
         originals.append((moe, original))
@@ -255,8 +255,8 @@ def install_routing_trace(fast, hot: int, seed: int = 0) -> None:
         ids, weights = ids.to(fast.device), weights.to(fast.device, fast.dtype)
         real = moe.route  # prefill pieces longer than a block keep the model's routing
 
-        def replay(h, _ids=ids, _w=weights, _real=real):
-            return (_w[: h.shape[0]], _ids[: h.shape[0]]) if h.shape[0] <= _ids.shape[0] else _real(h)
+        def replay(h, _ids=ids, _w=weights, _real=real, **kw):
+            return (_w[: h.shape[0]], _ids[: h.shape[0]]) if h.shape[0] <= _ids.shape[0] else _real(h, **kw)
         moe.route = replay
     fast.drop_graphs()
 

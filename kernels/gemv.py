@@ -4,6 +4,7 @@ Qwen3.5/3.6's mixers put in front of their output projections:
     gemv(x, w)                                          y = W x
     gemv(x, w, gate=z, norm_weight=nw, eps=eps)         y = W gated_rms_norm(x, z)   per head of nw.numel() values
     gemv(x, w, gate=g)                                  y = W (x * sigmoid(g))       gated attention's output gate
+    gemv(..., residual=r)                               r + y                        the residual add too
 
 Why: at a decode step cuBLAS runs these 2048 x 4096 matrices (16.8 MB) as a split-K GEMM plus a reduction kernel
 (8.6 us on the H200 against 4.1 us of bandwidth), and the norm or gate before it is one more launch (3.7 us for the
@@ -37,9 +38,9 @@ if triton is not None:
     _GATED_NORM, _SIGMOID_GATE = tl.constexpr(GATED_NORM), tl.constexpr(SIGMOID_GATE)  # what a jit'ed function sees
 
     @triton.jit
-    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, y_ptr, N, stride_wn, eps,
+    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, res_ptr, y_ptr, N, stride_wn, eps,
                      K: tl.constexpr, KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr,
-                     ROUND_NORMED: tl.constexpr, BN: tl.constexpr):
+                     ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr):
         """Grid (N / BN): y[n-tile] = W[n-tile] @ prologue(x). The weight tile [BN, K] is loaded in one go, before
         the prologue's arithmetic, so its DRAM round trip overlaps it. GATED_NORM needs D | K, D a power of two."""
         offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -66,11 +67,14 @@ if triton is not None:
                 gv = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 s = tl.sigmoid(gv).to(x_ptr.dtype.element_ty).to(tl.float32)
                 a = (a * s).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+        y = tl.sum(w.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:  # residual + y, each rounded as PyTorch rounds the two steps
+            res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0)
+            y = (res.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_n, y, mask=n_ok)
 
 
-def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6):
+def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None):
     """The same in PyTorch, with the rounding of backend/models/qwen3_5_moe.py's eager functions."""
     if norm_weight is not None:
         d = norm_weight.numel()
@@ -81,23 +85,29 @@ def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6):
         a = x * torch.sigmoid(gate)
     else:
         a = x
-    return F.linear(a, w)
+    y = F.linear(a, w)
+    return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
-def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, *, use_triton: bool | None = None, tiles=None):
+def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *, use_triton: bool | None = None,
+         tiles=None):
     """y [1, N] = w [N, K] @ prologue(x [1, K]) (see the module docstring); gate [1, K] like x; norm_weight [D]
-    with K % D == 0 for the per-head gated RMSNorm. tiles overrides GEMV_TILES (bench/kernel_sweep.py)."""
+    with K % D == 0 for the per-head gated RMSNorm. residual [1, N]: return residual + y (rounded as PyTorch's
+    `residual + y` of the two tensors), the transformer's residual add in the same launch. tiles overrides
+    GEMV_TILES (bench/kernel_sweep.py)."""
     if x.dim() != 2 or x.shape[0] != 1 or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"gemv takes x [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
     if norm_weight is not None and (gate is None or x.shape[1] % norm_weight.numel()):
         raise ValueError("the gated norm needs a gate and a norm weight whose size divides K")
+    if residual is not None and tuple(residual.shape) != (1, w.shape[0]):
+        raise ValueError(f"residual {tuple(residual.shape)} must be [1, N] = [1, {w.shape[0]}]")
     if use_triton is None:
         from kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
     if not use_triton:
-        return gemv_torch(x, w, gate, norm_weight, eps)
+        return gemv_torch(x, w, gate, norm_weight, eps, residual)
     tiles = tiles or GEMV_TILES
     n, k = w.shape
     x = x.contiguous()
@@ -109,8 +119,9 @@ def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, *, use_triton: bo
     g = gate.contiguous() if gate is not None else x
     nw = norm_weight if norm_weight is not None else x
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    res = residual.contiguous() if residual is not None else y
     _gemv_kernel[(triton.cdiv(n, tiles["BN"]),)](
-        x, g, nw, w, y, n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue, D=d,
-        ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype, BN=tiles["BN"],
-        num_warps=tiles["warps"])
+        x, g, nw, w, res, y, n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue,
+        D=d, ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype,
+        HAS_RESIDUAL=residual is not None, BN=tiles["BN"], num_warps=tiles["warps"])
     return y

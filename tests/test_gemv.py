@@ -81,6 +81,30 @@ def test_fallback_is_the_model_math():
     assert torch.equal(gemv(x, w, use_triton=False, **kw), torch.nn.functional.linear(x * torch.sigmoid(kw["gate"]), w))
 
 
+RESIDUAL_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_gemv import inputs_for
+from kernels.gemv import gemv
+for case in [("float32", 40, 256, 32, "gated_norm"), ("float16", 33, 96, None, "plain"),
+             ("float16", 17, 200, None, "sigmoid_gate")]:
+    x, w, kw = inputs_for(case)
+    res = torch.randn(1, case[1]).to(x.dtype)
+    fused = gemv(x, w, residual=res, use_triton=True, **kw)
+    print(json.dumps({"case": list(case), "equal": torch.equal(fused, res + gemv(x, w, use_triton=True, **kw))}))
+"""
+
+
+def test_residual_is_added_with_pytorch_rounding():
+    """gemv(..., residual=r) is bit for bit r + gemv(...): the model folds its residual add into the projection."""
+    results = interpreted_by_case(RESIDUAL_SCRIPT)
+    assert len(results) == 3 and all(r["equal"] for r in results.values()), results
+    x, w, kw = inputs_for(("float32", 24, 256, 64, "gated_norm"))
+    res = torch.randn(1, 24)
+    assert torch.equal(gemv(x, w, residual=res, use_triton=False, **kw), res + gemv(x, w, use_triton=False, **kw))
+
+
 def test_bad_shapes_raise_clear_errors():
     x, w = torch.randn(1, 64), torch.randn(8, 64)
     with pytest.raises(ValueError, match=r"x \[1, K\]"):
@@ -91,6 +115,8 @@ def test_bad_shapes_raise_clear_errors():
         gemv(x, w, gate=torch.randn(1, 32))
     with pytest.raises(ValueError, match="norm weight"):
         gemv(x, w, gate=torch.randn(1, 64), norm_weight=torch.randn(48))
+    with pytest.raises(ValueError, match="residual"):
+        gemv(x, w, residual=torch.randn(1, 64))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

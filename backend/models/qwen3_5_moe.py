@@ -10,8 +10,9 @@ sparse MoE block. Same math and rounding points as transformers' Qwen3_5MoeForCa
                  RMSNorm(x) * weight * SiLU(z); out_proj
   MoE            router matmul, softmax, top-k renormalised (kernels.route_topk_from_hidden); experts and the
                  sigmoid-gated shared expert in one fused call (kernels.fused_moe)
-A decode step (one token) on Triton: each mixer's output gate or gated norm runs inside its output projection
-(kernels/gemv.py), and the experts take fused_moe's two-launch one-token path (kernels/moe_decode.py).
+A decode step (one token) on Triton: each mixer's output gate or gated norm and the residual add run inside its
+output projection (kernels/gemv.py); the MoE's RMSNorm runs inside the router and gate_up kernels, and the experts
+take fused_moe's two-launch one-token path (kernels/moe_decode.py).
 Caches: a static KVCache for the attention layers and a LinearStateCache (conv window, fp32 recurrent state, and
 per-position snapshots written during a recorded forward) for the Gated DeltaNet layers.
 
@@ -169,9 +170,9 @@ class GatedAttention(nn.Module):
         q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         attn = cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask)
-        if attn.shape[0] == 1 and triton_usable(attn):  # a decode step: gate and projection in one launch
-            return gemv(attn, self.wo, gate)
-        return glue(attention_out, compiled)(attn, gate, self.wo)
+        if attn.shape[0] == 1 and triton_usable(attn):  # a decode step: gate, projection and residual, one launch
+            return gemv(attn, self.wo, gate, residual=x), None
+        return x, glue(attention_out, compiled)(attn, gate, self.wo)
 
 
 class GatedDeltaNet(nn.Module):
@@ -204,9 +205,9 @@ class GatedDeltaNet(nn.Module):
                 core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.state[i], every_position=False, gates=gates)
             else:
                 core = gdn_chunked(q, k, v, *gdn_gates(a, b, *gates), cache.state[i])
-        if T == 1 and triton_usable(core):  # a decode step: gated norm and projection in one launch
-            return gemv(core.reshape(1, -1), self.w_out, z.reshape(1, -1), self.norm, c.rms_norm_eps)
-        return glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
+        if T == 1 and triton_usable(core):  # a decode step: gated norm, projection and residual in one launch
+            return gemv(core.reshape(1, -1), self.w_out, z.reshape(1, -1), self.norm, c.rms_norm_eps, residual=x), None
+        return x, glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
 
 
 class SparseMoE(nn.Module):
@@ -221,17 +222,23 @@ class SparseMoE(nn.Module):
         self.shared_gate_proj, self.shared_up_proj = e(si, c.hidden_size), e(si, c.hidden_size)
         self.shared_down_proj, self.shared_gate = e(c.hidden_size, si), e(1, c.hidden_size)
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights and expert ids [T, top_k] for the normed hidden states h [T, H]: router matmul, softmax,
-        top-k. (A benchmark may replace this on an instance to replay a routing trace; nothing else does.)"""
-        return route_topk_from_hidden(h, self.router, self.top_k, True)
+    def route(self, h: torch.Tensor, rms_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids [T, top_k] for the normed hidden states h [T, H] (or for h not normed yet
+        and rms_norm=(weight, eps)): router matmul, softmax, top-k. (A benchmark may replace this on an instance to
+        replay a routing trace, and count experts; nothing else does.)"""
+        return route_topk_from_hidden(h, self.router, self.top_k, True, rms_norm=rms_norm)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, norm: torch.Tensor, eps: float, compiled: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None, norm: torch.Tensor, eps: float,
+                compiled: bool) -> torch.Tensor:
         """x + y + MoE(norm(x + y)), y the mixer's output: router, then all experts and the shared expert in one fused
-        call."""
+        call. y None (a decode step on Triton): the mixer already added its output to x, and the norm runs inside
+        the router and gate_up kernels, which read x anyway (no launch of its own)."""
+        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+        if y is None:
+            weights, ids = self.route(x, rms_norm=(norm, eps))
+            return fused_moe(x, self.gate_up, self.down, weights, ids, shared, residual=x, rms_norm=(norm, eps))
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
         weights, ids = self.route(h)
-        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
 
 
@@ -290,7 +297,8 @@ class Qwen35Moe(nn.Module):
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):
-            y = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
+            # (x, y): the mixer's output y is added inside the MoE's norm; (x + y, None) when the mixer added it
+            x, y = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
             x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled)
             if i in hidden_ids and i != last:
                 feats[i] = x
