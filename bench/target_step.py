@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.models import load_fast  # noqa: E402
 from backend.models.qwen3_5_moe import SparseMoE  # noqa: E402
+from kernels.moe_reference import rms_norm_scaled  # noqa: E402
 
 TAU_SEED = 4.9  # tokens committed per cycle with z-lab's drafter (the seed)
 DRAFT_OVER_VERIFY_SEED = 0.12  # T_d / T_t measured in the seed
@@ -255,8 +256,12 @@ def install_routing_trace(fast, hot: int, seed: int = 0) -> None:
         ids, weights = ids.to(fast.device), weights.to(fast.device, fast.dtype)
         real = moe.route  # prefill pieces longer than a block keep the model's routing
 
-        def replay(h, _ids=ids, _w=weights, _real=real, **kw):
-            return (_w[: h.shape[0]], _ids[: h.shape[0]]) if h.shape[0] <= _ids.shape[0] else _real(h, **kw)
+        def replay(h, rms_norm=None, normed_out=None, _ids=ids, _w=weights, _real=real):
+            if h.shape[0] > _ids.shape[0]:
+                return _real(h, rms_norm=rms_norm, normed_out=normed_out)
+            if rms_norm is not None:  # the experts still need the normed rows that real routing would write
+                normed_out.copy_(rms_norm_scaled(h, *rms_norm))
+            return _w[: h.shape[0]], _ids[: h.shape[0]]
         moe.route = replay
     fast.drop_graphs()
 
@@ -413,15 +418,19 @@ def kernel_profile(fast, prompt, block, reps: int = 10, top: int = 30) -> dict:
               f"launches per step, host {out[name]['host_us_per_call']:.0f} us per call", flush=True)
         for k in kernels[:top]:
             print(f"    {k['us_per_step']:8.1f} us {k['launches_per_step']:6.1f}x  {k['kernel']}", flush=True)
-    # last: its decode calls lengthen the context, and a verify after them may capture a graph for a new span
-    out["decode"]["host_functions"] = host_profile(lambda: fast.decode(token), fast.device)
+    # at a fixed context (each call undone), after one call outside the profile (a graph for this span, if new)
+    start = fast.snapshot()
+    fast.decode(token)
+    fast.restore(start)
+    out["decode"]["host_functions"] = host_profile(lambda: fast.decode(token), fast.device,
+                                                   undo=lambda: fast.restore(start))
     fast.reset()
     return out
 
 
-def host_profile(call, device, calls: int = 20, top: int = 12) -> list[dict]:
-    """Where the host time of a call goes: cProfile over `calls` calls (each followed by a device sync, outside the
-    profile), the functions with the most own time, in microseconds per call."""
+def host_profile(call, device, undo, calls: int = 20, top: int = 12) -> list[dict]:
+    """Where the host time of a call goes: cProfile over `calls` calls (each followed by a device sync and undo(),
+    outside the profile), the functions with the most own time, in microseconds per call."""
     import cProfile
     import pstats
     prof = cProfile.Profile()
@@ -430,6 +439,7 @@ def host_profile(call, device, calls: int = 20, top: int = 12) -> list[dict]:
         call()
         prof.disable()
         sync(device)
+        undo()
     stats = pstats.Stats(prof).stats
     rows = [{"function": f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}:{fn[2]}", "own_us_per_call": tt / calls * 1e6,
              "cumulative_us_per_call": ct / calls * 1e6, "calls_per_call": nc / calls}

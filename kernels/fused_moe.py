@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kernels.moe_decode import decode_moe
-from kernels.moe_reference import SharedExpert, fused_moe_torch, rms_norm_scaled, shared_expert_torch
+from kernels.moe_reference import SharedExpert, fused_moe_torch, shared_expert_torch
 
 try:
     import triton
@@ -63,7 +63,6 @@ def fused_moe(
     use_triton: bool | None = None,
     config: dict | None = None,
     residual: torch.Tensor | None = None,
-    rms_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """MoE experts (+ optional shared expert) for hidden_states [M, H]; returns [M, H] in its dtype.
 
@@ -73,8 +72,6 @@ def fused_moe(
     tiles for one token (None: DECODE_TILES; False: the grouped path at one token too, for comparisons).
     residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
     the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
-    rms_norm=(weight, eps): hidden_states are not normed yet; the experts take rms_norm_scaled(hidden_states, weight,
-    eps) (for one token on Triton, normed inside the gate_up kernel: no launch of its own).
     """
     _check_shapes(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
     if residual is not None and residual.shape != hidden_states.shape:
@@ -82,20 +79,15 @@ def fused_moe(
                          f"{tuple(hidden_states.shape)}")
     if use_triton is None:
         use_triton = triton_usable(hidden_states)
-    if rms_norm is not None and not (use_triton and hidden_states.shape[0] == 1):
-        hidden_states, rms_norm = rms_norm_scaled(hidden_states, *rms_norm), None
     if not use_triton:
         out = fused_moe_torch(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
         return out if residual is None else residual + out
     if shared is not None and shared.gate_proj.shape[0] != down_proj.shape[-1]:
         # The kernels treat the shared expert as expert E, which needs the same intermediate size.
-        if rms_norm is not None:
-            hidden_states = rms_norm_scaled(hidden_states, *rms_norm)
         routed = fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, None, config)
         out = (routed.float() + shared_expert_torch(hidden_states.to(gate_up_proj.dtype), shared)).to(routed.dtype)
         return out if residual is None else residual + out
-    return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config, residual,
-                            rms_norm)
+    return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config, residual)
 
 
 def _check_shapes(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared):
@@ -427,12 +419,10 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
 
 
 def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None,
-                     residual=None, rms_norm=None):
+                     residual=None):
     """The Triton path (see the module docstring). Inputs as for `fused_moe`; no host synchronisation."""
     if triton is None:
         raise RuntimeError("triton is not installed; use fused_moe(), which falls back to PyTorch")
-    if rms_norm is not None and hidden_states.shape[0] != 1:  # only the one-token kernels norm inside
-        hidden_states, rms_norm = rms_norm_scaled(hidden_states, *rms_norm), None
     x = hidden_states.to(gate_up_proj.dtype).contiguous()  # as transformers' grouped_mm does
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up_proj.shape
@@ -450,9 +440,7 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
     if num_tokens == 1 and cfg.get("decode") is not False:  # a decode step: two GEMV-shaped launches
         return decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
                           None if residual is None else residual.contiguous(), cfg.get("decode"),
-                          hidden_states.dtype, rms_norm)
-    if rms_norm is not None:  # one token on the grouped path (a benchmark's comparison)
-        x = rms_norm_scaled(hidden_states, *rms_norm).to(gate_up_proj.dtype).contiguous()
+                          hidden_states.dtype)
     direct = cfg["direct"] and num_tokens <= cfg["BM"]
     block_m = cfg["BM"]
     ids = topk_ids.contiguous()

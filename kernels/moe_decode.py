@@ -38,10 +38,10 @@ DECODE_TILES = {"gate_up": {"BN": 1, "warps": 8}, "down": {"BH": 1, "warps": 1}}
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, ids_ptr, nw_ptr, inter_ptr, sgate_ptr,
-                        top_k, stride_we, stride_wn, stride_sn, eps,
+    def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, ids_ptr, inter_ptr, sgate_ptr,
+                        top_k, stride_we, stride_wn, stride_sn,
                         H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr, HAS_SHARED_GATE: tl.constexpr,
-                        HAS_NORM: tl.constexpr, BN: tl.constexpr):
+                        BN: tl.constexpr):
         """Grid (slots, I / BN): inter[slot, n-tile] = silu(g . x) * (u . x); slot top_k is the shared expert.
         Each program loads its whole [BN, H] gate and up tiles at once (no loop): a program's loads are all in
         flight together, and the many small programs of an SM cover each other's latency."""
@@ -62,10 +62,6 @@ if triton is not None:
         g = tl.load(wg, mask=w_ok, other=0.0)
         u = tl.load(wu, mask=w_ok, other=0.0)
         x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        if HAS_NORM:  # x is the residual stream: its RMSNorm (rms_norm_scaled), rounded like the model's
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x * rstd * nw).to(x_ptr.dtype.element_ty).to(tl.float32)
         acc_g = tl.sum(g.to(tl.float32) * x[None, :], axis=1)
         acc_u = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
         h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -114,10 +110,9 @@ if triton is not None:
 
 
 def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, residual=None, tiles=None,
-               out_dtype=None, rms_norm=None):
+               out_dtype=None):
     """fused_moe for x [1, H] (inputs already checked and made contiguous by fused_moe_triton). tiles overrides
-    DECODE_TILES (bench/kernel_sweep.py). rms_norm=(weight, eps): x is not normed yet; the gate_up kernel norms it
-    (each program from the whole row, which it loads anyway)."""
+    DECODE_TILES (bench/kernel_sweep.py)."""
     tiles = tiles or DECODE_TILES
     gu, dn = tiles["gate_up"], tiles["down"]
     hidden = x.shape[1]
@@ -132,10 +127,10 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
     inter_buf = torch.empty(top_k + int(has_shared), inter, dtype=x.dtype, device=dev)
     sgate = torch.empty(1, dtype=torch.float32, device=dev)
     _gate_up_kernel[(top_k + int(has_shared), triton.cdiv(inter, gu["BN"]))](
-        x, gate_up_proj, sg, su, sgw, topk_ids, rms_norm[0] if rms_norm else x, inter_buf, sgate, top_k,
-        gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), rms_norm[1] if rms_norm else 0.0,
-        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate,
-        HAS_NORM=rms_norm is not None, BN=gu["BN"], num_warps=gu["warps"])
+        x, gate_up_proj, sg, su, sgw, topk_ids, inter_buf, sgate, top_k,
+        gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
+        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
+        num_warps=gu["warps"])
     out = torch.empty(1, hidden, dtype=out_dtype or x.dtype, device=dev)
     res = residual if residual is not None else out  # unused without a residual
     _down_kernel[(triton.cdiv(hidden, dn["BH"]),)](

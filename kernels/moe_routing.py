@@ -30,12 +30,13 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_tokens"])
-    def _router_partial_kernel(h_ptr, w_ptr, nw_ptr, part_ptr, num_tokens, E, H, k_per_split, stride_h, stride_w, eps,
-                               BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                               HAS_NORM: tl.constexpr, HP: tl.constexpr):
+    def _router_partial_kernel(h_ptr, w_ptr, nw_ptr, normed_ptr, part_ptr, num_tokens, E, H, k_per_split, stride_h,
+                               stride_w, eps, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                               PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, HP: tl.constexpr):
         """Grid (expert tiles, K slices): part[slice, token, expert] = h[token, slice] . w[expert, slice], fp32.
         HAS_NORM (one token): h is the raw residual stream, normed here (rms_norm_scaled with weight nw) from its
-        sum of squares, which each program takes over the whole row (4 KB at the 35B-A3B width, from L2)."""
+        sum of squares, which each program takes over the whole row (4 KB at the 35B-A3B width, from L2); the
+        first program also stores the normed row to normed_ptr for the experts."""
         e = tl.program_id(0) * BE + tl.arange(0, BE)
         split = tl.program_id(1)
         m = tl.arange(0, BM)
@@ -43,8 +44,12 @@ if triton is not None:
         acc = tl.zeros([BM, BE], tl.float32)
         k_lo = split * k_per_split
         if HAS_NORM:
-            row = tl.load(h_ptr + tl.arange(0, HP), mask=tl.arange(0, HP) < H, other=0.0).to(tl.float32)
+            cols = tl.arange(0, HP)
+            row = tl.load(h_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(row * row, axis=0) / H + eps)
+            if (tl.program_id(0) == 0) & (split == 0):
+                nw_row = tl.load(nw_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+                tl.store(normed_ptr + cols, (row * rstd * nw_row).to(normed_ptr.dtype.element_ty), mask=cols < H)
         for k0 in range(k_lo, k_lo + k_per_split, BK):
             k = k0 + kk
             k_ok = k < H
@@ -139,12 +144,13 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_t
 
 
 def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True,
-                           use_triton: bool | None = None, rms_norm: tuple[torch.Tensor, float] | None = None):
+                           use_triton: bool | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
+                           normed_out: torch.Tensor | None = None):
     """route_topk(F.linear(h, router), ...) for h [M, H] and router [E, H]: with Triton and M <= ROUTER_MAX_TOKENS,
     the matmul runs in a kernel of ours (fp32 partial sums over ROUTER_K_SPLIT slices, added in a fixed order) whose
     rounded logits the routing kernel takes directly; otherwise F.linear + route_topk.
     rms_norm=(weight, eps): h is not normed yet; route rms_norm_scaled(h, weight, eps) (for one token, inside the
-    matmul kernel: no launch of its own)."""
+    matmul kernel: no launch of its own), and write that normed h to normed_out [M, H] (required) for the experts."""
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
         raise ValueError(f"expected h [tokens, hidden] and router [experts, hidden], got {tuple(h.shape)} and "
                          f"{tuple(router.shape)}")
@@ -152,9 +158,11 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
         use_triton = triton_usable(h)
     num_tokens, hidden = h.shape
     experts = router.shape[0]
+    if rms_norm is not None and (normed_out is None or normed_out.shape != h.shape or not normed_out.is_contiguous()):
+        raise ValueError("rms_norm needs normed_out, a contiguous tensor shaped like h, to receive the normed h")
     norm_inside = rms_norm is not None and use_triton and num_tokens == 1 and 0 < top_k <= experts
     if rms_norm is not None and not norm_inside:
-        h = rms_norm_scaled(h, *rms_norm)
+        h = normed_out.copy_(rms_norm_scaled(h, *rms_norm))
     if not use_triton or num_tokens > ROUTER_MAX_TOKENS or not 0 < top_k <= experts:
         return route_topk(torch.nn.functional.linear(h, router), top_k, renormalize, use_triton)
     h = h if h.stride(-1) == 1 else h.contiguous()
@@ -164,7 +172,7 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, ROUTER_MAX_TOKENS, experts, dtype=torch.float32, device=h.device)
     _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
-        h, router, rms_norm[0] if norm_inside else h, parts, num_tokens, experts, hidden, k_per_split, h.stride(0),
+        h, router, rms_norm[0] if norm_inside else h, normed_out if norm_inside else h, parts, num_tokens, experts, hidden, k_per_split, h.stride(0),
         router.stride(0), rms_norm[1] if norm_inside else 0.0, BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k,
         PRECISION="ieee" if h.dtype == torch.float32 else "tf32", HAS_NORM=norm_inside,
         HP=triton.next_power_of_2(hidden), num_warps=4, num_stages=3)

@@ -292,38 +292,37 @@ NORM_INSIDE_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.test_fused_moe import random_moe
-from kernels import fused_moe, route_topk_from_hidden
+from kernels import route_topk_from_hidden
 from kernels.moe_reference import rms_norm_scaled
 torch.manual_seed(0)
-for dt, e, h, i, k, shared in [("float32", 16, 96, 48, 4, "gated"), ("float16", 16, 96, 48, 4, "gated"),
-                               ("float32", 8, 80, 40, 2, None)]:
-    x, gate_up, down, _, _, sh = random_moe(1, e, h, i, k, getattr(torch, dt), shared, seed=h)
-    x = x * 3 + 1  # far from unit scale: a missing norm shows
+for dt, e, h, k, m in [("float32", 16, 96, 4, 1), ("float16", 16, 96, 4, 1), ("float32", 64, 80, 2, 1),
+                       ("float32", 16, 96, 4, 3)]:  # 3 tokens: normed in PyTorch first, same contract
+    x = (torch.randn(m, h) * 3 + 1).to(getattr(torch, dt))  # far from unit scale: a missing norm shows
     norm = (torch.rand(h) + 0.5, 1e-6)
     router = (torch.randn(e, h) / h ** 0.5).to(x.dtype)
-    normed = rms_norm_scaled(x, *norm)
-    w_in, ids_in = route_topk_from_hidden(x, router, k, use_triton=True, rms_norm=norm)
-    w_ref, ids_ref = route_topk_from_hidden(normed, router, k, use_triton=True)
-    out = fused_moe(x, gate_up, down, w_in, ids_in, sh, use_triton=True, residual=x, rms_norm=norm)
-    ref = x + fused_moe(normed, gate_up, down, w_ref, ids_ref, sh, use_triton=True)
-    fallback = fused_moe(x, gate_up, down, w_in, ids_in, sh, use_triton=False, residual=x, rms_norm=norm)
-    err = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
-    print(json.dumps({"case": [dt, e, h, i, k, shared], "same_ids": torch.equal(ids_in, ids_ref),
-                      "w_err": (w_in.double() - w_ref.double()).abs().max().item(), "err": err(out, ref),
-                      "fallback_err": err(fallback, ref)}))
+    normed = torch.full_like(x, float("nan"))
+    w_in, ids_in = route_topk_from_hidden(x, router, k, use_triton=True, rms_norm=norm, normed_out=normed)
+    ref = rms_norm_scaled(x, *norm)
+    w_ref, ids_ref = route_topk_from_hidden(ref, router, k, use_triton=True)
+    print(json.dumps({"case": [dt, e, h, k, m], "same_ids": torch.equal(ids_in, ids_ref),
+                      "w_err": (w_in.double() - w_ref.double()).abs().max().item(),
+                      "normed_err": (normed.double() - ref.double()).abs().max().item()}))
 """
 
 
-def test_rms_norm_inside_the_one_token_router_and_experts():
-    """rms_norm=(weight, eps) at one token: the router matmul kernel and the decode gate_up kernel norm the raw
-    residual stream themselves, and route / compute as if given rms_norm_scaled(x) (the fallback too)."""
+def test_rms_norm_inside_the_one_token_router_kernel():
+    """route_topk_from_hidden(rms_norm=(weight, eps), normed_out=...): at one token the router matmul kernel norms
+    the raw residual stream itself, routes as if given rms_norm_scaled(x), and stores the normed row for the experts
+    (several tokens: the same contract, normed in PyTorch). Without normed_out it refuses."""
     pytest.importorskip("triton")
     results = run_interpreted(NORM_INSIDE_SCRIPT)
-    assert len(results) == 3
+    assert len(results) == 4
     for r in results:
         tol = 1e-5 if r["case"][0] == "float32" else 2e-3
-        assert r["same_ids"] and r["w_err"] < tol and r["err"] < tol and r["fallback_err"] < tol, r
+        assert r["same_ids"] and r["w_err"] < tol and r["normed_err"] < tol, r
+    from kernels import route_topk_from_hidden
+    with pytest.raises(ValueError, match="normed_out"):
+        route_topk_from_hidden(torch.randn(1, 8), torch.randn(4, 8), 2, rms_norm=(torch.ones(8), 1e-6))
 
 
 def test_router_matmul_kernel_routes_like_linear_then_topk():

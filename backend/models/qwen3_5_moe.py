@@ -11,8 +11,8 @@ sparse MoE block. Same math and rounding points as transformers' Qwen3_5MoeForCa
   MoE            router matmul, softmax, top-k renormalised (kernels.route_topk_from_hidden); experts and the
                  sigmoid-gated shared expert in one fused call (kernels.fused_moe)
 A decode step (one token) on Triton: each mixer's output gate or gated norm and the residual add run inside its
-output projection (kernels/gemv.py); the MoE's RMSNorm runs inside the router and gate_up kernels, and the experts
-take fused_moe's two-launch one-token path (kernels/moe_decode.py).
+output projection (kernels/gemv.py); the MoE's RMSNorm runs inside the router matmul kernel (which also stores the
+normed row for the experts), and the experts take fused_moe's two-launch one-token path (kernels/moe_decode.py).
 Caches: a static KVCache for the attention layers and a LinearStateCache (conv window, fp32 recurrent state, and
 per-position snapshots written during a recorded forward) for the Gated DeltaNet layers.
 
@@ -222,21 +222,23 @@ class SparseMoE(nn.Module):
         self.shared_gate_proj, self.shared_up_proj = e(si, c.hidden_size), e(si, c.hidden_size)
         self.shared_down_proj, self.shared_gate = e(c.hidden_size, si), e(1, c.hidden_size)
 
-    def route(self, h: torch.Tensor, rms_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing weights and expert ids [T, top_k] for the normed hidden states h [T, H] (or for h not normed yet
-        and rms_norm=(weight, eps)): router matmul, softmax, top-k. (A benchmark may replace this on an instance to
-        replay a routing trace, and count experts; nothing else does.)"""
-        return route_topk_from_hidden(h, self.router, self.top_k, True, rms_norm=rms_norm)
+    def route(self, h: torch.Tensor, rms_norm=None, normed_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids [T, top_k] for the normed hidden states h [T, H] (or for h not normed yet,
+        rms_norm=(weight, eps), the normed h written to normed_out): router matmul, softmax, top-k. (A benchmark may
+        replace this on an instance to replay a routing trace, and count experts; nothing else does.)"""
+        return route_topk_from_hidden(h, self.router, self.top_k, True, rms_norm=rms_norm, normed_out=normed_out)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None, norm: torch.Tensor, eps: float,
                 compiled: bool) -> torch.Tensor:
         """x + y + MoE(norm(x + y)), y the mixer's output: router, then all experts and the shared expert in one fused
         call. y None (a decode step on Triton): the mixer already added its output to x, and the norm runs inside
-        the router and gate_up kernels, which read x anyway (no launch of its own)."""
+        the router matmul kernel, which reads x anyway and stores the normed row for the experts (no launch of its
+        own; normed again in each of the ~4,600 gate_up programs it cost more than the launch it saved)."""
         shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
         if y is None:
-            weights, ids = self.route(x, rms_norm=(norm, eps))
-            return fused_moe(x, self.gate_up, self.down, weights, ids, shared, residual=x, rms_norm=(norm, eps))
+            h = torch.empty_like(x)
+            weights, ids = self.route(x, rms_norm=(norm, eps), normed_out=h)
+            return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
         weights, ids = self.route(h)
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
