@@ -154,8 +154,8 @@ def sweep_moe_decode(inner, reps):
     shared = [SharedExpert(*(torch.randn(*s, device="cuda").bfloat16() / s[1] ** 0.5
                              for s in ((i, h), (i, h), (h, i), (1, h)))) for _ in range(inner)]
     x = torch.randn(1, h, device="cuda").bfloat16()
-    calls = [(torch.randperm(e, device="cuda")[:k][None], torch.softmax(torch.randn(1, k, device="cuda"), -1).bfloat16())
-             for _ in range(inner)]
+    calls = [(torch.randperm(e, device="cuda")[:k][None],
+              torch.softmax(torch.randn(1, k, device="cuda"), -1).bfloat16()) for _ in range(inner)]
     state = {"n": 0}
 
     def run(decode):

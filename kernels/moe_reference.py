@@ -97,7 +97,7 @@ def fused_moe_torch(
 
 def rms_norm_scaled(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight, in fp32, cast to x's dtype once: Qwen3.5's RMSNorm when weight is its
-    (1 + weight) in fp32. fused_moe and route_topk_from_hidden take it as `rms_norm=(weight, eps)`."""
+    (1 + weight) in fp32. route_topk_from_hidden takes it as `rms_norm=(weight, eps)`."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 

@@ -7,6 +7,7 @@ renormalising; weights cast to the logits' dtype. Ties pick the lowest expert in
 
     weights, ids = route_topk(logits, top_k)                   # logits [M, E] from the caller's router matmul
     weights, ids = route_topk_from_hidden(h, router, top_k)    # the router matmul too (M <= 16: two launches)
+    weights, ids = route_topk_from_hidden(x, router, top_k, rms_norm=(w, eps), normed_out=h)  # and the norm first
 
 route_topk_from_hidden: cuBLAS spends ~5 us on the 35B-A3B router (1 MB of weights, 4 CTAs) at 1 or 16 tokens
 (bench/kernel_sweep.py). Here a grid of (expert tiles x K slices) programs writes fp32 partial logits and the routing
@@ -172,10 +173,10 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, ROUTER_MAX_TOKENS, experts, dtype=torch.float32, device=h.device)
     _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
-        h, router, rms_norm[0] if norm_inside else h, normed_out if norm_inside else h, parts, num_tokens, experts, hidden, k_per_split, h.stride(0),
-        router.stride(0), rms_norm[1] if norm_inside else 0.0, BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k,
-        PRECISION="ieee" if h.dtype == torch.float32 else "tf32", HAS_NORM=norm_inside,
-        HP=triton.next_power_of_2(hidden), num_warps=4, num_stages=3)
+        h, router, rms_norm[0] if norm_inside else h, normed_out if norm_inside else h, parts, num_tokens, experts,
+        hidden, k_per_split, h.stride(0), router.stride(0), rms_norm[1] if norm_inside else 0.0,
+        BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k, PRECISION="ieee" if h.dtype == torch.float32 else "tf32",
+        HAS_NORM=norm_inside, HP=triton.next_power_of_2(hidden), num_warps=4, num_stages=3)
     weights = torch.empty(num_tokens, top_k, dtype=h.dtype, device=h.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=h.device)
     padded = triton.next_power_of_2(experts)

@@ -300,7 +300,8 @@ def test_qwen_decode_step_through_triton_kernels_under_interpreter():
     and the logits are transformers' (fp32)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", QWEN_TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", QWEN_TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
