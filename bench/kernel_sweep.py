@@ -12,6 +12,8 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
   moe_decode kernels/moe_decode.py's tiles (one token, 35B-A3B experts, weights from HBM) vs the grouped path
   gemv_fused kernels/gemv.py's tiles (the 35B-A3B output projections with their gated norm / sigmoid gate, one
              weight per call) vs the eager prologue + F.linear
+  llama_one_token  kernels/norm_gemv.py's and kernels/gemv.py's tiles at the SmolLM2-135M decode step's five
+             projections (one weight per call) vs F.linear alone
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -235,8 +237,56 @@ def sweep_gemv_fused(inner, reps):
     return rows
 
 
+def sweep_llama_one_token(inner, reps):
+    """The SmolLM2-135M decode step's projections through kernels/norm_gemv.py (norm + q/k/v + RoPE, norm + gate/up
+    + SwiGLU, norm + LM head) and kernels/gemv.py (output and down projections + residual), over tiles, each call
+    on its own weight (a 30-layer step does not stay in L2), against F.linear alone on the same weights (cuBLAS:
+    what the compiled-glue path runs for the matmul, before its norm / RoPE / SiLU / residual kernels)."""
+    from backend.models.llama import rope_tables
+    from kernels.gemv import gemv
+    from kernels.norm_gemv import norm_gemv
+    h, heads, kv_heads, d, inter, vocab = 576, 9, 3, 64, 1536, 49152
+    cos, sin = rope_tables(1.0 / (100000 ** (torch.arange(0, d, 2, device="cuda").float() / d)), 1.0, 2048,
+                           torch.bfloat16)
+    pos = torch.tensor([700], device="cuda")
+    x = torch.randn(1, h, device="cuda").bfloat16()
+    nw = (torch.rand(h, device="cuda") + 0.5).bfloat16()
+    a_o, a_down = torch.randn(1, heads * d, device="cuda").bfloat16(), torch.randn(1, inter, device="cuda").bfloat16()
+    cases = {  # name: (weight shape, kernel call taking (weight, tiles))
+        "qkv norm+rope": ((heads + 2 * kv_heads) * d, h, lambda w, t: norm_gemv(
+            x, nw, w, 1e-5, rope=(cos, sin, pos, (heads + kv_heads) * d), use_triton=True, tiles=t), x),
+        "gate_up norm+swiglu": (2 * inter, h, lambda w, t: norm_gemv(x, nw, w, 1e-5, swiglu=True, use_triton=True,
+                                                                     tiles=t), x),
+        "o + residual": (h, heads * d, lambda w, t: gemv(a_o, w, residual=x, use_triton=True, tiles=t), a_o),
+        "down + residual": (h, inter, lambda w, t: gemv(a_down, w, residual=x, use_triton=True, tiles=t), a_down),
+        "lm_head norm": (vocab, h, lambda w, t: norm_gemv(x, nw, w, 1e-5, use_triton=True, tiles=t), x),
+    }
+    rows = []
+    for name, (n, k, call, inp) in cases.items():
+        count = 2 if name == "lm_head norm" else inner  # the LM head: one per step, 57 MB, never in L2
+        ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
+        state = {"n": 0}
+
+        def weight(ws=ws):
+            state["n"] += 1
+            return ws[state["n"] % len(ws)]
+        base = dict(kernel="llama_one_token", case=name, N=n, K=k, weight_MB=round(n * k * 2 / 1e6, 2))
+        rows.append(dict(base, variant="F.linear alone", us=round(graph_time_us(
+            lambda: F.linear(inp, weight()), inner, reps), 2)))
+        print(rows[-1], flush=True)
+        for bn, wp in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8, 16)):
+            tiles = {"BN": bn, "warps": wp}
+            rows.append(dict(base, variant="ours", tiles=tiles, us=round(graph_time_us(
+                lambda: call(weight(), tiles), inner, reps), 2)))
+            print(rows[-1], flush=True)
+        best = min((r for r in rows if r.get("case") == name and r["variant"] == "ours"), key=lambda r: r["us"])
+        rows.append(dict(base, variant="best", tiles=best["tiles"], us=best["us"]))
+        print(rows[-1], flush=True)
+    return rows
+
+
 SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv,
-          "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused}
+          "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused, "llama_one_token": sweep_llama_one_token}
 
 
 def main():

@@ -212,6 +212,51 @@ def test_llama_untied_head_and_scaled_rope():
     torch.testing.assert_close(fast.prefill(prompt)[0], ref, **TOL)
 
 
+LLAMA_TRITON_SCRIPT = textwrap.dedent("""
+    import importlib
+    import torch
+    from transformers import DynamicCache
+    from backend.models import load_fast
+    from tests.test_fast_models import TOL, hf_step, seeded, tiny_llama
+    lm = importlib.import_module("backend.models.llama")
+    calls = {"norm_gemv": 0, "gemv": 0}
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+    lm.norm_gemv, lm.gemv = counted("norm_gemv", lm.norm_gemv), counted("gemv", lm.gemv)
+    seeded()
+    for tie, hidden in ((True, (0, 2)), (False, (1,))):  # with the last layer's features: its norm outside the head
+        hf = tiny_llama(tie=tie)
+        fast = load_fast(hf, max_context=64)
+        prompt = torch.randint(0, 320, (9,))
+        cache = DynamicCache(config=hf.config)
+        fast.prefill(prompt)
+        token = int(hf_step(hf, prompt, cache).logits[0, -1].argmax())
+        for _ in range(3):
+            logits, feats = fast.decode(token, hidden_ids=hidden)
+            ref = hf_step(hf, [token], cache, hidden=True)
+            torch.testing.assert_close(logits, ref.logits[0, -1], **TOL)
+            torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1][0] for i in hidden], -1), **TOL)
+            token = int(ref.logits[0, -1].argmax())
+    # 3 layers x (q/k/v, gate/up) per step, + the LM head when the last layer's features are not asked for
+    assert calls == {"norm_gemv": 3 * (2 * 3) + 3 * (2 * 3 + 1), "gemv": 2 * 3 * 2 * 3}, calls
+    print("ok")
+""")
+
+
+def test_llama_decode_step_through_triton_kernels_under_interpreter():
+    """A decode step with every Triton kernel (interpreted on the CPU): norm + q/k/v + RoPE, norm + gate/up + SwiGLU
+    and the LM head through kernels/norm_gemv.py, the output and down projections with their residual add through
+    kernels/gemv.py; logits and features are transformers' (fp32)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", LLAMA_TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_no_fast_path_for_other_architectures():
     seeded()
     dynamic = tiny_llama(rope={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})

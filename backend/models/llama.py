@@ -19,6 +19,9 @@ from torch import nn
 
 from backend.static_cache import KVCache
 from kernels.block_attention import block_attention
+from kernels.fused_moe import triton_usable
+from kernels.gemv import gemv
+from kernels.norm_gemv import norm_gemv
 
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
 # them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
@@ -195,8 +198,10 @@ class Llama(nn.Module):
         norm, as there). `record` has no meaning without linear-attention state. compiled: run the per-layer glue
         through torch.compile (see glue())."""
         c = self.config
-        attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         x, y = F.embedding(tokens, self.embed), None  # residual stream, and the MLP output not yet added to it
+        if tokens.numel() == 1 and self.one_token_kernels and triton_usable(x):
+            return self._one_token(x, positions, kv_len, hidden_ids)
+        attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         cos, sin = self.cos[positions], self.sin[positions]
         mask = None if self.kv.block_kernel(tokens.numel()) else causal_mask(positions, kv_len)
         feats = {}
@@ -215,6 +220,41 @@ class Llama(nn.Module):
         features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
         logits = F.linear(x if all_logits else x[-1:], self.lm_head)
         return logits, features
+
+    @property
+    def one_token_kernels(self) -> bool:
+        """Whether a decode step can take _one_token's kernels: they know no biases and rotate whole heads."""
+        c = self.config
+        return not (c.attention_bias or c.mlp_bias) and self.cos.shape[-1] == c.head_dim and c.head_dim % 2 == 0
+
+    def _one_token(self, x, positions, kv_len: int, hidden_ids: tuple[int, ...]):
+        """A decode step in five launches per layer (kernels/norm_gemv.py, kernels/gemv.py, two of attention):
+        norm + q/k/v + RoPE; cache write + attention; output projection + residual; norm + gate/up + SwiGLU; down
+        projection + residual. forward()'s glue path takes ten (bench/target_step.py --profile). The residual adds
+        sit in the projections' epilogues, so x is always the whole residual stream."""
+        c = self.config
+        heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q_rows, k_rows = heads * d, kv_heads * d
+        mask = None if self.kv.block_kernel(1) else causal_mask(positions, kv_len)
+        feats = {}
+        for i, layer in enumerate(self.layers):
+            qkv = norm_gemv(x, layer.attn_norm, layer.wqkv, c.rms_norm_eps,
+                            rope=(self.cos, self.sin, positions, q_rows + k_rows))[0]
+            q = qkv[:q_rows].view(heads, 1, d)
+            k = qkv[q_rows:q_rows + k_rows].view(kv_heads, 1, d)
+            v = qkv[q_rows + k_rows:].view(kv_heads, 1, d)
+            x = gemv(cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, residual=x)
+            h = norm_gemv(x, layer.mlp_norm, layer.w_gate_up, c.rms_norm_eps, swiglu=True)
+            x = gemv(h, layer.w_down, residual=x)
+            if i in hidden_ids:
+                feats[i] = x
+        last = c.num_layers - 1
+        if last in hidden_ids:  # transformers' last hidden state is after the final norm
+            feats[last] = rms_norm(x, self.norm, c.rms_norm_eps)
+            logits = F.linear(feats[last], self.lm_head)
+        else:
+            logits = norm_gemv(x, self.norm, self.lm_head, c.rms_norm_eps)
+        return logits, (torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None)
 
     # ---- loading --------------------------------------------------------------------------------------------------
 
