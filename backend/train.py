@@ -145,7 +145,8 @@ OPTION_HELP = {
     "anchors_per_seq": "Blocks per sequence in a step (sequences per step = batch_blocks / anchors_per_seq).",
     "lr": "Peak learning rate (AdamW; linear warm-up over the first twentieth of the steps, then cosine down to a tenth).",
     "seed": "Seed of the initialization and of the batch sampling.",
-    "time_limit": "Stop training after this many seconds (0: no limit); the checkpoint is saved.",
+    "time_limit": "Stop training once the run has trained this many seconds in all, earlier sessions of a resumed "
+                  "run included (0: no limit); the checkpoint is saved.",
     "save_every": "Save a checkpoint every this many steps.",
     "log_every": "Log loss and per-position accuracy every this many steps (the progress bar on a terminal).",
     "resume": "Continue the run in --out from its last checkpoint, up to --steps.",
@@ -587,7 +588,7 @@ def main(**knobs) -> dict:
             raise TrainError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)} differ from the run in {out}")
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["rng"])
+        gen.set_state(state["rng"].cpu())  # map_location moved it to the device
         step, history, train_seconds = state["step"], state["history"], state["train_seconds"]
         _log(f"resumed {out} at step {step}")
     weights = position_weights(cfg.block_size, cfg.decay, device)
