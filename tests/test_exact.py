@@ -72,6 +72,14 @@ def test_output_does_not_depend_on_what_the_cache_held_before(embedded_bf16):
     assert got == [t for b in Engine(hf, exact=True).generate(follow, SamplingParams(max_tokens=24)) for t in b]
 
 
+def test_shipped_drafter_fits_the_repository_limit():
+    """The committed drafter (weights, config, provenance) stays within the 32 MB a shipped drafter may take."""
+    path = find_shipped_drafter("SmolLM2-135M-Instruct")
+    assert path is not None
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 32_000_000
+    assert load_drafter(path).cfg.num_hidden_layers >= 1  # and it loads
+
+
 def test_shipped_drafter_output_is_identical_to_plain_decoding_in_bf16(embedded_bf16):
     path = find_shipped_drafter(embedded_bf16.name)
     assert path is not None, "the embedded model's drafter is shipped in backend/drafters/"
