@@ -252,7 +252,7 @@ def sweep_llama_one_token(inner, reps):
     x = torch.randn(1, h, device="cuda").bfloat16()
     nw = (torch.rand(h, device="cuda") + 0.5).bfloat16()
     a_o, a_down = torch.randn(1, heads * d, device="cuda").bfloat16(), torch.randn(1, inter, device="cuda").bfloat16()
-    cases = {  # name: (weight shape, kernel call taking (weight, tiles))
+    cases = {  # name: (rows N, columns K, the call taking (weight, tiles), its activation row for F.linear)
         "qkv norm+rope": ((heads + 2 * kv_heads) * d, h, lambda w, t: norm_gemv(
             x, nw, w, 1e-5, rope=(cos, sin, pos, (heads + kv_heads) * d), use_triton=True, tiles=t), x),
         "gate_up norm+swiglu": (2 * inter, h, lambda w, t: norm_gemv(x, nw, w, 1e-5, swiglu=True, use_triton=True,
