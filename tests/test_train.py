@@ -222,6 +222,27 @@ def test_sampled_responses_add_training_sequences(tiny_model, reviews_db, data_d
     for i in range(n):
         assert split(i)[0] == split(n + i)[0] == split(2 * n + i)[0]  # the same prompt three times
     assert any(split(i)[1] != split(n + i)[1] for i in range(n))  # and sampling really sampled
+    # each prompt's features are stored once: the other two sequences keep only their response rows ...
+    assert data.features.shape[0] == int(data.lengths.sum()) - 2 * sum(len(split(i)[0]) for i in range(n))
+    assert sorted(data.skip.tolist()).count(0) == n
+    # ... and a batch still holds the target's own features and argmax at every position of every sequence
+    from backend.loading import load_model
+    loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
+    seqs = torch.tensor([where[i] for i in (0, n, 2 * n, n - 1, 2 * n - 1, 3 * n - 1)])
+    batch = data.gather(seqs, need_final=True)
+    for row, s in enumerate(seqs.tolist()):
+        length = int(data.lengths[s])
+        ids = data.tokens[int(data.offsets[s]): int(data.offsets[s]) + length]
+        with torch.no_grad():
+            ref = loaded.model(input_ids=ids[None], output_hidden_states=True)
+        want = td.select_features(ref.hidden_states, [0, 1])[0]
+        torch.testing.assert_close(batch["features"][row, :length].float(), want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(batch["final"][row, :length].float(), ref.hidden_states[-1][0], rtol=2e-2,
+                                   atol=2e-2)
+        assert torch.equal(batch["argmax"][row, :length], ref.logits[0].argmax(-1))
+    trained = run(tiny_model, reviews_db, out, tmp_path / "on-shared-prompts", samples_per_prompt=2,
+                  sample_temperature=1.0, steps=4)  # training and its estimate read the shared rows too
+    assert trained["budget"]["steps"] == 4 and 1.0 <= trained["estimate"]["tau_est"] <= COMMON["block_size"]
     with pytest.raises(T.TrainError, match="samples-per-prompt"):
         T.main(model=str(tiny_model("llama")), out=str(tmp_path / "bad"), from_db=str(reviews_db), data_only=True,
                samples_per_prompt=-1, **COMMON)
