@@ -69,6 +69,20 @@ def tiny_qwen(layers=4) -> Qwen3_5MoeForCausalLM:
     return model
 
 
+def count_calls(module, names, calls: dict | None = None) -> dict:
+    """Replace module.<name> for each name by a wrapper that counts its calls into `calls` (returned; new if None):
+    the interpreter scripts check which kernels a decode step really took."""
+    calls = {} if calls is None else calls
+    for name in names:
+        calls[name] = 0
+
+        def wrapper(*args, _name=name, _fn=getattr(module, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        setattr(module, name, wrapper)
+    return calls
+
+
 def _spread(model) -> None:
     """Random init leaves norms at their identity and logits tiny; spread them so mistakes show and argmax is stable."""
     with torch.no_grad():
@@ -217,15 +231,8 @@ LLAMA_TRITON_SCRIPT = textwrap.dedent("""
     import torch
     from transformers import DynamicCache
     from backend.models import load_fast
-    from tests.test_fast_models import TOL, hf_step, seeded, tiny_llama
-    lm = importlib.import_module("backend.models.llama")
-    calls = {"norm_gemv": 0, "gemv": 0}
-    def counted(name, fn):
-        def wrapper(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapper
-    lm.norm_gemv, lm.gemv = counted("norm_gemv", lm.norm_gemv), counted("gemv", lm.gemv)
+    from tests.test_fast_models import TOL, count_calls, hf_step, seeded, tiny_llama
+    calls = count_calls(importlib.import_module("backend.models.llama"), ["norm_gemv", "gemv"])
     seeded()
     for tie, hidden in ((True, (0, 2)), (False, (1,))):  # with the last layer's features: its norm outside the head
         hf = tiny_llama(tie=tie)
@@ -301,15 +308,9 @@ QWEN_TRITON_SCRIPT = textwrap.dedent("""
     import torch
     from transformers import DynamicCache
     from backend.models import load_fast
-    from tests.test_fast_models import TOL, hf_step, seeded, tiny_qwen, tiny_qwen_same_shared
+    from tests.test_fast_models import TOL, count_calls, hf_step, seeded, tiny_qwen, tiny_qwen_same_shared
     qm, fm = importlib.import_module("backend.models.qwen3_5_moe"), importlib.import_module("kernels.fused_moe")
-    calls = {"gemv": 0, "decode_moe": 0}
-    def counted(name, fn):
-        def wrapper(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapper
-    qm.gemv, fm.decode_moe = counted("gemv", qm.gemv), counted("decode_moe", fm.decode_moe)
+    calls = count_calls(fm, ["decode_moe"], count_calls(qm, ["gemv"]))
     seeded()
     for shared in (48, 32):  # the shared expert inside the kernels (same intermediate size) or beside them
         hf = tiny_qwen() if shared == 48 else tiny_qwen_same_shared()
