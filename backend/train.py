@@ -38,11 +38,15 @@ from backend import train_data as td
 
 LOSSES = ("kl", "ce")
 CORRUPTIONS = ("full", "uniform")
+LABELS = ("on-path", "all")
 STATE_FILE = "train_state.pt"
 METRICS_FILE = "metrics.json"
 # knobs that must not change when a run is resumed (the rest: steps, time limit, logging, evaluation)
 ARCH_KNOBS = ("loss", "decay", "attention", "corruption", "block_size", "layers", "intermediate_size", "target_layers",
-              "vocab_top_k", "sliding_window", "mask_token_id", "batch_blocks", "anchors_per_seq", "lr", "seed")
+              "vocab_top_k", "sliding_window", "mask_token_id", "batch_blocks", "anchors_per_seq", "lr", "seed",
+              "labels")
+# what a run saved before a knob existed trained with (resuming such a run must not trip over the new knob)
+KNOB_BEFORE_IT_EXISTED = {"labels": "all"}
 
 
 class TrainError(ValueError):
@@ -83,6 +87,8 @@ class TrainConfig:
     decay: float = 7.0
     attention: str = "mixed"
     corruption: str = "full"
+    labels: str = "on-path"
+    init_from: str | None = None
     steps: int = 2000
     batch_blocks: int = 512
     anchors_per_seq: int = 16
@@ -140,6 +146,13 @@ OPTION_HELP = {
     "attention": "Attention inside the block: mixed (causal on sliding layers, bidirectional on full), "
                  "bidirectional or causal.",
     "corruption": "full (mask every slot but the first, as at inference) or uniform (mask a random fraction).",
+    "labels": "Which drafted slots a block learns from: on-path (slot k counts only while the masked response tokens "
+              "before it in the block are the target's own greedy choices: a sampled response leaves the greedy path, "
+              "and a drafter that sees only masks cannot know where, while the engine only ever extends the greedy "
+              "path) or all.",
+    "init_from": "Start from this drafter's weights (a checkpoint folder, e.g. the shipped one) instead of random "
+                 "ones: fine-tune it on more data, new prompts (--from-db) or other knobs. Its shape (layers, MLP "
+                 "width, target layers, block size) must match the run's; a restricted vocabulary in it is not kept.",
     "steps": "Optimizer steps.",
     "batch_blocks": "Blocks per step.",
     "anchors_per_seq": "Blocks per sequence in a step (sequences per step = batch_blocks / anchors_per_seq).",
@@ -212,6 +225,28 @@ def new_drafter(cfg: TrainConfig, target, layer_ids: list[int], target_name: str
     return drafter
 
 
+def init_from_checkpoint(drafter: DFlashDrafter, path: Path) -> None:
+    """Copy a saved drafter's weights into `drafter` (same shape). Its restricted vocabulary, if any, is not kept:
+    the run's own --vocab-top-k decides (a head is never part of the weights: the target's is used)."""
+    from backend.dflash import load_drafter
+
+    try:
+        source = load_drafter(path)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise TrainError(f"--init-from: {exc}") from None
+    shape = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "block_size", "mask_token_id", "target_layer_ids", "num_target_layers")
+    diffs = [f"{k} {getattr(source.cfg, k)} (this run: {getattr(drafter.cfg, k)})" for k in shape
+             if getattr(source.cfg, k) != getattr(drafter.cfg, k)]
+    if diffs:
+        raise TrainError(f"--init-from {path}: a different drafter: " + "; ".join(diffs)
+                         + " (give the matching --layers, --intermediate-size, --target-layers, --block-size)")
+    if source.own_head is not None:
+        raise TrainError(f"--init-from {path}: the checkpoint has a head of its own; training uses the target's")
+    with torch.no_grad():
+        drafter.load_state_dict({k: v.float() for k, v in source.state_dict().items()})
+
+
 # ---- the batched training forward ---------------------------------------------------------------------------------
 
 
@@ -276,8 +311,10 @@ class Frozen:
 
 
 def make_blocks(data: td.FeatureSet, seqs: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int,
-                corruption: str, need_final: bool, gen: torch.Generator | None) -> dict:
-    """Block inputs and targets for blocks starting at `anchors` (S, N) of sequences `seqs` (S,)."""
+                corruption: str, need_final: bool, gen: torch.Generator | None, on_path_only: bool = False) -> dict:
+    """Block inputs and targets for blocks starting at `anchors` (S, N) of sequences `seqs` (S,).
+    on_path_only: a masked slot is a training target only while every masked slot before it in the block holds the
+    target's greedy token (see --labels)."""
     batch = data.gather(seqs, need_final)
     S, N, B = anchors.shape[0], anchors.shape[1], block_size
     L = batch["tokens"].shape[1]
@@ -295,8 +332,17 @@ def make_blocks(data: td.FeatureSet, seqs: torch.Tensor, anchors: torch.Tensor, 
     masked[..., 0] = False
     ids = torch.where(masked, torch.full_like(real, mask_id), real)
     label_pos = (pos - 1).clamp(0, L - 1).view(S, -1)  # the target's prediction for slot k is made at position pos-1
-    out = {"ids": ids, "anchors": anchors, "features": batch["features"],
-           "labels": batch["argmax"].gather(1, label_pos).view(S, N, B), "valid": masked & inside}
+    labels = batch["argmax"].gather(1, label_pos).view(S, N, B)
+    valid = masked & inside
+    if on_path_only:
+        # Slot k's label is the target's choice after the real tokens of slots 1..k-1. Where one of those is hidden
+        # (masked) and is not the greedy token, the label belongs to a path the drafter cannot see and the engine
+        # never takes: with responses sampled at 0.7, about half of slot 4's labels (measured on SmolLM2).
+        off_path = masked & inside & (real != labels)
+        off_path[..., 0] = False
+        off_before = torch.cumsum(off_path.int(), dim=-1) - off_path.int()
+        valid = valid & (off_before == 0)
+    out = {"ids": ids, "anchors": anchors, "features": batch["features"], "labels": labels, "valid": valid}
     out["valid"][..., 0] = False
     if need_final:
         final = batch["final"]
@@ -481,7 +527,7 @@ class Progress:
 
 
 def _check(cfg: TrainConfig) -> None:
-    choices = {"loss": LOSSES, "attention": BLOCK_ATTENTION_MODES, "corruption": CORRUPTIONS,
+    choices = {"loss": LOSSES, "attention": BLOCK_ATTENTION_MODES, "corruption": CORRUPTIONS, "labels": LABELS,
                "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
@@ -561,6 +607,10 @@ def main(**knobs) -> dict:
          f"{int(train_set.anchor_counts().sum())} block starts), {len(held_set) if held_set else 0} held out")
 
     drafter = new_drafter(cfg, target, layer_ids, loaded.name)
+    resuming = cfg.resume and (out / STATE_FILE).is_file()
+    if cfg.init_from and not resuming:  # a resumed run continues from its own weights
+        init_from_checkpoint(drafter, Path(cfg.init_from))
+        _log(f"drafter: starting from the weights in {cfg.init_from}")
     vocab = target.get_input_embeddings().weight.shape[0]
     if cfg.vocab_top_k:
         drafter.restrict_vocab(build_draft_vocab(td.token_counts(train_set, vocab), cfg.vocab_top_k), vocab)
@@ -581,9 +631,9 @@ def main(**knobs) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     step, history, train_seconds = 0, [], 0.0
     state_path = out / STATE_FILE
-    if cfg.resume and state_path.is_file():
+    if resuming:
         state = torch.load(state_path, map_location=device, weights_only=False)
-        changed = [k for k in ARCH_KNOBS if state["config"].get(k) != getattr(cfg, k)]
+        changed = [k for k in ARCH_KNOBS if state["config"].get(k, KNOB_BEFORE_IT_EXISTED.get(k)) != getattr(cfg, k)]
         if changed:
             raise TrainError(f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)} differ from the run in {out}")
         drafter.load_state_dict(state["drafter"])
@@ -615,7 +665,8 @@ def main(**knobs) -> dict:
                 group["lr"] = _lr_at(step, cfg)
             seqs, anchors = sample_batch(train_set, counts, n_seqs, cfg.anchors_per_seq, gen)
             blocks = make_blocks(train_set, seqs, anchors, cfg.block_size, mask_id, cfg.corruption, need_final,
-                                 torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step))
+                                 torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step),
+                                 on_path_only=cfg.labels == "on-path")
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 loss, hits, n = block_loss(drafter, frozen, blocks, cfg.loss, weights)
             opt.zero_grad(set_to_none=True)

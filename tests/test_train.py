@@ -248,6 +248,69 @@ def test_sampled_responses_add_training_sequences(tiny_model, reviews_db, data_d
                samples_per_prompt=-1, **COMMON)
 
 
+def test_on_path_labels_drop_the_slots_after_a_hidden_departure(tiny_model, reviews_db, tmp_path):
+    """--labels on-path: in blocks over sampled responses, a masked slot is a target only while no masked slot
+    before it holds a token other than the target's argmax (checked here slot by slot against the stored tokens and
+    argmax); a visible slot (uniform corruption) never cuts, and --labels all keeps every masked slot."""
+    out = tmp_path / "sampled"
+    T.main(model=str(tiny_model("llama")), out=str(out / "prep"), data_dir=str(out), from_db=str(reviews_db),
+           data_only=True, samples_per_prompt=1, sample_temperature=1.5, **COMMON)
+    data = td.load_features(out, "train", "cpu")
+    B = COMMON["block_size"]
+    seqs = torch.arange(len(data))
+    counts = data.anchor_counts()
+    anchors = data.prompt_lens[:, None] + (torch.rand(len(data), 8, generator=torch.Generator().manual_seed(0))
+                                           * counts[:, None]).long()
+    cut_somewhere = False
+    for corruption in ("full", "uniform"):
+        kw = dict(need_final=False)
+        mask = -7  # no token's id: a slot holds it exactly when it is masked
+        every = T.make_blocks(data, seqs, anchors, B, mask, corruption, gen=torch.Generator().manual_seed(1), **kw)
+        on = T.make_blocks(data, seqs, anchors, B, mask, corruption, gen=torch.Generator().manual_seed(1),
+                           on_path_only=True, **kw)
+        assert torch.equal(every["ids"], on["ids"]) and torch.equal(every["labels"], on["labels"])
+        masked = on["ids"] == mask
+        batch = data.gather(seqs, need_final=False)
+        for s in range(len(data)):
+            n = int(data.lengths[s])
+            for j in range(anchors.shape[1]):
+                departed = False
+                for k in range(1, B):
+                    p = int(anchors[s, j]) + k
+                    inside = p < n
+                    want_all = bool(masked[s, j, k]) and inside
+                    assert bool(every["valid"][s, j, k]) == want_all
+                    assert bool(on["valid"][s, j, k]) == (want_all and not departed)
+                    cut_somewhere |= want_all and departed
+                    if inside and masked[s, j, k] and batch["tokens"][s, p] != batch["argmax"][s, p - 1]:
+                        departed = True  # a hidden token the target would not have chosen
+    assert cut_somewhere  # sampling at 1.5 leaves the greedy path: the filter had work to do
+
+
+def test_init_from_starts_at_a_saved_drafter(tiny_model, reviews_db, data_dir, tmp_path):
+    """--init-from copies a checkpoint's weights (a vocabulary-restricted one too): with a learning rate too small to
+    move a bf16 weight, the new run saves the same tensors. A drafter of another shape is a one-line error."""
+    from safetensors.torch import load_file
+
+    first = run(tiny_model, reviews_db, data_dir, tmp_path / "first", steps=4, vocab_top_k=64)
+    assert first["budget"]["steps"] == 4
+    second = run(tiny_model, reviews_db, data_dir, tmp_path / "second", steps=2, lr=1e-12,
+                 init_from=str(tmp_path / "first"))
+    a = load_file(str(tmp_path / "first" / "model.safetensors"))
+    b = load_file(str(tmp_path / "second" / "model.safetensors"))
+    assert "d2t" in a and "d2t" not in b  # the run's own vocabulary (full) wins
+    assert set(a) - {"d2t", "t2d"} == set(b)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert second["config"]["init_from"] == str(tmp_path / "first")
+    fresh = run(tiny_model, reviews_db, data_dir, tmp_path / "fresh", steps=2, lr=1e-12)
+    c = load_file(str(tmp_path / "fresh" / "model.safetensors"))
+    assert not torch.equal(c["fc.weight"], b["fc.weight"])  # a fresh start would not have given those weights
+    with pytest.raises(T.TrainError, match="--init-from .*num_hidden_layers 2 .this run: 1."):
+        run(tiny_model, reviews_db, data_dir, tmp_path / "bad", steps=2, layers=1, init_from=str(tmp_path / "first"))
+    with pytest.raises(T.TrainError, match="--init-from: no config.json"):
+        run(tiny_model, reviews_db, data_dir, tmp_path / "bad2", steps=2, init_from=str(tmp_path / "nowhere"))
+
+
 def test_responses_file_may_be_gzipped_and_must_match_the_target(tmp_path):
     rows = [{"id": "a", "tokens": [1, 2, 3]}, {"id": "b~1", "tokens": [4]}]
     text = "\n".join(json.dumps(r) for r in [{"target": "tiny"}] + rows) + "\n"
@@ -357,7 +420,13 @@ def test_resume_continues_the_step_count(tiny_model, reviews_db, data_dir, tmp_p
     assert second["budget"]["steps"] == 8
     assert [h["step"] for h in second["history"]] == [2, 4, 6, 8]
     assert second["history"][:2] == first["history"]
-    assert torch.load(out / T.STATE_FILE, weights_only=False)["step"] == 8
+    state = torch.load(out / T.STATE_FILE, weights_only=False)
+    assert state["step"] == 8
+    del state["config"]["labels"]  # a run saved before --labels existed trained on all labels
+    torch.save(state, out / T.STATE_FILE)
+    with pytest.raises(T.TrainError, match="--labels"):
+        run(tiny_model, reviews_db, data_dir, out, steps=10, resume=True)
+    assert run(tiny_model, reviews_db, data_dir, out, steps=10, resume=True, labels="all")["budget"]["steps"] == 10
 
 
 def test_builtin_prompts_run_end_to_end_through_the_cli(tiny_model, tmp_path, capsys):
@@ -376,6 +445,7 @@ def test_builtin_prompts_run_end_to_end_through_the_cli(tiny_model, tmp_path, ca
     (["--loss", "mse"], "--loss must be one of kl, ce"),
     (["--attention", "sideways"], "--attention must be one of"),
     (["--block-size", "1"], "--block-size must be at least 2"),
+    (["--labels", "some"], "--labels must be one of on-path, all"),
     (["--no-builtin-prompts"], "no prompts"),
     (["--model", "/nonexistent/model"], "model not found"),
 ])
