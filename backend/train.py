@@ -61,6 +61,7 @@ class TrainConfig:
     dtype: str = "float32"  # the target's dtype while generating data and features
     # data
     builtin_prompts: bool = True
+    builtin_extra: bool = False
     from_db: str | None = None
     max_prompts: int = 0  # 0: all training prompts
     max_heldout: int = 96
@@ -112,6 +113,9 @@ OPTION_HELP = {
     "device": "auto, cpu or cuda.",
     "dtype": "The target's dtype while it writes responses and features: float32, bfloat16 or auto.",
     "builtin_prompts": "The built-in prompt set (backend/prompts/builtin.jsonl) is used unless --no-builtin-prompts.",
+    "builtin_extra": "Also the extra built-in training prompts (backend/prompts/builtin_extra.jsonl.gz: 6,000 code "
+                     "review, debugging and performance prompts on code the main set does not use; training split "
+                     "only, so the held-out prompts and their figures stay the same).",
     "from_db": "Also learn the review loop's own workload: prompts from the transcripts in this reviews.db.",
     "max_prompts": "At most this many training prompts (0: all).",
     "max_heldout": "At most this many held-out prompts (features for the estimate; the first --eval-prompts of them "
@@ -543,14 +547,16 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError("--decay and --lr must be positive")
     if cfg.samples_per_prompt < 0 or cfg.sample_temperature <= 0:
         raise TrainError("--samples-per-prompt must be >= 0 and --sample-temperature positive")
-    if not cfg.builtin_prompts and not cfg.from_db:
+    if not cfg.builtin_prompts and not cfg.builtin_extra and not cfg.from_db:
         raise TrainError("no prompts: keep the built-in set or give --from-db reviews.db")
 
 
 def load_records(cfg: TrainConfig) -> list[td.PromptRecord]:
     import hashlib
 
-    records = (td.load_builtin() if cfg.builtin_prompts else []) + (td.load_from_db(cfg.from_db) if cfg.from_db else [])
+    records = ((td.load_builtin() if cfg.builtin_prompts else [])
+               + (td.load_builtin(td.BUILTIN_EXTRA) if cfg.builtin_extra else [])
+               + (td.load_from_db(cfg.from_db) if cfg.from_db else []))
     order = sorted(records, key=lambda r: hashlib.sha256(r.id.encode()).hexdigest())  # stable, category-mixed
     train = [r for r in order if r.split == "train"]
     held = [r for r in order if r.split == "heldout"]

@@ -31,6 +31,7 @@ from backend.dflash import select_features
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 BUILTIN_PROMPTS = PROMPTS_DIR / "builtin.jsonl"
+BUILTIN_EXTRA = PROMPTS_DIR / "builtin_extra.jsonl.gz"  # training-only prompts on other code (--builtin-extra)
 AGENT_TOOLS = PROMPTS_DIR / "agent_tools.json"
 MANIFEST = "manifest.json"
 RESPONSES = "responses.jsonl"
@@ -57,11 +58,15 @@ def _agent_tools() -> list[dict]:
 
 
 def load_builtin(path: Path = BUILTIN_PROMPTS) -> list[PromptRecord]:
-    if not Path(path).is_file():
+    """The built-in prompt set (JSON lines; gzipped when the name ends in .gz): the main one by default, or
+    BUILTIN_EXTRA."""
+    path = Path(path)
+    if not path.is_file():
         raise DataError(f"built-in prompt set not found: {path}")
     tools = None
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -121,6 +121,29 @@ def test_builtin_prompt_set():
     assert agent and all(r.tools and r.messages[0]["role"] == "system" for r in agent)
 
 
+def test_extra_prompt_set_is_training_only_and_shares_no_code_with_the_held_out_prompts():
+    import re
+
+    main, extra = td.load_builtin(), td.load_builtin(td.BUILTIN_EXTRA)
+    assert len(extra) >= 5000 and {r.split for r in extra} == {"train"}
+    assert {r.category for r in extra} == {"code_review", "debugging", "performance"}
+    assert not {r.id for r in main} & {r.id for r in extra}
+
+    def code_blocks(records):
+        return {b.strip() for r in records for b in re.findall(r"```python\n(.*?)```", r.messages[-1]["content"], re.S)}
+
+    held, more = code_blocks([r for r in main if r.split == "heldout"]), code_blocks(extra)
+    assert len(held) > 50 and len(more) > 4000 and not held & more
+    from backend.bench import PROMPTS
+
+    assert not {r.messages[-1]["content"] for r in extra} & set(PROMPTS)
+    # --builtin-extra adds them to the training prompts only (the held-out ones stay the main set's)
+    both = T.load_records(T.TrainConfig(builtin_extra=True))
+    alone = T.load_records(T.TrainConfig(builtin_prompts=True))
+    assert len(both) == len(alone) + len(extra)
+    assert [r.id for r in both if r.split == "heldout"] == [r.id for r in alone if r.split == "heldout"]
+
+
 def test_agent_tools_copy_matches_the_reviewer():
     from reviewer.tools import TOOLS
 
