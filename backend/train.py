@@ -16,7 +16,9 @@ at inference for one block (tests/test_train.py checks the two agree).
 Knobs (all on the command line): loss `ce` (labels = the target's argmax) or `kl` (to the target's distribution),
 position weight w_k = exp(-(k-1)/decay); block attention `mixed` | `bidirectional` | `causal`; corruption `full`
 (every slot but the first masked, as at inference) or `uniform` (each block masks a random fraction r ~ U(0,1) of
-its slots; loss on masked slots only); block size, layers, MLP width, target layers, restricted vocabulary top-K, seed.
+its slots; loss on masked slots only); labels `on-path` (a slot trains only while the hidden tokens before it are the
+target's greedy choices) or `all`; block size, layers, MLP width, target layers, restricted vocabulary top-K, seed;
+`--init-from` a saved drafter.
 """
 
 from __future__ import annotations
