@@ -464,6 +464,21 @@ def test_builtin_prompts_run_end_to_end_through_the_cli(tiny_model, tmp_path, ca
     assert metrics["engine"]["prompts"] == 1
 
 
+def test_extra_prompts_alone_train_through_the_cli(tiny_model, tmp_path):
+    """--no-builtin-prompts --builtin-extra: training prompts from the extra set only; no held-out prompts, so no
+    estimate and no engine evaluation, and the run still completes."""
+    code = T.cli(["--model", str(tiny_model("llama")), "--out", str(tmp_path / "run"), "--device", "cpu",
+                  "--no-builtin-prompts", "--builtin-extra", "--max-prompts", "3", "--max-new-tokens", "6",
+                  "--layers", "1", "--intermediate-size", "32", "--block-size", "4", "--steps", "2",
+                  "--batch-blocks", "8", "--anchors-per-seq", "4", "--log-every", "1"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "run" / T.METRICS_FILE).read_text())
+    assert metrics["budget"]["steps"] == 2 and metrics["data"]["train_sequences"] == 3
+    assert "estimate" not in metrics and metrics["config"]["labels"] == "on-path"
+    records = td.read_manifest(tmp_path / "run" / "data")["splits"]["train"]["records"]
+    assert len(records) == 3 and all("-x" in r for r in records)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--loss", "mse"], "--loss must be one of kl, ce"),
     (["--attention", "sideways"], "--attention must be one of"),
