@@ -13,7 +13,6 @@ cannot tie to its input, and the engine never needs.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import platform
 import random
