@@ -115,9 +115,9 @@ OPTION_HELP = {
     "device": "auto, cpu or cuda.",
     "dtype": "The target's dtype while it writes responses and features: float32, bfloat16 or auto.",
     "builtin_prompts": "The built-in prompt set (backend/prompts/builtin.jsonl) is used unless --no-builtin-prompts.",
-    "builtin_extra": "Also the extra built-in training prompts (backend/prompts/builtin_extra.jsonl.gz: 6,000 code "
-                     "review, debugging and performance prompts on code the main set does not use; training split "
-                     "only, so the held-out prompts and their figures stay the same).",
+    "builtin_extra": "Also the extra built-in training prompts (backend/prompts/builtin_extra.jsonl.gz: 9,135 code "
+                     "review, debugging, performance, agent, README and coding prompts on code and docs the main set "
+                     "does not quote; training split only, so the held-out prompts and their figures stay the same).",
     "from_db": "Also learn the review loop's own workload: prompts from the transcripts in this reviews.db.",
     "max_prompts": "At most this many training prompts (0: all).",
     "max_heldout": "At most this many held-out prompts (features for the estimate; the first --eval-prompts of them "
@@ -466,7 +466,9 @@ def evaluate_engine(target, drafter_dir: Path, prompts: list[list[int]], max_tok
            "tau": (accepted + cycles) / cycles if cycles else None,
            "acceptance": [c / cycles for c in per_pos] if cycles else [],
            "tok_s": tokens / wall, "draft_ms": 1e3 * sum(s.draft_seconds for s in stats) / max(cycles, 1),
-           "verify_ms": 1e3 * sum(s.verify_seconds for s in stats) / max(cycles, 1)}
+           "verify_ms": 1e3 * sum(s.verify_seconds for s in stats) / max(cycles, 1),
+           # per prompt, so that tau can be split by category: [generated tokens, cycles, accepted draft tokens]
+           "per_prompt": [[s.generated_tokens, s.cycles, s.accepted_tokens] for s in stats]}
     if check_plain:
         plain = Engine(target, exact=engine.target.exact if engine.fast else None)  # the same numerics
         t0 = time.perf_counter()

@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--category", default=None, help="only held-out prompts of this category (agent, readme, ...)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain run (no identity check, faster)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -38,8 +39,10 @@ def main() -> None:
 
     loaded = load_model(a.model, device=a.device)
     # the held-out prompts in the order `reviewer train` takes them (sha256 of the id), first N
-    held = sorted((r for r in td.load_builtin() if r.split == "heldout"),
+    held = sorted((r for r in td.load_builtin() if r.split == "heldout" and a.category in (None, r.category)),
                   key=lambda r: hashlib.sha256(r.id.encode()).hexdigest())[: a.prompts]
+    if not held:
+        raise SystemExit(f"no held-out prompts of category {a.category!r}")
     prompts = [td.render(loaded.tokenizer, r) for r in held]
     res = evaluate_engine(loaded.model, Path(a.drafter), prompts, a.max_tokens,
                           td.stop_ids(loaded.model, loaded.tokenizer), check_plain=not a.no_plain)
@@ -49,7 +52,15 @@ def main() -> None:
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                             "load_average": os.getloadavg()},
                 "model": loaded.name, "drafter": a.drafter, "categories": [r.category for r in held]})
-    print(json.dumps({k: v for k, v in res.items() if k != "categories"}, indent=1))
+    by_category: dict[str, list[int]] = {}  # category -> [prompts, cycles, accepted draft tokens]
+    for cat, (_, cycles, accepted) in zip(res["categories"], res["per_prompt"]):
+        total = by_category.setdefault(cat, [0, 0, 0])
+        total[0] += 1
+        total[1] += cycles
+        total[2] += accepted
+    res["tau_by_category"] = {cat: {"prompts": n, "cycles": c, "tau": round((acc + c) / c, 3) if c else None}
+                              for cat, (n, c, acc) in sorted(by_category.items())}
+    print(json.dumps({k: v for k, v in res.items() if k not in ("categories", "per_prompt")}, indent=1))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(res, indent=1) + "\n")

@@ -126,8 +126,14 @@ def test_extra_prompt_set_is_training_only_and_shares_no_code_with_the_held_out_
 
     main, extra = td.load_builtin(), td.load_builtin(td.BUILTIN_EXTRA)
     assert len(extra) >= 5000 and {r.split for r in extra} == {"train"}
-    assert {r.category for r in extra} == {"code_review", "debugging", "performance"}
+    assert {r.category for r in extra} == {"code_review", "debugging", "performance", "agent", "readme", "coding"}
     assert not {r.id for r in main} & {r.id for r in extra}
+    # the agent conversations quote other READMEs than the held-out prompts, and carry the tool schemas
+    held_text = "\n".join(m["content"] for r in main if r.split == "heldout" for m in r.messages)
+    agent = [r for r in extra if r.category == "agent"]
+    docs = [r.messages[1]["content"].split("-----\n")[1][:300] for r in agent]
+    assert len(docs) > 500 and not any(d in held_text for d in docs)
+    assert all(r.tools and r.messages[0]["role"] == "system" for r in agent)
 
     def code_blocks(records):
         return {b.strip() for r in records for b in re.findall(r"```python\n(.*?)```", r.messages[-1]["content"], re.S)}
@@ -419,6 +425,9 @@ def test_loss_goes_down_and_the_checkpoint_is_lossless_in_the_engine(tiny_model,
     e = m["engine"]
     assert e["cycles"] > 0 and e["tau"] >= 1.0 and len(e["acceptance"]) == 5
     assert e["identical_to_plain"] is True
+    per_prompt = e["per_prompt"]  # [tokens, cycles, accepted] each: they add up to the totals
+    assert len(per_prompt) == e["prompts"] and [sum(col) for col in zip(*per_prompt)][:2] == [e["tokens"], e["cycles"]]
+    assert abs((sum(p[2] for p in per_prompt) + e["cycles"]) / e["cycles"] - e["tau"]) < 1e-9
     # and the checkpoint as any user would load it, through the engine directly
     from backend.loading import load_model
 
