@@ -300,7 +300,7 @@ def readmes(limit_chars: int) -> list[tuple[str, str]]:
 def agent_records(rng: random.Random, docs: list[tuple[str, str]], n: int) -> list[dict]:
     """First turns of persona agents, shaped exactly like reviewer.review.build_task's message."""
     from reviewer.personas import load_personas
-    from reviewer.review import README_CHARS
+    from train_extra_prompts import task_text
 
     personas = [p for p in load_personas().values() if not p.deterministic]
     out = []
@@ -310,21 +310,7 @@ def agent_records(rng: random.Random, docs: list[tuple[str, str]], n: int) -> li
         slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         top = sorted(rng.sample(["README.md", "pyproject.toml", "src/", "tests/", "docs/", "LICENSE", "Makefile",
                                  "setup.cfg", "CHANGELOG.md", "examples/", ".github/"], 6))
-        task = "\n".join([
-            "Review this repository the way a new user would, with your focus: " + ", ".join(persona.focus) + ".",
-            "", f"Repository: https://github.com/example/{slug}",
-            f"Commit: {hashlib.sha1(slug.encode()).hexdigest()} (default branch main)",
-            f"Working directory (a fresh clone; every path you give is relative to it): /work/{slug}",
-            f"A fresh virtual environment is active: `python` and `pip` are /work/{slug}/.venv/bin/python and "
-            f"/work/{slug}/.venv/bin/pip. Nothing is installed in it yet: install the project the way its README says.",
-            "Each bash command runs in a new shell in the working directory (a `cd` does not carry over) with at most "
-            "120 s; whatever it started in the background is stopped when it returns.",
-            f"Top of the repository: {', '.join(top)}", "", "README.md:", "-----", readme[:README_CHARS], "-----", "",
-            f"You have {persona.max_steps} steps. Confirm each problem by running something, then record it at once "
-            "with record_finding (evidence: the command output; repro_command: one command that shows it). Record "
-            "every number you measure with record_measurement (repeat timings and give `repeats`). When done, call "
-            "finish with a short summary.",
-        ])
+        task = task_text(persona, slug, ", ".join(top), "README.md", readme)
         messages = [{"role": "system", "content": persona.system_prompt}, {"role": "user", "content": task}]
         if i % 3 == 2:  # a second turn: one tool call and its result
             command = rng.choice(["pip install -e '.[test]' 2>&1 | tail -n 5", "ls -la", "python -m pytest -q 2>&1 | tail -n 15"])

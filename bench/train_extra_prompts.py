@@ -144,10 +144,30 @@ def tool_turn(folder: Path, slug: str, rng: random.Random, funcs: list[tuple[str
     return assistant, {"role": "tool", "tool_call_id": call_id, "content": result}
 
 
+def task_text(persona, slug: str, top: str, readme_name: str, readme: str) -> str:
+    """A persona's first user message, shaped like reviewer.review.build_task's (both prompt sets use it)."""
+    from reviewer.review import README_CHARS
+
+    return "\n".join([
+        "Review this repository the way a new user would, with your focus: " + ", ".join(persona.focus) + ".",
+        "", f"Repository: https://github.com/example/{slug}",
+        f"Commit: {hashlib.sha1(slug.encode()).hexdigest()} (default branch main)",
+        f"Working directory (a fresh clone; every path you give is relative to it): /work/{slug}",
+        f"A fresh virtual environment is active: `python` and `pip` are /work/{slug}/.venv/bin/python and "
+        f"/work/{slug}/.venv/bin/pip. Nothing is installed in it yet: install the project the way its README says.",
+        "Each bash command runs in a new shell in the working directory (a `cd` does not carry over) with at most "
+        "120 s; whatever it started in the background is stopped when it returns.",
+        f"Top of the repository: {top}", "", f"{readme_name}:", "-----", readme[:README_CHARS], "-----", "",
+        f"You have {persona.max_steps} steps. Confirm each problem by running something, then record it at once "
+        "with record_finding (evidence: the command output; repro_command: one command that shows it). Record "
+        "every number you measure with record_measurement (repeat timings and give `repeats`). When done, call "
+        "finish with a short summary.",
+    ])
+
+
 def agent_prompts(rng: random.Random, docs: list[tuple[Path, str]], funcs: list[tuple[str, str]], n: int) -> list[dict]:
     """Persona agents' conversations, the first turn shaped like reviewer.review.build_task's message."""
     from reviewer.personas import load_personas
-    from reviewer.review import README_CHARS
 
     personas = [p for p in load_personas().values() if not p.deterministic]
     out = []
@@ -157,21 +177,7 @@ def agent_prompts(rng: random.Random, docs: list[tuple[Path, str]], funcs: list[
         folder = path.parent
         slug = re.sub(r"[^a-z0-9]+", "-", folder.name.lower()).strip("-") or "project"
         top = ", ".join(p.name + ("/" if p.is_dir() else "") for p in sorted(folder.iterdir())[:30])
-        task = "\n".join([
-            "Review this repository the way a new user would, with your focus: " + ", ".join(persona.focus) + ".",
-            "", f"Repository: https://github.com/example/{slug}",
-            f"Commit: {hashlib.sha1(slug.encode()).hexdigest()} (default branch main)",
-            f"Working directory (a fresh clone; every path you give is relative to it): /work/{slug}",
-            f"A fresh virtual environment is active: `python` and `pip` are /work/{slug}/.venv/bin/python and "
-            f"/work/{slug}/.venv/bin/pip. Nothing is installed in it yet: install the project the way its README says.",
-            "Each bash command runs in a new shell in the working directory (a `cd` does not carry over) with at most "
-            "120 s; whatever it started in the background is stopped when it returns.",
-            f"Top of the repository: {top}", "", f"{path.name}:", "-----", readme[:README_CHARS], "-----", "",
-            f"You have {persona.max_steps} steps. Confirm each problem by running something, then record it at once "
-            "with record_finding (evidence: the command output; repro_command: one command that shows it). Record "
-            "every number you measure with record_measurement (repeat timings and give `repeats`). When done, call "
-            "finish with a short summary.",
-        ])
+        task = task_text(persona, slug, top, path.name, readme)
         messages = [{"role": "system", "content": persona.system_prompt}, {"role": "user", "content": task}]
         for k in range(rng.choice([0, 1, 1, 2, 2, 3])):
             messages += tool_turn(folder, slug, rng, funcs, i * 4 + k)
