@@ -64,11 +64,18 @@ def project_files(folder: Path, limit: int = 400) -> list[Path]:
     return found
 
 
-def read_file_output(rel: str, text: str, limit: int) -> str:
-    """What reviewer.tools' read_file returns for the first `limit` lines of a file (the same header and footer)."""
+def read_file_output(rel: str, text: str, limit: int, max_output: int = 10_000) -> str:
+    """What reviewer.tools' read_file returns for the first `limit` lines of a file: the same header, the same cut
+    at `max_output` characters (the Toolbox default), the same footer."""
     lines = text.splitlines()
-    body = [f"{n:6}\t{line[:1000]}" for n, line in enumerate(lines[:limit], start=1)]
-    if not body:
+    body, used = [], 0
+    for n, line in enumerate(lines[:limit], start=1):
+        row = f"{n:6}\t{line[:1000]}"
+        if used + len(row) > max_output:
+            break
+        body.append(row)
+        used += len(row) + 1
+    if not lines:
         return f"{rel}: empty file"
     footer = f"\n[... {len(lines) - len(body)} more lines: read_file(path, offset={len(body)}) ...]" \
         if len(body) < len(lines) else ""
@@ -96,8 +103,9 @@ def tool_turn(folder: Path, slug: str, rng: random.Random, funcs: list[tuple[str
     if kind == "read":
         path = rng.choice(files)
         rel = str(path.relative_to(folder))
-        call = ("read_file", {"path": rel})
-        result = read_file_output(rel, path.read_text(errors="replace"), rng.choice([60, 120, 200]))
+        limit = rng.choice([30, 60, 100])  # a page, not the default 400 lines: most prompts stay under 4,096 tokens
+        call = ("read_file", {"path": rel, "limit": limit})
+        result = read_file_output(rel, path.read_text(errors="replace"), limit)
         say = f"Let me look at {rel}."
     elif kind == "ls":
         call = ("bash", {"command": "ls -la"})

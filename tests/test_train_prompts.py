@@ -26,12 +26,15 @@ def project(tmp_path):
         'def parse_duration(text):\n    """Parse a duration such as 1h30m into seconds. More words."""\n'
         "    return 0\n\n\ndef _hidden():\n    \"\"\"A private helper that the prompts leave out.\"\"\"\n")
     (root / "long.py").write_text("".join(f"x{i} = {i}\n" for i in range(450)))
+    (root / "wide.py").write_text("".join(f"y{i} = '{'w' * 300}'\n" for i in range(100)))  # past the 10,000 cut
+    (root / "empty.py").write_text("")
     return root
 
 
 def test_read_file_output_is_what_the_real_tool_returns(project, tmp_path):
     toolbox = Toolbox(Workspace(root=project, venv=tmp_path / "venv", env={}, commit="0" * 40), recorder=None)
-    for rel, limit in [("long.py", 120), ("long.py", 600), ("README.md", 60), ("demo/core.py", 200)]:
+    for rel, limit in [("long.py", 120), ("long.py", 600), ("README.md", 60), ("demo/core.py", 200), ("wide.py", 400),
+                       ("empty.py", 400)]:
         real = toolbox.read_file(ReadFileArgs(path=rel, limit=limit)).output
         assert tx.read_file_output(rel, (project / rel).read_text(), limit) == real
 
@@ -56,7 +59,7 @@ def test_agent_conversations_pair_tool_calls_with_results(project):
     for r in records:
         m = r["messages"]
         assert [x["role"] for x in m[:2]] == ["system", "user"] and "# demo-project" in m[1]["content"]
-        assert "Top of the repository: README.md, demo/, long.py" in m[1]["content"]
+        assert "Top of the repository: README.md, demo/, empty.py, long.py, wide.py" in m[1]["content"]
         for call, result in zip(m[2::2], m[3::2]):
             turns += 1
             [tc] = call["tool_calls"]
@@ -64,8 +67,9 @@ def test_agent_conversations_pair_tool_calls_with_results(project):
             assert result == {"role": "tool", "tool_call_id": tc["id"], "content": result["content"]}
             args = json.loads(tc["function"]["arguments"])
             if tc["function"]["name"] == "read_file":  # real lines of a real file of the project
-                first = (project / args["path"]).read_text().splitlines()[0]
-                assert result["content"].splitlines()[1] == f"     1\t{first}"
+                text = (project / args["path"]).read_text()
+                assert result["content"] == tx.read_file_output(args["path"], text, args.get("limit", 400))
+                assert not text or result["content"].splitlines()[1] == f"     1\t{text.splitlines()[0]}"
             else:
                 assert result["content"].startswith("exit code: ")
         assert len(m) % 2 == 0
