@@ -1,0 +1,89 @@
+"""The training-time estimate (tau_est) of saved drafters on the held-out responses, on any device: the figure
+`reviewer train` prints after training, for drafters made elsewhere (an average of two, a shipped one).
+
+The held-out prompts are the ones `reviewer train` holds out (the same order and --max-heldout); their greedy responses
+come from a responses file of an earlier run (`--responses`), so nothing is generated: the target only computes the
+features (fp32), and each drafter is scored on the same blocks (`backend.train.estimate_acceptance`, full corruption).
+
+    .venv/bin/python bench/train_estimate.py --drafter runs/L runs/X runs/S --responses responses.jsonl.gz \
+        --json bench/results/train_estimate_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def frozen_for(drafter, target):
+    """The target's embedding and head, cut to the drafter's vocabulary, as `reviewer train` builds them."""
+    from backend.train import Frozen
+
+    embed = target.get_input_embeddings().weight.detach().float()
+    head = target.get_output_embeddings().weight.detach().float()
+    vocab = embed.shape[0]
+    t2d = torch.arange(vocab)
+    if drafter.draft_vocab is not None:
+        ids = drafter.draft_vocab.long()
+        head = head[ids]
+        t2d = torch.full((vocab,), -1, dtype=torch.long)
+        t2d[ids] = torch.arange(ids.shape[0])
+    return Frozen(embed=embed, head=head, t2d=t2d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--drafter", nargs="+", required=True, type=Path)
+    ap.add_argument("--responses", required=True, help="responses file(s) of an earlier run, comma-separated")
+    ap.add_argument("--max-heldout", type=int, default=96)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    from backend import train as T
+    from backend import train_data as td
+    from backend.dflash import load_drafter
+    from backend.loading import load_model
+
+    loaded = load_model(a.model, device="cpu", dtype="float32")
+    target = loaded.model
+    held = [r for r in T.load_records(T.TrainConfig(max_heldout=a.max_heldout)) if r.split == "heldout"]
+    given = td.load_responses([Path(p) for p in a.responses.split(",")], loaded.name)
+    missing = [r.id for r in held if r.id not in given]
+    if missing:
+        raise SystemExit(f"{len(missing)} held-out prompts have no response in {a.responses} (e.g. {missing[0]})")
+    drafters = [load_drafter(d) for d in a.drafter]
+    layer_ids = drafters[0].cfg.target_layer_ids
+    if any(d.cfg.target_layer_ids != layer_ids for d in drafters):
+        raise SystemExit("the drafters read different target layers: score them in separate runs")
+    with tempfile.TemporaryDirectory() as tmp:
+        td.prepare_data(target, loaded.tokenizer, held, Path(tmp), target_name=loaded.name, layer_ids=layer_ids,
+                        max_new_tokens=192, max_prompt_tokens=4096, gen_batch=8, given=given, log=lambda m: None)
+        data = td.load_features(Path(tmp), "heldout", "cpu")
+    results = {}
+    for path, drafter in zip(a.drafter, drafters):
+        drafter.float()
+        est = T.estimate_acceptance(drafter, frozen_for(drafter, target), data, drafter.block_size,
+                                    drafter.mask_token_id)
+        results[str(path)] = est
+        print(f"{path}: tau_est {est['tau_est']:.3f} over {est['blocks']} blocks, acceptance "
+              + " ".join(f"{x:.3f}" for x in est["acceptance_est"][:4]))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({
+            "benchmark": "train_estimate", "command": " ".join([Path(sys.executable).name] + sys.argv),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "torch": torch.__version__},
+            "model": loaded.name, "heldout_sequences": len(data), "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
