@@ -316,6 +316,19 @@ class Frozen:
     t2d: torch.Tensor  # (V,) long: draft index, or -1 outside the draft vocabulary
 
 
+def frozen_parts(target, draft_vocab: torch.Tensor | None, dtype: torch.dtype) -> Frozen:
+    """The target's embedding and head (cut to the draft vocabulary, if any) in `dtype`, on the target's device."""
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    vocab, device = embed.shape[0], embed.device
+    if draft_vocab is None:
+        return Frozen(embed=embed.to(dtype), head=head.to(dtype), t2d=torch.arange(vocab, device=device))
+    ids = draft_vocab.to(device).long()
+    t2d = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    t2d[ids] = torch.arange(ids.shape[0], device=device)
+    return Frozen(embed=embed.to(dtype), head=head[ids].to(dtype), t2d=t2d)
+
+
 def make_blocks(data: td.FeatureSet, seqs: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int,
                 corruption: str, need_final: bool, gen: torch.Generator | None, on_path_only: bool = False) -> dict:
     """Block inputs and targets for blocks starting at `anchors` (S, N) of sequences `seqs` (S,).
@@ -626,16 +639,7 @@ def main(**knobs) -> dict:
         drafter.restrict_vocab(build_draft_vocab(td.token_counts(train_set, vocab), cfg.vocab_top_k), vocab)
     drafter.to(device).train()
     cuda = device.type == "cuda"
-    head_dtype = torch.bfloat16 if cuda else torch.float32
-    head = target.get_output_embeddings().weight.detach()
-    t2d = torch.full((vocab,), -1, dtype=torch.long, device=device)
-    if drafter.draft_vocab is not None:
-        ids = drafter.draft_vocab.to(device)
-        head = head[ids]
-        t2d[ids] = torch.arange(ids.shape[0], device=device)
-    else:
-        t2d = torch.arange(vocab, device=device)
-    frozen = Frozen(embed=target.get_input_embeddings().weight.detach().to(head_dtype), head=head.to(head_dtype), t2d=t2d)
+    frozen = frozen_parts(target, drafter.draft_vocab, torch.bfloat16 if cuda else torch.float32)
 
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed)

@@ -24,22 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def frozen_for(drafter, target):
-    """The target's embedding and head, cut to the drafter's vocabulary, as `reviewer train` builds them."""
-    from backend.train import Frozen
-
-    embed = target.get_input_embeddings().weight.detach().float()
-    head = target.get_output_embeddings().weight.detach().float()
-    vocab = embed.shape[0]
-    t2d = torch.arange(vocab)
-    if drafter.draft_vocab is not None:
-        ids = drafter.draft_vocab.long()
-        head = head[ids]
-        t2d = torch.full((vocab,), -1, dtype=torch.long)
-        t2d[ids] = torch.arange(ids.shape[0])
-    return Frozen(embed=embed, head=head, t2d=t2d)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="embedded")
@@ -71,8 +55,8 @@ def main() -> None:
     results = {}
     for path, drafter in zip(a.drafter, drafters):
         drafter.float()
-        est = T.estimate_acceptance(drafter, frozen_for(drafter, target), data, drafter.block_size,
-                                    drafter.mask_token_id)
+        frozen = T.frozen_parts(target, drafter.draft_vocab, torch.float32)
+        est = T.estimate_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id)
         results[str(path)] = est
         print(f"{path}: tau_est {est['tau_est']:.3f} over {est['blocks']} blocks, acceptance "
               + " ".join(f"{x:.3f}" for x in est["acceptance_est"][:4]))
