@@ -337,19 +337,42 @@ class FeatureSet:
         return batch
 
 
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
+                       "I64": torch.int64}
+_ON_DEVICE = ("features", "final")  # the big ones: straight to the training device
+
+
 def load_features(data_dir: Path, split: str, device: torch.device | str) -> FeatureSet:
-    from safetensors.torch import load_file
+    """The split's shards, concatenated. The two big tensors (features, final: ~7 KB a position) are allocated once on
+    `device` and filled a shard at a time, so host memory holds one shard's tensor, not the set twice over (a 57 GB
+    set would not fit a 128 GB host as list + concatenation)."""
+    from safetensors import safe_open
 
     manifest = read_manifest(data_dir)
     if manifest is None or split not in manifest.get("splits", {}):
         raise DataError(f"no {split} features in {data_dir}")
-    parts: dict[str, list[torch.Tensor]] = {}
-    for shard in manifest["splits"][split]["shards"]:
-        for k, v in load_file(str(Path(data_dir) / split / shard["file"])).items():
-            parts.setdefault(k, []).append(v)
-    if not parts:
+    files = [str(Path(data_dir) / split / shard["file"]) for shard in manifest["splits"][split]["shards"]]
+    if not files:
         raise DataError(f"the {split} split in {data_dir} is empty")
-    cat = {k: torch.cat(v) for k, v in parts.items()}
+    shapes: dict[str, list[list[int]]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                part = h.get_slice(k)
+                shapes.setdefault(k, []).append(part.get_shape())
+                dtypes[k] = _SAFETENSORS_DTYPES[part.get_dtype()]
+    cat, filled = {}, dict.fromkeys(shapes, 0)
+    for k, parts in shapes.items():
+        rows = sum(shape[0] for shape in parts)
+        cat[k] = torch.empty((rows, *parts[0][1:]), dtype=dtypes[k], device=device if k in _ON_DEVICE else "cpu")
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                t = h.get_tensor(k)
+                cat[k][filled[k]: filled[k] + t.shape[0]].copy_(t)
+                filled[k] += t.shape[0]
+                del t
     lengths = cat["lengths"]
     offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.long)
     offsets[1:] = lengths.cumsum(0)

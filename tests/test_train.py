@@ -227,6 +227,32 @@ def test_features_are_the_targets_and_responses_its_greedy_output(tiny_model, da
     assert response[: len(greedy)] == greedy  # the stored response is the target's own (plus its stop token)
 
 
+def test_features_load_shard_by_shard_into_one_set(tiny_model, tmp_path):
+    """Several shards load into the same tensors a plain concatenation gives (the big ones are filled in place on the
+    device, a shard at a time), and an empty split is a clear error."""
+    from safetensors.torch import load_file
+
+    from backend.loading import load_model
+
+    loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
+    seqs = [[(7 * i + j) % 60 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+    shards = td.extract_features(loaded.model, seqs, [3] * len(seqs), [0, 1], tmp_path / "train", shard_tokens=12,
+                                 log=lambda *_: None)
+    assert len(shards) >= 3
+    td.write_manifest(tmp_path, {"splits": {"train": {"shards": shards}, "heldout": {"shards": []}}})
+    data = td.load_features(tmp_path, "train", "cpu")
+    parts = [load_file(str(tmp_path / "train" / s["file"])) for s in shards]
+    for key, got in (("features", data.features), ("final", data.final), ("tokens", data.tokens),
+                     ("argmax", data.argmax), ("prompt_lens", data.prompt_lens)):
+        want = torch.cat([p[key] for p in parts])
+        assert got.dtype == (torch.long if key in ("tokens", "argmax") else want.dtype)
+        assert torch.equal(got, want.to(got.dtype)), key
+    assert data.index == torch.cat([p["index"] for p in parts]).tolist()
+    assert sorted(data.index) == list(range(len(seqs)))
+    with pytest.raises(td.DataError, match="empty"):
+        td.load_features(tmp_path, "heldout", "cpu")
+
+
 def test_sampled_responses_add_training_sequences(tiny_model, reviews_db, data_dir, tmp_path):
     """--samples-per-prompt 2: every training prompt appears three times (greedy + 2 sampled, some different from
     the greedy one), the held-out split is untouched, and the data key changes (no stale reuse)."""
