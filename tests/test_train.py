@@ -183,6 +183,35 @@ def test_block_forward_equals_the_inference_forward(attention, window):
             torch.testing.assert_close(batched[:, j], one, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("groups", [2, 3, 7])
+def test_length_groups_give_the_one_batch_result_and_gradients(groups):
+    """--length-groups: sequences of very different reach in sub-batches, each cut to its own context, give the
+    padded batch's hidden states and the same gradients, in the batch's order."""
+    target = bench_tiny_model("tiny-llama")
+    cfg = T.TrainConfig(layers=2, intermediate_size=96, block_size=4, attention="mixed", sliding_window=5, seed=2)
+    drafter = T.new_drafter(cfg, target, [0, 2, 3], "tiny")
+    S, L = 5, 40
+    feats = torch.randn(S, L, 3 * 64, generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[30, 35], [3, 5], [12, 9], [36, 2], [7, 8]])  # reach 35, 5, 12, 36, 8: unsorted
+    ids = torch.full((S, 2, 4), drafter.mask_token_id)
+    ids[..., 0] = torch.arange(S * 2).view(S, 2) + 3
+    embeds = target.get_input_embeddings()(ids.view(S, -1)).detach()
+
+    def run(g):
+        drafter.zero_grad()
+        out = T.grouped_block_forward(drafter, feats, anchors, embeds, g)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = run(1)
+    torch.testing.assert_close(whole, T.block_forward(drafter, feats, anchors, embeds).detach())
+    split, split_grads = run(groups)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    assert whole_grads.keys() == split_grads.keys() and whole_grads
+    for name in whole_grads:
+        torch.testing.assert_close(split_grads[name], whole_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_position_weights():
     w = T.position_weights(5, 2.0, "cpu")
     assert w[0] == 0 and w[1] == 1.0
