@@ -95,7 +95,7 @@ class TrainConfig:
     steps: int = 2000
     batch_blocks: int = 512
     anchors_per_seq: int = 16
-    length_groups: int = 4
+    length_groups: int = 1
     lr: float = 1e-3
     seed: int = 0
     time_limit: float = 0.0
@@ -164,8 +164,8 @@ OPTION_HELP = {
     "batch_blocks": "Blocks per step.",
     "anchors_per_seq": "Blocks per sequence in a step (sequences per step = batch_blocks / anchors_per_seq).",
     "length_groups": "Run a step's sequences in this many sub-batches of similar length, each padded only to its own "
-                     "longest context (the same loss and gradients as one batch; 1: one batch). A batch pads every "
-                     "sequence to its longest, and long agent prompts made that ~5.8x the context the blocks see.",
+                     "longest context (the same loss and gradients as one batch; 1: one batch). Faster on a CPU (2.2x "
+                     "at 4), slower on the H200 (0.37x at 4): see docs/training.md.",
     "lr": "Peak learning rate (AdamW; linear warm-up over the first twentieth of the steps, then cosine down to a tenth).",
     "seed": "Seed of the initialization and of the batch sampling.",
     "time_limit": "Stop training once the run has trained this many seconds in all, earlier sessions of a resumed "

@@ -28,13 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHIPPED = Path(__file__).resolve().parents[1] / "backend/drafters/SmolLM2-135M-Instruct-DFlash"
 
 
-def training_lengths(responses: str, max_prompt_tokens: int, extra: bool) -> list[tuple[int, int]]:
+def training_lengths(responses: str, max_prompt_tokens: int, extra: bool, model: str) -> list[tuple[int, int]]:
     """(sequence length, prompt length) of every training sequence `reviewer train` would make from these responses."""
     from backend import train as T
     from backend import train_data as td
     from backend.loading import load_model
 
-    loaded = load_model("embedded", device="cpu", dtype="float32")
+    loaded = load_model(model, device="cpu", dtype="float32")
     given = td.load_responses([Path(p) for p in responses.split(",")], loaded.name)
     out = []
     for r in T.load_records(T.TrainConfig(builtin_extra=extra)):
@@ -51,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--responses", required=True, help="responses file(s) of an earlier run, comma-separated")
     ap.add_argument("--no-extra", action="store_true", help="the main prompt set only (not --builtin-extra)")
+    ap.add_argument("--model", default="embedded", help="the target (only its tokenizer is used): 'embedded' or a .gguf")
     ap.add_argument("--drafter", type=Path, default=SHIPPED)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--groups", default="1,2,4,8")
@@ -65,7 +66,7 @@ def main() -> None:
     from backend.dflash import load_drafter
 
     groups = [int(g) for g in a.groups.split(",")]
-    lengths = training_lengths(a.responses, a.max_prompt_tokens, not a.no_extra)
+    lengths = training_lengths(a.responses, a.max_prompt_tokens, not a.no_extra, a.model)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     drafter = load_drafter(a.drafter).float().to(dev).train()
