@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile one more step per configuration and print where its time went")
     a = ap.parse_args()
     from backend import train as T
     from backend.dflash import load_drafter
@@ -113,6 +115,17 @@ def main() -> None:
             mean_len.append(mean)
         print(f"round {r}: width {feats.shape[1]}, " + ", ".join(f"groups {g} {times[g][-1] * 1e3:.0f} ms"
                                                             for g in groups if r), flush=True)
+    if a.profile:  # the H200 ran sub-batches slower than one batch (train_step_speed_h200.json): find where it goes
+        from torch.profiler import ProfilerActivity, profile
+
+        feats, anchors, embeds, _ = batch()
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        for g in groups:
+            step(feats, anchors, embeds, g)  # this width once unprofiled: the table shows the steady state
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                dt = step(feats, anchors, embeds, g)
+            print(f"profile, groups {g} (width {feats.shape[1]}, {dt * 1e3:.0f} ms):")
+            print(prof.key_averages().table(sort_by=sort, row_limit=12), flush=True)
     ms = {g: 1e3 * sum(t) / len(t) for g, t in times.items()}
     result = {"benchmark": "train_step_speed", "command": " ".join([Path(sys.executable).name] + sys.argv),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
