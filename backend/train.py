@@ -445,6 +445,22 @@ def sample_batch(data: td.FeatureSet, counts: torch.Tensor, n_seqs: int, anchors
 # ---- evaluation ---------------------------------------------------------------------------------------------------
 
 
+def _accepted_runs(drafter, frozen: Frozen, data: td.FeatureSet, s: int, starts: torch.Tensor, block_size: int,
+                   mask_id: int, autocast: bool) -> torch.Tensor:
+    """For blocks of sequence `s` anchored at `starts` (fully masked, as at inference): how many leading drafted
+    tokens equal the target's argmax (slots past the end of the response count as rejections)."""
+    seqs = torch.full((1,), s, device=starts.device, dtype=torch.long)
+    blocks = make_blocks(data, seqs, starts[None], block_size, mask_id, "full", False, None)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        embeds = F.embedding(blocks["ids"].view(1, -1), frozen.embed)
+        hidden = block_forward(drafter, blocks["features"], blocks["anchors"], embeds)
+        logits = F.linear(hidden, frozen.head).float().view(1, starts.shape[0], block_size, -1)
+    labels = frozen.t2d[blocks["labels"]]
+    inside = blocks["valid"] | (torch.arange(block_size, device=starts.device) == 0)
+    correct = (logits.argmax(-1) == labels) & inside
+    return correct[0, :, 1:].int().cumprod(-1).sum(-1)
+
+
 @torch.no_grad()
 def estimate_acceptance(drafter, frozen: Frozen, data: td.FeatureSet, block_size: int, mask_id: int,
                         max_anchors_per_seq: int = 64, autocast: bool = False) -> dict:
@@ -461,22 +477,58 @@ def estimate_acceptance(drafter, frozen: Frozen, data: td.FeatureSet, block_size
             continue
         step = max(1, c // max_anchors_per_seq)
         starts = torch.arange(0, c, step, device=dev)[:max_anchors_per_seq] + data.prompt_lens[s]
-        seqs = torch.full((1,), s, device=dev, dtype=torch.long)
-        blocks = make_blocks(data, seqs, starts[None], block_size, mask_id, "full", False, None)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            embeds = F.embedding(blocks["ids"].view(1, -1), frozen.embed)
-            hidden = block_forward(drafter, blocks["features"], blocks["anchors"], embeds)
-            logits = F.linear(hidden, frozen.head).float().view(1, starts.shape[0], block_size, -1)
-        labels = frozen.t2d[blocks["labels"]]
-        inside = blocks["valid"] | (torch.arange(block_size, device=dev) == 0)
-        correct = (logits.argmax(-1) == labels) & inside
-        accepted_all.append(correct[0, :, 1:].int().cumprod(-1).sum(-1))
+        accepted_all.append(_accepted_runs(drafter, frozen, data, s, starts, block_size, mask_id, autocast))
     drafter.train()
     if not accepted_all:
         return {"tau_est": None, "acceptance_est": [], "blocks": 0}
     acc = torch.cat(accepted_all).float()
     return {"tau_est": 1.0 + float(acc.mean()), "blocks": int(acc.shape[0]),
             "acceptance_est": [float((acc > k).float().mean()) for k in range(block_size - 1)]}
+
+
+@torch.no_grad()
+def walk_acceptance(drafter, frozen: Frozen, data: td.FeatureSet, block_size: int, mask_id: int,
+                    max_tokens: int | None = None, which: list[int] | None = None, autocast: bool = False,
+                    chunk: int = 64) -> dict:
+    """tau as greedy decoding with this drafter would measure it on the held-out responses (greedy, so they are what
+    decoding produces), without running the engine: the first response token comes from the prefill; a block
+    anchored at a known token accepts its leading run of correct drafts, then the target's own next token follows and
+    anchors the next block. These are the anchors decoding visits: each right after a draft miss, harder on average
+    than tau_est's evenly spread ones. max_tokens cuts each response as the engine's max_tokens would; `which`: the
+    sequences to walk (default all). per_sequence: [tokens, cycles, accepted] each, as the engine's per_prompt."""
+    drafter.eval()
+    dev = data.tokens.device
+    lengths = data.lengths
+    cycles = accepted = 0
+    per_position = [0] * (block_size - 1)
+    per_sequence = []
+    for s in range(len(data)) if which is None else which:
+        n = int(lengths[s] - data.prompt_lens[s])  # response tokens
+        if max_tokens is not None:
+            n = min(n, max_tokens)
+        if n <= 1:
+            per_sequence.append([n, 0, 0])
+            continue
+        first = int(data.prompt_lens[s])
+        starts = torch.arange(first, first + n - 1, device=dev)
+        runs = torch.cat([_accepted_runs(drafter, frozen, data, s, part, block_size, mask_id, autocast)
+                          for part in starts.split(chunk)]).tolist()
+        j = c = a = 0  # j: the known token anchoring the next block
+        while j < n - 1:
+            # the cycle's last token is the target's own (the bonus), so the drafts can fill at most the tokens
+            # left but one: that is how the engine counts a cycle that reaches the end
+            k = min(runs[j], n - 2 - j)
+            c, a = c + 1, a + k
+            for p in range(k):
+                per_position[p] += 1
+            j += k + 1
+        cycles, accepted = cycles + c, accepted + a
+        per_sequence.append([n, c, a])
+    drafter.train()
+    if not cycles:
+        return {"tau_walk": None, "cycles": 0, "acceptance_walk": [], "per_sequence": per_sequence}
+    return {"tau_walk": (accepted + cycles) / cycles, "cycles": cycles,
+            "acceptance_walk": [c / cycles for c in per_position], "per_sequence": per_sequence}
 
 
 def evaluate_engine(target, drafter_dir: Path, prompts: list[list[int]], max_tokens: int, stops: tuple[int, ...],
@@ -751,7 +803,10 @@ def main(**knobs) -> dict:
                "checkpoint_mb": round((out / "model.safetensors").stat().st_size / 2**20, 2)}
     if held_set is not None:
         metrics["estimate"] = estimate_acceptance(drafter, frozen, held_set, cfg.block_size, mask_id, autocast=cuda)
-        _log(f"held-out estimate: tau_est {metrics['estimate']['tau_est']:.2f} over {metrics['estimate']['blocks']} blocks")
+        metrics["walk"] = walk_acceptance(drafter, frozen, held_set, cfg.block_size, mask_id, autocast=cuda)
+        walk = metrics["walk"]["tau_walk"]
+        _log(f"held-out estimate: tau_est {metrics['estimate']['tau_est']:.2f} over {metrics['estimate']['blocks']} blocks"
+             + (f"; tau_walk {walk:.2f} (the blocks decoding visits, {metrics['walk']['cycles']} cycles)" if walk else ""))
         if cfg.eval_prompts:
             n = min(cfg.eval_prompts, len(held_set))
             prompts = [held_set.tokens[held_set.offsets[i]: held_set.offsets[i] + held_set.prompt_lens[i]].tolist()

@@ -1,9 +1,12 @@
-"""The training-time estimate (tau_est) of saved drafters on the held-out responses, on any device: the figure
-`reviewer train` prints after training, for drafters made elsewhere (an average of two, a shipped one).
+"""The training-time estimates (tau_est, tau_walk) of saved drafters on the held-out responses, on any device: the
+figures `reviewer train` prints after training, for drafters made elsewhere (an average of two, a shipped one).
 
 The held-out prompts are the ones `reviewer train` holds out (the same order and --max-heldout); their greedy responses
 come from a responses file of an earlier run (`--responses`), so nothing is generated: the target only computes the
-features (fp32), and each drafter is scored on the same blocks (`backend.train.estimate_acceptance`, full corruption).
+features (fp32), and each drafter is scored on the same blocks (`backend.train.estimate_acceptance`, full corruption)
+and walked through the responses as greedy decoding would go (`backend.train.walk_acceptance`: the blocks decoding
+visits; `--walk-prompts 48 --walk-max-tokens 128` walks the prompts `bench/train_eval_heldout.py --prompts 48
+--max-tokens 128` decodes).
 
     .venv/bin/python bench/train_estimate.py --drafter runs/L runs/X runs/S --responses responses.jsonl.gz \
         --json bench/results/train_estimate_cpu.json
@@ -30,6 +33,8 @@ def main() -> None:
     ap.add_argument("--drafter", nargs="+", required=True, type=Path)
     ap.add_argument("--responses", required=True, help="responses file(s) of an earlier run, comma-separated")
     ap.add_argument("--max-heldout", type=int, default=96)
+    ap.add_argument("--walk-prompts", type=int, default=None, help="walk only the first N held-out prompts")
+    ap.add_argument("--walk-max-tokens", type=int, default=None, help="cut each response at N tokens for the walk")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     from backend import train as T
@@ -52,14 +57,19 @@ def main() -> None:
         td.prepare_data(target, loaded.tokenizer, held, Path(tmp), target_name=loaded.name, layer_ids=layer_ids,
                         max_new_tokens=192, max_prompt_tokens=4096, gen_batch=8, given=given, log=lambda m: None)
         data = td.load_features(Path(tmp), "heldout", "cpu")
+    # the held-out prompts in the order `reviewer train` (and bench/train_eval_heldout.py) takes them
+    walked = sorted(range(len(data)), key=lambda i: data.index[i])[:a.walk_prompts]
     results = {}
     for path, drafter in zip(a.drafter, drafters):
         drafter.float()
         frozen = T.frozen_parts(target, drafter.draft_vocab, torch.float32)
         est = T.estimate_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id)
+        est["walk"] = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id,
+                                        max_tokens=a.walk_max_tokens, which=walked)
         results[str(path)] = est
         print(f"{path}: tau_est {est['tau_est']:.3f} over {est['blocks']} blocks, acceptance "
-              + " ".join(f"{x:.3f}" for x in est["acceptance_est"][:4]))
+              + " ".join(f"{x:.3f}" for x in est["acceptance_est"][:4])
+              + f"; tau_walk {est['walk']['tau_walk']:.3f} over {est['walk']['cycles']} cycles")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({

@@ -496,6 +496,36 @@ def test_loss_goes_down_and_the_checkpoint_is_lossless_in_the_engine(tiny_model,
     assert spec == plain and engine.last_stats.cycles > 0
 
 
+def test_walk_replays_the_engine_prompt_by_prompt(tiny_model, reviews_db, data_dir, tmp_path):
+    """walk_acceptance on held-out greedy responses gives what the real engine measures when it decodes their
+    prompts: prompt by prompt the same tokens, cycles and accepted drafts (fp32 on both sides, so no near-tie can
+    flip). tau_est's evenly spread anchors are not what decoding visits; this is. (The training split: a tiny
+    drafter trained briefly accepts next to nothing on held-out prompts, which would make the check hollow.)"""
+    from backend.loading import load_model
+
+    run(tiny_model, reviews_db, data_dir, tmp_path / "run", loss="kl", steps=300, lr=3e-3, log_every=100)
+    loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
+    drafter = load_drafter(tmp_path / "run").float()
+    data = td.load_features(data_dir, "train", "cpu")
+    frozen = T.frozen_parts(loaded.model, drafter.draft_vocab, torch.float32)
+    walk = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id)
+    engine = Engine(loaded.model, drafter=drafter)
+    params = SamplingParams(max_tokens=COMMON["max_new_tokens"], stop_token_ids=tuple(td.read_manifest(data_dir)["stop_ids"]))
+    per_prompt = []
+    for s in range(len(data)):
+        start, p, end = int(data.offsets[s]), int(data.prompt_lens[s]), int(data.offsets[s + 1])
+        out = [t for b in engine.generate(data.tokens[start:start + p].tolist(), params) for t in b]
+        assert out == data.tokens[start + p:end].tolist()  # the held-out response is the engine's greedy output
+        per_prompt.append([engine.last_stats.generated_tokens, engine.last_stats.cycles,
+                           engine.last_stats.accepted_tokens])
+    assert walk["per_sequence"] == per_prompt and len(per_prompt) >= 2
+    assert walk["tau_walk"] == (sum(a for *_, a in per_prompt) + walk["cycles"]) / walk["cycles"]
+    assert sum(a for *_, a in per_prompt) > 0  # trained enough to accept drafts: the walk is not all misses
+    cut = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id, max_tokens=5, which=[0])
+    assert cut["per_sequence"][0][0] == min(5, len(data.tokens[int(data.offsets[0]) + int(data.prompt_lens[0]):
+                                                               int(data.offsets[1])]))
+
+
 def test_resume_continues_the_step_count(tiny_model, reviews_db, data_dir, tmp_path):
     out = tmp_path / "run"
     first = run(tiny_model, reviews_db, data_dir, out, steps=4)
