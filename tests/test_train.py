@@ -515,15 +515,20 @@ def test_walk_replays_the_engine_prompt_by_prompt(tiny_model, reviews_db, data_d
     for s in range(len(data)):
         start, p, end = int(data.offsets[s]), int(data.prompt_lens[s]), int(data.offsets[s + 1])
         out = [t for b in engine.generate(data.tokens[start:start + p].tolist(), params) for t in b]
-        assert out == data.tokens[start + p:end].tolist()  # the held-out response is the engine's greedy output
+        assert out == data.tokens[start + p:end].tolist()  # the stored response is the engine's greedy output
         per_prompt.append([engine.last_stats.generated_tokens, engine.last_stats.cycles,
                            engine.last_stats.accepted_tokens])
     assert walk["per_sequence"] == per_prompt and len(per_prompt) >= 2
     assert walk["tau_walk"] == (sum(a for *_, a in per_prompt) + walk["cycles"]) / walk["cycles"]
     assert sum(a for *_, a in per_prompt) > 0  # trained enough to accept drafts: the walk is not all misses
-    cut = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id, max_tokens=5, which=[0])
-    assert cut["per_sequence"][0][0] == min(5, len(data.tokens[int(data.offsets[0]) + int(data.prompt_lens[0]):
-                                                               int(data.offsets[1])]))
+    # max_tokens cuts the walk where the engine's max_tokens stops decoding, and `which` picks the sequences
+    cut = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id, max_tokens=5,
+                            which=[2, 0])
+    short = SamplingParams(max_tokens=5, stop_token_ids=params.stop_token_ids)
+    for s, got in zip([2, 0], cut["per_sequence"]):
+        start, p = int(data.offsets[s]), int(data.prompt_lens[s])
+        list(engine.generate(data.tokens[start:start + p].tolist(), short))
+        assert got == [engine.last_stats.generated_tokens, engine.last_stats.cycles, engine.last_stats.accepted_tokens]
 
 
 def test_resume_continues_the_step_count(tiny_model, reviews_db, data_dir, tmp_path):
