@@ -46,9 +46,9 @@ METRICS_FILE = "metrics.json"
 # knobs that must not change when a run is resumed (the rest: steps, time limit, logging, evaluation)
 ARCH_KNOBS = ("loss", "decay", "attention", "corruption", "block_size", "layers", "intermediate_size", "target_layers",
               "vocab_top_k", "sliding_window", "mask_token_id", "batch_blocks", "anchors_per_seq", "lr", "seed",
-              "labels")
+              "labels", "walk_anchors")
 # what a run saved before a knob existed trained with (resuming such a run must not trip over the new knob)
-KNOB_BEFORE_IT_EXISTED = {"labels": "all"}
+KNOB_BEFORE_IT_EXISTED = {"labels": "all", "walk_anchors": 0.0}
 
 
 class TrainError(ValueError):
@@ -73,6 +73,7 @@ class TrainConfig:
     sample_temperature: float = 0.8
     gen_batch: int = 64
     gen_tokens: int = 1 << 18
+    gen_cache: str = "dynamic"
     data_dir: str | None = None
     data_only: bool = False
     responses: str | None = None
@@ -95,6 +96,7 @@ class TrainConfig:
     steps: int = 2000
     batch_blocks: int = 512
     anchors_per_seq: int = 16
+    walk_anchors: float = 0.0
     length_groups: int = 1
     lr: float = 1e-3
     seed: int = 0
@@ -131,6 +133,8 @@ OPTION_HELP = {
     "gen_batch": "Prompts per batch while the target generates its responses.",
     "gen_tokens": "Cache positions per generation batch (its prompts' tokens plus their response caps): long prompts "
                   "batch fewer. Raise it with --gen-batch on a big GPU (fp32 SmolLM2: ~46 KB per position).",
+    "gen_cache": "The KV cache while generating: dynamic (transformers' default, grown by concatenation) or static "
+                 "(allocated once per batch, written in place; bench/train_gen_speed.py compares them).",
     "data_dir": "Where the response/feature shards go; reused when target, layers and prompts match "
                 "[default: <out>/data].",
     "data_only": "Generate the responses and features, then stop.",
@@ -163,6 +167,10 @@ OPTION_HELP = {
     "steps": "Optimizer steps.",
     "batch_blocks": "Blocks per step.",
     "anchors_per_seq": "Blocks per sequence in a step (sequences per step = batch_blocks / anchors_per_seq).",
+    "walk_anchors": "Share of each step's blocks anchored where greedy decoding with the drafter as the run starts "
+                    "(--init-from or --resume) anchors them: right after a draft miss, the blocks tau_walk and the "
+                    "engine measure, harder than the evenly spread rest. Walked on the greedy responses (the engine's "
+                    "path) when the run starts; sampled responses keep uniform anchors. 0: all uniform.",
     "length_groups": "Run a step's sequences in this many sub-batches of similar length, each padded only to its own "
                      "longest context (the same loss and gradients as one batch; 1: one batch). Faster on a CPU (2.2x "
                      "at 4), slower on the H200 (0.37x at 4): see docs/training.md.",
@@ -431,34 +439,71 @@ def block_loss(drafter, frozen: Frozen, blocks: dict, loss: str, weights: torch.
     return value, hits, counts
 
 
+@dataclass
+class WalkAnchors:
+    """Per sequence, the block starts greedy decoding visits (walk_anchor_table), flattened: sequence s's are
+    flat[offsets[s]:offsets[s] + counts[s]]; counts[s] == 0 where none were walked."""
+    flat: torch.Tensor  # (A,) long, absolute positions
+    offsets: torch.Tensor  # (n,) long
+    counts: torch.Tensor  # (n,) long
+
+
 def sample_batch(data: td.FeatureSet, counts: torch.Tensor, n_seqs: int, anchors_per_seq: int,
-                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                 gen: torch.Generator, walk: WalkAnchors | None = None,
+                 walk_fraction: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences drawn in proportion to their number of block starts (every block start equally likely), and
-    `anchors_per_seq` uniform block starts in each one's response."""
+    `anchors_per_seq` uniform block starts in each one's response; with `walk`, each start is instead one of its
+    sequence's walked anchors with probability `walk_fraction` (where it has any)."""
     dev = counts.device
     seqs = torch.multinomial(counts.float().cpu(), n_seqs, replacement=True, generator=gen).to(dev)
     u = torch.rand((n_seqs, anchors_per_seq), generator=gen).to(dev)
     anchors = data.prompt_lens[seqs][:, None] + (u * counts[seqs][:, None]).long()
+    if walk is not None and walk_fraction > 0:
+        pick = torch.rand((n_seqs, anchors_per_seq), generator=gen).to(dev) < walk_fraction
+        n_walk = walk.counts[seqs][:, None]
+        idx = walk.offsets[seqs][:, None] + (u * n_walk).long().clamp_max((n_walk - 1).clamp_min(0))
+        walked = walk.flat[idx.clamp_max(max(walk.flat.shape[0] - 1, 0))] if walk.flat.numel() else anchors
+        anchors = torch.where(pick & (n_walk > 0), walked, anchors)
     return seqs, anchors
 
 
 # ---- evaluation ---------------------------------------------------------------------------------------------------
 
 
-def _accepted_runs(drafter, frozen: Frozen, data: td.FeatureSet, s: int, starts: torch.Tensor, block_size: int,
-                   mask_id: int, autocast: bool) -> torch.Tensor:
-    """For blocks of sequence `s` anchored at `starts` (fully masked, as at inference): how many leading drafted
-    tokens equal the target's argmax (slots past the end of the response count as rejections)."""
-    seqs = torch.full((1,), s, device=starts.device, dtype=torch.long)
-    blocks = make_blocks(data, seqs, starts[None], block_size, mask_id, "full", False, None)
+def _accepted_runs(drafter, frozen: Frozen, data: td.FeatureSet, seqs: torch.Tensor, starts: torch.Tensor,
+                   block_size: int, mask_id: int, autocast: bool) -> torch.Tensor:
+    """For blocks of sequences `seqs` (S,) anchored at `starts` (S, A) (fully masked, as at inference): how many
+    leading drafted tokens equal the target's argmax (slots past the end of a response count as rejections)."""
+    blocks = make_blocks(data, seqs, starts, block_size, mask_id, "full", False, None)
+    S, A = starts.shape
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        embeds = F.embedding(blocks["ids"].view(1, -1), frozen.embed)
+        embeds = F.embedding(blocks["ids"].view(S, -1), frozen.embed)
         hidden = block_forward(drafter, blocks["features"], blocks["anchors"], embeds)
-        logits = F.linear(hidden, frozen.head).float().view(1, starts.shape[0], block_size, -1)
+        logits = F.linear(hidden, frozen.head).float().view(S, A, block_size, -1)
     labels = frozen.t2d[blocks["labels"]]
     inside = blocks["valid"] | (torch.arange(block_size, device=starts.device) == 0)
     correct = (logits.argmax(-1) == labels) & inside
-    return correct[0, :, 1:].int().cumprod(-1).sum(-1)
+    return correct[..., 1:].int().cumprod(-1).sum(-1)
+
+
+def _runs_of(drafter, frozen: Frozen, data: td.FeatureSet, s: int, starts: torch.Tensor, block_size: int,
+             mask_id: int, autocast: bool) -> torch.Tensor:
+    """_accepted_runs for one sequence: (A,) runs."""
+    seqs = torch.full((1,), s, device=starts.device, dtype=torch.long)
+    return _accepted_runs(drafter, frozen, data, seqs, starts[None], block_size, mask_id, autocast)[0]
+
+
+def _walk(runs: list[int], n: int) -> list[tuple[int, int]]:
+    """Greedy decoding's cycles over a response of n tokens, given runs[j] = the accepted drafts of a block
+    anchored at response token j: (anchor j, drafts accepted) per cycle. The first token comes from the prefill;
+    the cycle's last token is the target's own (the bonus), so the drafts can fill at most the tokens left but one:
+    that is how the engine counts a cycle that reaches the end."""
+    cycles, j = [], 0
+    while j < n - 1:
+        k = min(runs[j], n - 2 - j)
+        cycles.append((j, k))
+        j += k + 1
+    return cycles
 
 
 @torch.no_grad()
@@ -477,7 +522,7 @@ def estimate_acceptance(drafter, frozen: Frozen, data: td.FeatureSet, block_size
             continue
         step = max(1, c // max_anchors_per_seq)
         starts = torch.arange(0, c, step, device=dev)[:max_anchors_per_seq] + data.prompt_lens[s]
-        accepted_all.append(_accepted_runs(drafter, frozen, data, s, starts, block_size, mask_id, autocast))
+        accepted_all.append(_runs_of(drafter, frozen, data, s, starts, block_size, mask_id, autocast))
     drafter.train()
     if not accepted_all:
         return {"tau_est": None, "acceptance_est": [], "blocks": 0}
@@ -511,17 +556,13 @@ def walk_acceptance(drafter, frozen: Frozen, data: td.FeatureSet, block_size: in
             continue
         first = int(data.prompt_lens[s])
         starts = torch.arange(first, first + n - 1, device=dev)
-        runs = torch.cat([_accepted_runs(drafter, frozen, data, s, part, block_size, mask_id, autocast)
+        runs = torch.cat([_runs_of(drafter, frozen, data, s, part, block_size, mask_id, autocast)
                           for part in starts.split(chunk)]).tolist()
-        j = c = a = 0  # j: the known token anchoring the next block
-        while j < n - 1:
-            # the cycle's last token is the target's own (the bonus), so the drafts can fill at most the tokens
-            # left but one: that is how the engine counts a cycle that reaches the end
-            k = min(runs[j], n - 2 - j)
-            c, a = c + 1, a + k
+        walked = _walk(runs, n)
+        c, a = len(walked), sum(k for _, k in walked)
+        for _, k in walked:
             for p in range(k):
                 per_position[p] += 1
-            j += k + 1
         cycles, accepted = cycles + c, accepted + a
         per_sequence.append([n, c, a])
     drafter.train()
@@ -529,6 +570,39 @@ def walk_acceptance(drafter, frozen: Frozen, data: td.FeatureSet, block_size: in
         return {"tau_walk": None, "cycles": 0, "acceptance_walk": [], "per_sequence": per_sequence}
     return {"tau_walk": (accepted + cycles) / cycles, "cycles": cycles,
             "acceptance_walk": [c / cycles for c in per_position], "per_sequence": per_sequence}
+
+
+@torch.no_grad()
+def walk_anchor_table(drafter, frozen: Frozen, data: td.FeatureSet, block_size: int, mask_id: int,
+                      which: list[int], autocast: bool = False, blocks_per_call: int = 4096) -> WalkAnchors:
+    """The block starts greedy decoding with this drafter visits in each sequence of `which` (the walk of
+    walk_acceptance, over whole responses), for --walk-anchors. Sequences are batched by similar length, every
+    response position scored in one pass per batch."""
+    drafter.eval()
+    dev = data.tokens.device
+    n_resp = (data.lengths - data.prompt_lens).tolist()
+    first = data.prompt_lens.tolist()
+    found: dict[int, list[int]] = {}
+    todo = sorted((s for s in which if n_resp[s] > 1), key=lambda s: n_resp[s])
+    i = 0
+    while i < len(todo):
+        group = [todo[i]]
+        while i + len(group) < len(todo) and (len(group) + 1) * (n_resp[todo[i + len(group)]] - 1) <= blocks_per_call:
+            group.append(todo[i + len(group)])
+        width = n_resp[group[-1]] - 1  # sorted: the last is the longest
+        rel = torch.arange(width, device=dev)[None, :]
+        lim = torch.tensor([n_resp[s] - 2 for s in group], device=dev)[:, None]
+        starts = torch.tensor([first[s] for s in group], device=dev)[:, None] + torch.minimum(rel, lim)
+        seqs = torch.tensor(group, device=dev)
+        runs = _accepted_runs(drafter, frozen, data, seqs, starts, block_size, mask_id, autocast).tolist()
+        for row, s in enumerate(group):
+            found[s] = [first[s] + j for j, _ in _walk(runs[row][: n_resp[s] - 1], n_resp[s])]
+        i += len(group)
+    drafter.train()
+    counts = torch.tensor([len(found.get(s, [])) for s in range(len(data))], dtype=torch.long)
+    offsets = torch.cumsum(counts, 0) - counts
+    flat = torch.tensor([a for s in range(len(data)) for a in found.get(s, [])], dtype=torch.long)
+    return WalkAnchors(flat=flat.to(dev), offsets=offsets.to(dev), counts=counts.to(dev))
 
 
 def evaluate_engine(target, drafter_dir: Path, prompts: list[list[int]], max_tokens: int, stops: tuple[int, ...],
@@ -627,7 +701,8 @@ class Progress:
 
 def _check(cfg: TrainConfig) -> None:
     choices = {"loss": LOSSES, "attention": BLOCK_ATTENTION_MODES, "corruption": CORRUPTIONS, "labels": LABELS,
-               "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16")}
+               "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),
+               "gen_cache": td.GEN_CACHES}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise TrainError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, not {getattr(cfg, name)!r}")
@@ -640,6 +715,8 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError("--block-size must be at least 2 (the known token plus one draft)")
     if cfg.decay <= 0 or cfg.lr <= 0:
         raise TrainError("--decay and --lr must be positive")
+    if not 0.0 <= cfg.walk_anchors <= 1.0:
+        raise TrainError("--walk-anchors must be between 0 and 1")
     if cfg.samples_per_prompt < 0 or cfg.sample_temperature <= 0:
         raise TrainError("--samples-per-prompt must be >= 0 and --sample-temperature positive")
     if not cfg.builtin_prompts and not cfg.builtin_extra and not cfg.from_db:
@@ -690,7 +767,8 @@ def main(**knobs) -> dict:
     t0 = time.perf_counter()
     manifest = td.prepare_data(target, tokenizer, records, data_dir, target_name=loaded.name, layer_ids=layer_ids,
                                max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-                               gen_batch=cfg.gen_batch, gen_tokens=cfg.gen_tokens, samples=cfg.samples_per_prompt,
+                               gen_batch=cfg.gen_batch, gen_tokens=cfg.gen_tokens, gen_cache=cfg.gen_cache,
+                               samples=cfg.samples_per_prompt,
                                temperature=cfg.sample_temperature, seed=cfg.seed, given=given,
                                responses_only=cfg.responses_only, log=_log)
     data_seconds = time.perf_counter() - t0
@@ -735,6 +813,17 @@ def main(**knobs) -> dict:
         _log(f"resumed {out} at step {step}")
     weights = position_weights(cfg.block_size, cfg.decay, device)
     counts = train_set.anchor_counts()
+    walk = None
+    if cfg.walk_anchors > 0:
+        t0 = time.perf_counter()
+        records = manifest["splits"]["train"]["records"]
+        greedy = [i for i, r in enumerate(train_set.index) if "~" not in records[r]]  # "<id>~k": sampled
+        walk = walk_anchor_table(drafter, frozen, train_set, cfg.block_size, drafter.cfg.mask_token_id, greedy,
+                                 autocast=cuda)
+        n_walked = int(walk.counts.sum())
+        _log(f"walk anchors: {n_walked} block starts greedy decoding visits in {len(greedy)} greedy responses "
+             f"(tau_walk {int(counts[greedy].sum()) / max(n_walked, 1):.2f} on them), "
+             f"{time.perf_counter() - t0:.0f} s")
     n_seqs = max(1, cfg.batch_blocks // cfg.anchors_per_seq)
     need_final = cfg.loss == "kl"
     mask_id = drafter.cfg.mask_token_id
@@ -755,7 +844,7 @@ def main(**knobs) -> dict:
                 break
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, cfg)
-            seqs, anchors = sample_batch(train_set, counts, n_seqs, cfg.anchors_per_seq, gen)
+            seqs, anchors = sample_batch(train_set, counts, n_seqs, cfg.anchors_per_seq, gen, walk, cfg.walk_anchors)
             blocks = make_blocks(train_set, seqs, anchors, cfg.block_size, mask_id, cfg.corruption, need_final,
                                  torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step),
                                  on_path_only=cfg.labels == "on-path")

@@ -1,8 +1,9 @@
 """Where `reviewer train`'s data preparation spends its time: response generation and feature extraction (GPU).
 
 A random-weight model of the SmolLM2-135M shape (no weights needed) runs backend/train_data.py's own
-generate_responses and extract_features on random prompts with the length spread of the built-in prompt set, at a
-few batch sizes and dtypes; a torch.profiler table of one generation batch says which operators dominate.
+generate_responses on random prompts with the length spread of the built-in prompt set: the KV cache dynamic or
+static (--gen-cache), torch's own SDPA kernel or the memory-efficient one, fp32 (what the data runs use) and bf16;
+--profile adds a torch.profiler table of one generation batch.
 
     python bench/train_gen_speed.py --out bench/results
 """
@@ -13,7 +14,6 @@ import argparse
 import datetime
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.train_data import extract_features, generate_responses  # noqa: E402
+from backend.train_data import generate_responses  # noqa: E402
 
 
 def smollm2_shape(dtype, device):
@@ -32,6 +32,16 @@ def smollm2_shape(dtype, device):
                       tie_word_embeddings=True, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def attention_backends(which: str):
+    """"auto": torch's own pick of SDPA kernel (cuDNN on Hopper, whose per-call host cost dominated generation in
+    the first profile); "efficient": the memory-efficient kernel (masks allowed) or the math one."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return nullcontext() if which == "auto" else sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def prompts_like_builtin(n: int, seed: int = 0) -> list[list[int]]:
@@ -46,46 +56,41 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--profile", action="store_true", help="also a torch.profiler table of the static cache's run")
     args = ap.parse_args()
     device = args.device
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     prompts = prompts_like_builtin(args.prompts)
     rows = []
-    for dtype, batch, gen_tokens in ((torch.float32, 1536, 786432), (torch.bfloat16, 1536, 786432),
-                                     (torch.bfloat16, 512, 786432)):
+    configs = [(torch.float32, 1536, "dynamic", "auto"), (torch.float32, 1536, "static", "auto"),
+               (torch.float32, 1536, "dynamic", "efficient"), (torch.float32, 1536, "static", "efficient"),
+               (torch.bfloat16, 1536, "static", "auto")]
+    for dtype, batch, cache, attention in configs:
         model = smollm2_shape(dtype, device)
         sync()
         t0 = time.perf_counter()
-        made = generate_responses(model, prompts, max_new_tokens=args.new_tokens, stops=(), batch_size=batch,
-                                  batch_tokens=gen_tokens, temperature=0.7, log=lambda *_: None)
+        with attention_backends(attention):
+            made = generate_responses(model, prompts, max_new_tokens=args.new_tokens, stops=(), batch_size=batch,
+                                      batch_tokens=786432, temperature=0.7, cache=cache, log=lambda *_: None)
         sync()
         secs = time.perf_counter() - t0
         tokens = sum(map(len, made))
-        rows.append(dict(stage="generate", dtype=str(dtype), batch=batch, prompts=len(prompts), new_tokens=tokens,
-                         seconds=round(secs, 2), tokens_per_s=round(tokens / secs)))
+        rows.append(dict(stage="generate", dtype=str(dtype), batch=batch, cache=cache, attention=attention,
+                         prompts=len(prompts), new_tokens=tokens, seconds=round(secs, 2),
+                         tokens_per_s=round(tokens / secs)))
         print(rows[-1], flush=True)
-        if dtype == torch.bfloat16 and batch == 1536:
-            with tempfile.TemporaryDirectory() as tmp:
-                seqs = [p + r for p, r in zip(prompts[:512], made[:512])]
-                t0 = time.perf_counter()
-                extract_features(model, seqs, [len(p) for p in prompts[:512]], [1, 8, 15, 22, 29], Path(tmp),
-                                 log=lambda *_: None)
-                secs = time.perf_counter() - t0
-                rows.append(dict(stage="features", dtype=str(dtype), sequences=len(seqs),
-                                 positions=sum(map(len, seqs)), seconds=round(secs, 2)))
-                print(rows[-1], flush=True)
+        if args.profile and (cache, attention) == ("static", "auto"):
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
             with profile(activities=acts) as prof:
                 generate_responses(model, prompts[:256], max_new_tokens=min(16, args.new_tokens), stops=(),
-                                   batch_size=256, temperature=0.7, log=lambda *_: None)
+                                   batch_size=256, temperature=0.7, cache=cache, log=lambda *_: None)
                 sync()
             by = "cuda_time_total" if device == "cuda" else "cpu_time_total"
             table = prof.key_averages().table(sort_by=by, row_limit=20)
-            cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=12)
-            print(table, cpu_table, sep="\n", flush=True)
-            rows.append(dict(stage="profile 256 prompts x 16 tokens", cuda_table=table, cpu_table=cpu_table))
+            print(table, flush=True)
+            rows.append(dict(stage=f"profile 256 prompts x 16 tokens, {dtype}, {cache} cache", table=table))
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
