@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -39,7 +40,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlmodel import select
 
 from reviewer import db
-from reviewer.review import sigterm_as_interrupt
+from reviewer.review import sigterm_as_interrupt, stop_requested
 from reviewer.db import PersonaRun, Repository, ReviewQueue, ReviewRun
 from reviewer.lock import lock_path, review_lock
 from reviewer.workspace import WorkspaceError, is_url, list_remote, local_repository_url, resolve_target
@@ -560,14 +561,15 @@ def review_next(watched: list[Watched], settings, console: Console, worker: str,
             with Heartbeat(settings.db, row_id, lease, console):
                 status, run_id, error = review_queued(row_id, settings, console, worker, backend)
         except KeyboardInterrupt:
-            release(settings.db, row_id, status="queued", error="interrupted (SIGINT/SIGTERM); queued again")
-            raise ReviewInterrupted from None
+            requeue_interrupted(settings.db, row_id)
         except ReviewNotStarted as e:
             # Not this commit's fault: it keeps its place, and its attempt is not counted.
             release(settings.db, row_id, status="queued", attempts=attempts - 1, error=str(e))
             log(console, f"queue item {row_id}: {e}; it stays queued", "red")
             return "blocked"
         except Exception as e:  # noqa: BLE001 - a bug in one review must not end the loop; the row says what
+            if stop_requested():  # not a bug: a SIGTERM that came out as an error (reviewer.review.stop_requested)
+                requeue_interrupted(settings.db, row_id)
             release(settings.db, row_id, status="failed", finished_at=db.utcnow(), error=f"{type(e).__name__}: {e}")
             log(console, f"queue item {row_id}: review crashed: {type(e).__name__}: {e}", "red")
             return "reviewed"
@@ -575,6 +577,12 @@ def review_next(watched: list[Watched], settings, console: Console, worker: str,
             log(console, f"queue item {row_id}: another worker took it over after our lease lapsed; our run {run_id} "
                          "stays in the database beside theirs", "red")
     return "reviewed"
+
+
+def requeue_interrupted(db_path: str, row_id: int) -> NoReturn:
+    """A signal stopped the review of a claimed row: the row goes back to the queue and the loop ends."""
+    release(db_path, row_id, status="queued", error="interrupted (SIGINT/SIGTERM); queued again")
+    raise ReviewInterrupted from None
 
 
 # --- the loop ------------------------------------------------------------------------------------------------------
@@ -598,6 +606,13 @@ def check_options(settings, interval: float, max_reviews: int | None) -> tuple[s
     except Exception as e:  # noqa: BLE001 - unwritable path, unreachable server, newer schema: one line
         raise LoopError(f"cannot open the database {db.display_url(settings.db)}: {first_line(e)}") from None
     return worker, lease
+
+
+def stop_if_requested() -> None:
+    """End the loop if SIGTERM arrived even though its KeyboardInterrupt did not get here (it can come out of a
+    library as an ordinary error: reviewer.review.stop_requested); retrying or polling on would ignore the signal."""
+    if stop_requested():
+        raise KeyboardInterrupt
 
 
 def first_line(e: BaseException) -> str:
@@ -625,12 +640,14 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
                 try:
                     unreachable = [w for w in due if not poll(w, settings.db, interval, console)]
                     while max_reviews is None or reviews < max_reviews:
+                        stop_if_requested()
                         outcome = review_next(watched, settings, console, worker, lease, backend)
                         if outcome != "reviewed":
                             blocked = outcome == "blocked"
                             break
                         reviews += 1
                 except DBAPIError as e:
+                    stop_if_requested()  # the error may be a SIGTERM that landed in a database call: no retry then
                     # The database went away (a restart, the network): wait and try again. A job claimed meanwhile
                     # keeps its lease only while we can renew it; after that another worker may take it.
                     wait = 1.0 if once else max(interval, 5.0)

@@ -364,17 +364,31 @@ def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona],
         raise UserError(str(e)) from None
 
 
+_sigterm_received = threading.Event()
+
+
+def stop_requested() -> bool:
+    """True once SIGTERM has arrived under sigterm_as_interrupt. Its KeyboardInterrupt can be lost on the way: raised
+    in the middle of a database call, it leaves the connection busy, and a library's cleanup that then fails raises an
+    ordinary error in its place (SQLAlchemy's pool pre-ping restoring psycopg's autocommit: "can't change 'autocommit'
+    now: connection in transaction status ACTIVE"). Code that handles an error and carries on asks this first."""
+    return _sigterm_received.is_set()
+
+
+def _on_sigterm(signum, frame):
+    _sigterm_received.set()  # first: the exception below may not survive, the flag does
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """`kill PID` stops a review like Ctrl-C does: rows marked interrupted, workspace removed, lock released."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
+        _sigterm_received.clear()  # the outermost command of this process: a signal from an earlier one is done with
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield
     finally:
@@ -431,7 +445,7 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
     except Exception as e:  # noqa: BLE001 - a bug or a broken database mid-run: the run says so, the lock is released
         if run_id is None:
             raise
-        status = "failed"
+        status = "interrupted" if stop_requested() else "failed"  # interrupted: a SIGTERM came out as `e`
         close_open_rows(settings.db, run_id, status, one_line(e))
         ui.print(f"[red]error:[/red] {escape(one_line(e))}")
     return finish(run_id, status, settings, console, ui, json_output)
@@ -492,8 +506,8 @@ def review_personas(run_id: int, personas: list[Persona], tgt: Target, settings,
             status, error = run_persona(run_id, persona, tgt, settings, llm, view, baseline)
             if status == "failed":
                 failures.append(f"{persona.name}: {error}")
-            if status == "interrupted":
-                raise KeyboardInterrupt  # run_persona has marked the persona and the run
+            if status == "interrupted" or stop_requested():  # the latter: a SIGTERM that came out as an error
+                raise KeyboardInterrupt  # the persona row is marked; run_command marks the run interrupted
     status = "failed" if failures else "completed"
     update_row(settings.db, ReviewRun, run_id, status=status, finished_at=db.utcnow(),
                error="; ".join(failures) if failures else None)

@@ -303,6 +303,46 @@ def test_many_workers_review_every_commit_once_and_survive_a_kill(pg_database, t
     print("\n" + summary)
 
 
+# The worker sends itself SIGTERM right after psycopg has sent SQLAlchemy's pool pre-ping (";" on psycopg) and before
+# it reads the answer: the KeyboardInterrupt is raised inside psycopg's generator, so the connection is left ACTIVE, and
+# the pre-ping's `finally` then fails to restore autocommit ("can't change 'autocommit' now: connection in transaction
+# status ACTIVE"), an ordinary database error that replaces the KeyboardInterrupt. Only the moment of the signal is
+# arranged; the database, psycopg and SQLAlchemy are the real ones. A SIGTERM from outside lands there by chance.
+SIGTERM_IN_PRE_PING = """
+import os, signal, psycopg
+send = psycopg.Cursor._execute_send
+def execute_send(self, query, *args, **kwargs):
+    send(self, query, *args, **kwargs)
+    if query.query == b";" and not getattr(execute_send, "fired", False):
+        execute_send.fired = True
+        os.kill(os.getpid(), signal.SIGTERM)
+psycopg.Cursor._execute_send = execute_send
+"""
+
+
+def test_a_sigterm_lost_in_a_database_call_still_stops_the_loop(pg_database, tmp_path):
+    """The many-workers test once saw a worker ignore SIGTERM: the signal landed in a pool pre-ping, came out as
+    "can't change 'autocommit' now", and the loop took it for a database hiccup, retried, and ran on."""
+    url = pg_database()
+    repo = make_project(tmp_path / "quick", test_seconds=0)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "REVIEWER_LOCK_FILE": str(tmp_path / "review.lock"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    log = tmp_path / "loop.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", SIGTERM_IN_PRE_PING + LOOP_CLI, "loop", "--db", url,
+                                 "--persona", "smoke", "--interval", "1", "--repo", str(repo)], cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        proc.wait(60)  # the first pre-ping comes within seconds; a loop that ignored the signal would run for ever
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 0, output
+    assert "stopped by signal" in output and "Traceback" not in output, output
+    assert rows(url, "SELECT count(*) FROM reviewqueue") == [(0,)]  # it stopped at its first database call
+
+
 # --- several inference endpoints behind one client; the API key from config -------------------------------------------
 
 PERSONA = """---
