@@ -73,7 +73,6 @@ class TrainConfig:
     sample_temperature: float = 0.8
     gen_batch: int = 64
     gen_tokens: int = 1 << 18
-    gen_cache: str = "dynamic"
     data_dir: str | None = None
     data_only: bool = False
     responses: str | None = None
@@ -133,8 +132,6 @@ OPTION_HELP = {
     "gen_batch": "Prompts per batch while the target generates its responses.",
     "gen_tokens": "Cache positions per generation batch (its prompts' tokens plus their response caps): long prompts "
                   "batch fewer. Raise it with --gen-batch on a big GPU (fp32 SmolLM2: ~46 KB per position).",
-    "gen_cache": "The KV cache while generating: dynamic (transformers' default, grown by concatenation) or static "
-                 "(allocated once per batch, written in place; bench/train_gen_speed.py compares them).",
     "data_dir": "Where the response/feature shards go; reused when target, layers and prompts match "
                 "[default: <out>/data].",
     "data_only": "Generate the responses and features, then stop.",
@@ -162,8 +159,10 @@ OPTION_HELP = {
               "and a drafter that sees only masks cannot know where, while the engine only ever extends the greedy "
               "path) or all.",
     "init_from": "Start from this drafter's weights (a checkpoint folder, e.g. the shipped one) instead of random "
-                 "ones: fine-tune it on more data, new prompts (--from-db) or other knobs. Its shape (layers, MLP "
-                 "width, target layers, block size) must match the run's; a restricted vocabulary in it is not kept.",
+                 "ones: fine-tune it on more data, new prompts (--from-db) or other knobs. Its shape (MLP width, "
+                 "target layers, block size) must match the run's; a restricted vocabulary in it is not kept. More "
+                 "--layers than it has: the new layers go before its last one with their outputs at zero, so the "
+                 "run starts from the same drafts.",
     "steps": "Optimizer steps.",
     "batch_blocks": "Blocks per step.",
     "anchors_per_seq": "Blocks per sequence in a step (sequences per step = batch_blocks / anchors_per_seq).",
@@ -245,24 +244,45 @@ def new_drafter(cfg: TrainConfig, target, layer_ids: list[int], target_name: str
 
 def init_from_checkpoint(drafter: DFlashDrafter, path: Path) -> None:
     """Copy a saved drafter's weights into `drafter` (same shape). Its restricted vocabulary, if any, is not kept:
-    the run's own --vocab-top-k decides (a head is never part of the weights: the target's is used)."""
+    the run's own --vocab-top-k decides (a head is never part of the weights: the target's is used).
+    A deeper `drafter` (more --layers) starts as the same function: the saved layers but the last fill the first
+    places, the saved last layer (full attention in the z-lab layout) the last place, and each layer in between has
+    its output projections (attention o_proj, MLP down_proj) at zero, so it adds nothing to the residual stream until
+    training moves them: a way to ask whether depth still pays, from where the shipped drafter is."""
     from backend.dflash import load_drafter
 
     try:
         source = load_drafter(path)
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise TrainError(f"--init-from: {exc}") from None
-    shape = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "intermediate_size", "block_size", "mask_token_id", "target_layer_ids", "num_target_layers")
+    shape = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+             "block_size", "mask_token_id", "target_layer_ids", "num_target_layers")
     diffs = [f"{k} {getattr(source.cfg, k)} (this run: {getattr(drafter.cfg, k)})" for k in shape
              if getattr(source.cfg, k) != getattr(drafter.cfg, k)]
+    n_src, n = source.cfg.num_hidden_layers, drafter.cfg.num_hidden_layers
+    if n_src > n:
+        diffs.append(f"num_hidden_layers {n_src} (this run: {n}; a run may add layers, not drop them)")
+    places = list(range(n_src - 1)) + [n - 1]  # where each saved layer goes
+    if not diffs:
+        diffs = [f"layer {i} is {source.cfg.layer_types[i]} (this run's layer {j}: {drafter.cfg.layer_types[j]})"
+                 for i, j in enumerate(places) if source.cfg.layer_types[i] != drafter.cfg.layer_types[j]]
     if diffs:
         raise TrainError(f"--init-from {path}: a different drafter: " + "; ".join(diffs)
                          + " (give the matching --layers, --intermediate-size, --target-layers, --block-size)")
     if source.own_head is not None:
         raise TrainError(f"--init-from {path}: the checkpoint has a head of its own; training uses the target's")
+    state = drafter.state_dict()
+    for key, value in source.state_dict().items():
+        if key.startswith("layers."):
+            i, rest = key.split(".", 2)[1:]
+            key = f"layers.{places[int(i)]}.{rest}"
+        state[key] = value.float()
+    for j in set(range(n)) - set(places):
+        for name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight"):
+            if f"layers.{j}.{name}" in state:
+                state[f"layers.{j}.{name}"].zero_()
     with torch.no_grad():
-        drafter.load_state_dict({k: v.float() for k, v in source.state_dict().items()})
+        drafter.load_state_dict(state)
 
 
 # ---- the batched training forward ---------------------------------------------------------------------------------
@@ -701,8 +721,7 @@ class Progress:
 
 def _check(cfg: TrainConfig) -> None:
     choices = {"loss": LOSSES, "attention": BLOCK_ATTENTION_MODES, "corruption": CORRUPTIONS, "labels": LABELS,
-               "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),
-               "gen_cache": td.GEN_CACHES}
+               "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16")}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise TrainError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, not {getattr(cfg, name)!r}")
@@ -767,8 +786,7 @@ def main(**knobs) -> dict:
     t0 = time.perf_counter()
     manifest = td.prepare_data(target, tokenizer, records, data_dir, target_name=loaded.name, layer_ids=layer_ids,
                                max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-                               gen_batch=cfg.gen_batch, gen_tokens=cfg.gen_tokens, gen_cache=cfg.gen_cache,
-                               samples=cfg.samples_per_prompt,
+                               gen_batch=cfg.gen_batch, gen_tokens=cfg.gen_tokens, samples=cfg.samples_per_prompt,
                                temperature=cfg.sample_temperature, seed=cfg.seed, given=given,
                                responses_only=cfg.responses_only, log=_log)
     data_seconds = time.perf_counter() - t0

@@ -152,7 +152,9 @@ def generate_responses(model, prompts: list[list[int]], *, max_new_tokens: int, 
     """The target's responses (greedy, or sampled at `temperature` > 0 from `seed`), batched with left padding; each
     cut after its first stop token (kept: the drafter learns to draft the end of a turn too).
     cache: "dynamic" (transformers' default: the KV cache grows by concatenation every step) or "static" (allocated
-    once per batch and written in place; eager, no compilation: bench/train_gen_speed.py measures both)."""
+    once per batch and written in place, eager). Only bench/train_gen_speed.py asks for static: on the H200 it gave
+    nothing (fp32 generation is bound by fp32 matmuls and attention, not by the cache's copies; --dtype bfloat16 is
+    what halves it)."""
     if cache not in GEN_CACHES:
         raise DataError(f"unknown generation cache {cache!r}: choose one of {', '.join(GEN_CACHES)}")
     if temperature > 0:
@@ -479,8 +481,8 @@ def _generate_missing(model, prompts: list[list[int]], ids: list[str], given: di
 
 def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, *, target_name: str,
                  layer_ids: list[int], max_new_tokens: int, max_prompt_tokens: int, gen_batch: int,
-                 gen_tokens: int = 1 << 18, gen_cache: str = "dynamic", batch_tokens: int = 16384, samples: int = 0,
-                 temperature: float = 0.8, seed: int = 0, given: dict[str, list[int]] | None = None, responses_only: bool = False,
+                 gen_tokens: int = 1 << 18, batch_tokens: int = 16384, samples: int = 0, temperature: float = 0.8,
+                 seed: int = 0, given: dict[str, list[int]] | None = None, responses_only: bool = False,
                  log=print) -> dict:
     """Render, generate and extract features for both splits into data_dir (reusing it when its key matches).
     Training prompts get their greedy response and `samples` more sampled at `temperature` (record ids "<id>~k").
@@ -499,8 +501,7 @@ def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, 
     manifest = {"key": key, "target": target_name, "layer_ids": layer_ids, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "stop_ids": list(stops), "splits": {},
                 "samples_per_prompt": samples, "sample_temperature": temperature if samples else None}
-    gen = dict(max_new_tokens=max_new_tokens, stops=stops, batch_size=gen_batch, batch_tokens=gen_tokens,
-               cache=gen_cache)
+    gen = dict(max_new_tokens=max_new_tokens, stops=stops, batch_size=gen_batch, batch_tokens=gen_tokens)
     all_responses: dict[str, list[int]] = {}
     pending = []  # (split, prompts, ids, categories, responses, skipped, n_prompts) until the responses file is written
     t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 
 A random-weight model of the SmolLM2-135M shape (no weights needed) runs backend/train_data.py's own
 generate_responses on random prompts with the length spread of the built-in prompt set: the KV cache dynamic or
-static (--gen-cache), torch's own SDPA kernel or the memory-efficient one, fp32 (what the data runs use) and bf16;
---profile adds a torch.profiler table of one generation batch.
+static (generate_responses(cache=...)), torch's own SDPA kernel or the memory-efficient one, fp32 and bf16
+(`reviewer train --dtype`); --profile adds a torch.profiler table of one generation batch.
 
     python bench/train_gen_speed.py --out bench/results
 """

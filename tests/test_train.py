@@ -257,8 +257,8 @@ def test_features_are_the_targets_and_responses_its_greedy_output(tiny_model, da
 
 
 def test_static_cache_generates_what_the_dynamic_cache_does(tiny_model):
-    """--gen-cache static (in-place KV writes) is a speed knob: greedy and seeded sampled responses, with left
-    padding across prompts of different lengths and stop tokens cutting them, are the dynamic cache's."""
+    """The static cache (in-place KV writes; bench/train_gen_speed.py times it) changes no response: greedy and
+    seeded sampled ones, with left padding across prompts of different lengths and stop tokens cutting them."""
     from backend.loading import load_model
 
     loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
@@ -412,6 +412,38 @@ def test_init_from_starts_at_a_saved_drafter(tiny_model, reviews_db, data_dir, t
         run(tiny_model, reviews_db, data_dir, tmp_path / "bad", steps=2, layers=1, init_from=str(tmp_path / "first"))
     with pytest.raises(T.TrainError, match="--init-from: no config.json"):
         run(tiny_model, reviews_db, data_dir, tmp_path / "bad2", steps=2, init_from=str(tmp_path / "nowhere"))
+
+
+def test_init_from_a_shallower_drafter_starts_as_the_same_function(tiny_model, reviews_db, data_dir, tmp_path):
+    """--layers above the checkpoint's: the saved layers keep their types (the last, full attention, stays last), the
+    new ones in between add nothing until trained, so the deeper drafter drafts what the saved one drafts."""
+    import torch.nn.functional as F
+    from backend.loading import load_model
+
+    run(tiny_model, reviews_db, data_dir, tmp_path / "first", steps=30, lr=3e-3)  # 2 layers
+    run(tiny_model, reviews_db, data_dir, tmp_path / "deep", steps=1, lr=1e-12, layers=4,
+        init_from=str(tmp_path / "first"))
+    first, deep = (load_drafter(tmp_path / name).float() for name in ("first", "deep"))
+    assert deep.cfg.num_hidden_layers == 4 and deep.cfg.layer_types[-1] == first.cfg.layer_types[-1]
+    assert torch.equal(deep.layers[3].mlp.up_proj.weight, first.layers[1].mlp.up_proj.weight)
+    assert torch.equal(deep.layers[0].self_attn.q_proj.weight, first.layers[0].self_attn.q_proj.weight)
+    assert float(deep.layers[1].self_attn.o_proj.weight.detach().abs().max()) < 1e-9  # new: silent at the start
+    assert float(deep.layers[2].self_attn.q_proj.weight.detach().abs().max()) > 0  # but not empty
+    loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
+    frozen = T.frozen_parts(loaded.model, None, torch.float32)
+    data = td.load_features(data_dir, "train", "cpu")
+    seqs = torch.arange(4)
+    anchors = data.prompt_lens[seqs][:, None] + torch.tensor([[0, 2, 5]])
+    blocks = T.make_blocks(data, seqs, anchors, first.block_size, first.mask_token_id, "full", False, None)
+    embeds = F.embedding(blocks["ids"].view(4, -1), frozen.embed)
+    with torch.no_grad():
+        want = T.block_forward(first, blocks["features"], blocks["anchors"], embeds)
+        got = T.block_forward(deep, blocks["features"], blocks["anchors"], embeds)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    trained = run(tiny_model, reviews_db, data_dir, tmp_path / "deep2", steps=5, lr=3e-3, layers=4,
+                  init_from=str(tmp_path / "first"))  # and it trains: the new layers start to count
+    assert float(load_drafter(tmp_path / "deep2").layers[1].self_attn.o_proj.weight.detach().abs().max()) > 1e-4
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trained["history"])
 
 
 def test_responses_file_may_be_gzipped_and_must_match_the_target(tmp_path):
@@ -678,7 +710,6 @@ def test_extra_prompts_alone_train_through_the_cli(tiny_model, tmp_path):
     (["--block-size", "1"], "--block-size must be at least 2"),
     (["--labels", "some"], "--labels must be one of on-path, all"),
     (["--walk-anchors", "1.5"], "--walk-anchors must be between 0 and 1"),
-    (["--gen-cache", "paged"], "--gen-cache must be one of dynamic, static"),
     (["--no-builtin-prompts"], "no prompts"),
     (["--model", "/nonexistent/model"], "model not found"),
 ])
