@@ -327,12 +327,19 @@ def test_rms_norm_inside_the_one_token_router_kernel():
 
 def test_router_matmul_kernel_routes_like_linear_then_topk():
     """route_topk_from_hidden: the router matmul in our kernel (fp32 K-slices added in order) + routing, against
-    F.linear + the PyTorch router math; a token's routing does not depend on how many tokens share the call."""
+    F.linear + the PyTorch router math; up to ROUTER_MAX_TOKENS (a decode step, a verify block) a token's routing
+    does not depend on how many tokens share the call, to the bit. Past it (20 tokens: a prefill) the call is
+    F.linear's, whose summation order is the CPU BLAS's own (it matched the kernel's bits on an Intel machine, not on
+    an AMD one), so there it is checked against the reference, not bit for bit against the one-token kernel."""
     pytest.importorskip("triton")
+    from kernels.moe_routing import ROUTER_MAX_TOKENS
+
     results = run_interpreted(ROUTER_SCRIPT)
     assert len(results) == 4
     for r in results:
-        assert r["same_ids"] and r["w_err"] < 1e-5 and r["row_invariant"], r
+        assert r["same_ids"] and r["w_err"] < 1e-5, r
+        assert r["row_invariant"] or r["case"][0] > ROUTER_MAX_TOKENS, r
+    assert sum(r["case"][0] <= ROUTER_MAX_TOKENS for r in results) == 3  # the kernel path is what is held to bits
 
 
 def test_routing_kernel_matches_transformers_router_math():
