@@ -51,9 +51,10 @@ def main() -> None:
     target = loaded.model
     held = [r for r in T.load_records(T.TrainConfig(max_heldout=a.max_heldout)) if r.split == "heldout"]
     given = td.load_responses([Path(p) for p in a.responses.split(",")], loaded.name)
-    # training prompts with a response (a prompt past the length limit has none)
-    train = [r for r in T.load_records(T.TrainConfig(builtin_extra=True)) if r.split == "train" and r.id in given]
-    seen = random.Random(0).sample(train, min(a.seen, len(train)))
+    seen = []
+    if a.seen:  # training prompts with a response (a prompt past the length limit has none)
+        train = [r for r in T.load_records(T.TrainConfig(builtin_extra=True)) if r.split == "train" and r.id in given]
+        seen = random.Random(0).sample(train, min(a.seen, len(train)))
     missing = [r.id for r in held if r.id not in given]
     if missing:
         raise SystemExit(f"{len(missing)} held-out prompts have no response in {a.responses} (e.g. {missing[0]})")
