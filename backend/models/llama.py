@@ -22,6 +22,7 @@ from kernels.block_attention import block_attention
 from kernels.fused_moe import triton_usable
 from kernels.gemv import gemv
 from kernels.norm_gemv import MAX_ROWS as ROW_KERNEL_ROWS
+from kernels.norm_gemv import ROW_BLOCK
 from kernels.norm_gemv import norm_gemv
 
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
@@ -255,9 +256,10 @@ class Llama(nn.Module):
             q = qkv[:, :q_rows].view(T, heads, d).transpose(0, 1)
             k = qkv[:, q_rows:q_rows + k_rows].view(T, kv_heads, d).transpose(0, 1)
             v = qkv[:, q_rows + k_rows:].view(T, kv_heads, d).transpose(0, 1)
-            x = gemv(cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, residual=x)
+            x = gemv(cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, residual=x,
+                     row_block=ROW_BLOCK)
             h = norm_gemv(x, layer.mlp_norm, layer.w_gate_up, c.rms_norm_eps, swiglu=True)
-            x = gemv(h, layer.w_down, residual=x)
+            x = gemv(h, layer.w_down, residual=x, row_block=ROW_BLOCK)
             if i in hidden_ids:
                 feats[i] = x
         last = c.num_layers - 1
