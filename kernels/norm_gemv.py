@@ -40,10 +40,10 @@ PLAIN, SWIGLU, ROPE = 0, 1, 2
 NORM_GEMV_TILES = {"BN": 2, "warps": 4}
 LARGE_TILES, LARGE_ROWS = {"BN": 4, "warps": 1}, 16384
 MAX_ROWS = 16  # input rows per call: a decode step (1) or a verify block (up to 16)
-# input rows per program. 1 would make a 16-row verify 16x the programs of a decode step, each a full latency-bound
-# trip for its weight tile (the H200 took 5x a decode step's time per launch); 16 would make every decode step
-# compute 16 rows. A decode step computes ROW_BLOCK rows (the others masked), a verify block cdiv(T, ROW_BLOCK)x.
-ROW_BLOCK = 4
+# input rows per program (batch-invariant for a fixed value). H200, SmolLM2 shapes: 1 makes a 16-row call 16x the
+# programs of a one-row call (5x its time per launch); 4 made the one-row call 1.6x slower (a [4, BN, K] product).
+# Multi-row calls of the Llama path take kernels/rows_linear.py (tensor cores) instead.
+ROW_BLOCK = 1
 
 if triton is not None:
     _SWIGLU, _ROPE = tl.constexpr(SWIGLU), tl.constexpr(ROPE)  # what a jit'ed function sees

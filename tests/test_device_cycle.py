@@ -118,8 +118,8 @@ def test_cuda_drafter_graph_equals_its_eager_forward():
         results.append((first, fd.block_tokens.clone(), fd.confidence.clone(), int(fd.length_dev)))
     (f1, t1, c1, n1), (f2, t2, c2, n2) = results
     assert n1 == n2 == 50 + 18
-    assert torch.equal(f1[0], f2[0]) and torch.equal(f1[1], f2[1])
-    assert torch.equal(t1, t2) and torch.equal(c1, c2)
+    assert torch.equal(f1[0], f2[0]) and torch.equal(f1[1], f2[1]), (f1, f2)
+    assert torch.equal(t1, t2) and torch.equal(c1, c2), (t1, t2, c1, c2)
 
 
 def _embedded():
