@@ -38,16 +38,15 @@ MAX_ROWS = 16  # input rows per call: a decode step (1) or a verify block (up to
 if triton is not None:
     _GATED_NORM, _SIGMOID_GATE = tl.constexpr(GATED_NORM), tl.constexpr(SIGMOID_GATE)  # what a jit'ed function sees
 
-    @triton.jit(do_not_specialize=["T"])
-    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, res_ptr, y_ptr, T, N, stride_wn, eps,
+    @triton.jit
+    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, res_ptr, y_ptr, N, stride_wn, eps,
                      K: tl.constexpr, KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr,
-                     ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr):
-        """Grid (cdiv(T, RB), N / BN): y[t, n-tile] = W[n-tile] @ prologue(x[t]) for the RB rows t0..t0+RB. The
-        weight tile [BN, K] is loaded in one go, before the prologue's arithmetic, so its DRAM round trip overlaps
-        it; the RB rows are one [RB, BN, K] product, rows past T masked. A row's arithmetic is the same in every slot
-        and for every T (batch invariance, for a fixed RB). GATED_NORM needs D | K, D a power of two."""
-        t = tl.program_id(0) * RB + tl.arange(0, RB)
-        t_ok = t < T
+                     ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr):
+        """Grid (T, N / BN): y[t, n-tile] = W[n-tile] @ prologue(x[t]), t = program_id(0). The weight tile [BN, K] is
+        loaded in one go, before the prologue's arithmetic, so its DRAM round trip overlaps it. Every row runs the
+        one-row program (row t's bits do not depend on T); a tile's row programs are neighbours in the launch, so
+        the tile is read from DRAM once. GATED_NORM needs D | K, D a power of two."""
+        t = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, KP)
         n_ok = offs_n < N
@@ -56,32 +55,27 @@ if triton is not None:
                     other=0.0)
         if PROLOGUE == _GATED_NORM:
             offs2 = tl.arange(0, KP // D)[:, None] * D + tl.arange(0, D)[None, :]  # [heads, D]
-            offs3 = t[:, None, None] * K + offs2[None, :, :]  # [RB, heads, D]
-            ok3 = t_ok[:, None, None] & (offs2 < K)[None, :, :]
-            xv = tl.load(x_ptr + offs3, mask=ok3, other=0.0).to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=2) / D + eps)
-            normed = (xv * rstd[:, :, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-            normed = normed * tl.load(nw_ptr + tl.arange(0, D)).to(tl.float32)[None, None, :]
+            ok2 = offs2 < K
+            xv = tl.load(x_ptr + t * K + offs2, mask=ok2, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / D + eps)
+            normed = (xv * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            normed = normed * tl.load(nw_ptr + tl.arange(0, D)).to(tl.float32)[None, :]
             if ROUND_NORMED:
                 normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-            gv = tl.load(g_ptr + offs3, mask=ok3, other=0.0).to(tl.float32)
-            a3 = (normed * (gv * tl.sigmoid(gv))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            a = tl.reshape(a3, [RB, KP])
+            gv = tl.load(g_ptr + t * K + offs2, mask=ok2, other=0.0).to(tl.float32)
+            a2 = (normed * (gv * tl.sigmoid(gv))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            a = tl.reshape(a2, [KP])
         else:
-            offs = t[:, None] * K + offs_k[None, :]
-            ok = t_ok[:, None] & k_ok[None, :]
-            a = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            a = tl.load(x_ptr + t * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             if PROLOGUE == _SIGMOID_GATE:
-                gv = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                gv = tl.load(g_ptr + t * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 s = tl.sigmoid(gv).to(x_ptr.dtype.element_ty).to(tl.float32)
                 a = (a * s).to(x_ptr.dtype.element_ty).to(tl.float32)
-        y = tl.sum(w.to(tl.float32)[None, :, :] * a[:, None, :], axis=2).to(y_ptr.dtype.element_ty)  # [RB, BN]
-        out = t[:, None] * N + offs_n[None, :]
-        out_ok = t_ok[:, None] & n_ok[None, :]
+        y = tl.sum(w.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty)
         if HAS_RESIDUAL:  # residual + y, each rounded as PyTorch rounds the two steps
-            res = tl.load(res_ptr + out, mask=out_ok, other=0.0)
+            res = tl.load(res_ptr + t * N + offs_n, mask=n_ok, other=0.0)
             y = (res.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + out, y, mask=out_ok)
+        tl.store(y_ptr + t * N + offs_n, y, mask=n_ok)
 
 
 def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None):
@@ -100,12 +94,11 @@ def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=No
 
 
 def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *, use_triton: bool | None = None,
-         tiles=None, row_block: int = 1):
+         tiles=None):
     """y [T, N] = w [N, K] @ prologue(x [T, K]) (see the module docstring), T <= MAX_ROWS; gate [T, K] like x;
     norm_weight [D] with K % D == 0 for the per-head gated RMSNorm. residual [T, N]: return residual + y (rounded as
-    PyTorch's `residual + y` of the two tensors), the transformer's residual add in the same launch. row_block:
-    input rows per program (Llama's rows path: kernels.norm_gemv.ROW_BLOCK; Qwen's decode step: 1); row t's bits
-    do not depend on T for a fixed row_block. tiles overrides GEMV_TILES (bench/kernel_sweep.py)."""
+    PyTorch's `residual + y` of the two tensors), the transformer's residual add in the same launch. Row t's bits do
+    not depend on T. tiles overrides GEMV_TILES (bench/kernel_sweep.py)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"gemv takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -132,8 +125,8 @@ def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *,
     nw = norm_weight if norm_weight is not None else x
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     res = residual.contiguous() if residual is not None else y
-    _gemv_kernel[(triton.cdiv(x.shape[0], row_block), triton.cdiv(n, tiles["BN"]))](
-        x, g, nw, w, res, y, x.shape[0], n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue,
+    _gemv_kernel[(x.shape[0], triton.cdiv(n, tiles["BN"]))](
+        x, g, nw, w, res, y, n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue,
         D=d, ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype,
-        HAS_RESIDUAL=residual is not None, BN=tiles["BN"], RB=row_block, num_warps=tiles["warps"])
+        HAS_RESIDUAL=residual is not None, BN=tiles["BN"], num_warps=tiles["warps"])
     return y

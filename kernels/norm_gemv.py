@@ -40,26 +40,24 @@ PLAIN, SWIGLU, ROPE = 0, 1, 2
 NORM_GEMV_TILES = {"BN": 2, "warps": 4}
 LARGE_TILES, LARGE_ROWS = {"BN": 4, "warps": 1}, 16384
 MAX_ROWS = 16  # input rows per call: a decode step (1) or a verify block (up to 16)
-# input rows per program (batch-invariant for a fixed value). H200, SmolLM2 shapes: 1 makes a 16-row call 16x the
-# programs of a one-row call (5x its time per launch); 4 made the one-row call 1.6x slower (a [4, BN, K] product).
-# Multi-row calls of the Llama path take kernels/rows_linear.py (tensor cores) instead.
-ROW_BLOCK = 1
+# A row per program row (grid (T, tiles)): a 16-row call launches 16x a one-row call's programs (on the H200 ~5x its
+# time at the SmolLM2 shapes), but each row is computed exactly as alone. Tried and measured slower (2026-12-01):
+# 4 rows per program as one [4, BN, K] product (one-row calls 1.6x slower), and a tensor-core kernel with a fixed
+# 16-row tile (a row's bits independent of T too, but 8.3 us a launch against 2.2-3.2 us for one-row programs).
 
 if triton is not None:
     _SWIGLU, _ROPE = tl.constexpr(SWIGLU), tl.constexpr(ROPE)  # what a jit'ed function sees
 
-    @triton.jit(do_not_specialize=["T"])
-    def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, T, N_OUT, ROTATED, stride_wn,
+    @triton.jit
+    def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, N_OUT, ROTATED, stride_wn,
                           stride_cs, eps, K: tl.constexpr, KP: tl.constexpr, EPILOGUE: tl.constexpr,
-                          HALF: tl.constexpr, ROUND_NORMED: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr):
-        """Grid (cdiv(T, RB), programs): input rows t0..t0+RB (x [T, K], positions [T]) against one weight tile:
-        PLAIN rows p*BN..; SWIGLU gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first
-        half (HALF = head_dim / 2) with their partners j + HALF. The RB input rows are loaded together and computed
-        as one [RB, BN, K] product; rows past T are masked (zeros). A row's arithmetic is the same in every slot
-        and for every T (one kernel, no branch on T), so its result does not depend on T: batch invariance, as long
-        as every call for a given weight uses the same RB."""
-        t = tl.program_id(0) * RB + tl.arange(0, RB)
-        t_ok = t < T
+                          HALF: tl.constexpr, ROUND_NORMED: tl.constexpr, BN: tl.constexpr):
+        """Grid (T, programs): input row t = program_id(0) (x [T, K], positions [T]); PLAIN rows p*BN..; SWIGLU
+        gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first half (HALF = head_dim / 2)
+        with their partners j + HALF. Every input row runs exactly the one-row program, so row t's result does not
+        depend on T (batch invariance); the programs of one weight tile are neighbours in the launch order, so the
+        tile comes from DRAM once and from L2 for the other rows."""
+        t = tl.program_id(0)
         p = tl.program_id(1)
         lane = tl.arange(0, BN)
         if EPILOGUE == _ROPE:
@@ -81,37 +79,31 @@ if triton is not None:
             w_b = tl.load(w_ptr + rows_b[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
                           other=0.0)
         # the norm while the weight tiles are on their way
-        x = tl.load(x_ptr + t[:, None] * K + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / K + eps)
-        a = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * tl.load(
-            nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + t * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+        a = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * tl.load(nw_ptr + offs_k, mask=k_ok,
+                                                                             other=0.0).to(tl.float32)
         if ROUND_NORMED:
             a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
-        ya = tl.sum(w_a.to(tl.float32)[None, :, :] * a[:, None, :], axis=2)
-        ya = ya.to(y_ptr.dtype.element_ty).to(tl.float32)  # [RB, BN]
-        out = y_ptr + t[:, None] * N_OUT
-        ok = t_ok[:, None] & a_ok[None, :]
+        ya = tl.sum(w_a.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+        y_row = y_ptr + t * N_OUT
         if EPILOGUE == _SWIGLU:
-            yb = tl.sum(w_b.to(tl.float32)[None, :, :] * a[:, None, :], axis=2)
-            yb = yb.to(y_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(out + rows_a[None, :], (ya * tl.sigmoid(ya) * yb).to(y_ptr.dtype.element_ty), mask=ok)
+            yb = tl.sum(w_b.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(y_row + rows_a, (ya * tl.sigmoid(ya) * yb).to(y_ptr.dtype.element_ty), mask=a_ok)
         elif EPILOGUE == _ROPE:
-            yb = tl.sum(w_b.to(tl.float32)[None, :, :] * a[:, None, :], axis=2)
-            yb = yb.to(y_ptr.dtype.element_ty).to(tl.float32)
-            pos = tl.load(pos_ptr + t, mask=t_ok, other=0)
-            cs = cos_ptr + pos[:, None] * stride_cs
-            sn = sin_ptr + pos[:, None] * stride_cs
-            cos_a, sin_a = tl.load(cs + j[None, :]).to(tl.float32), tl.load(sn + j[None, :]).to(tl.float32)
-            cos_b = tl.load(cs + j[None, :] + HALF).to(tl.float32)
-            sin_b = tl.load(sn + j[None, :] + HALF).to(tl.float32)
-            rot = (rows_a < ROTATED)[None, :]  # queries and keys; values pass through
+            yb = tl.sum(w_b.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+            pos = tl.load(pos_ptr + t)
+            cs = cos_ptr + pos * stride_cs
+            sn = sin_ptr + pos * stride_cs
+            cos_a, sin_a = tl.load(cs + j).to(tl.float32), tl.load(sn + j).to(tl.float32)
+            cos_b, sin_b = tl.load(cs + j + HALF).to(tl.float32), tl.load(sn + j + HALF).to(tl.float32)
+            rot = rows_a < ROTATED  # queries and keys; values pass through
             out_a = tl.where(rot, ya * cos_a - yb * sin_a, ya)
             out_b = tl.where(rot, yb * cos_b + ya * sin_b, yb)
-            tl.store(out + rows_a[None, :], out_a.to(y_ptr.dtype.element_ty), mask=ok)
-            tl.store(out + rows_b[None, :], out_b.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_row + rows_a, out_a.to(y_ptr.dtype.element_ty), mask=a_ok)
+            tl.store(y_row + rows_b, out_b.to(y_ptr.dtype.element_ty), mask=a_ok)
         else:
-            tl.store(out + rows_a[None, :], ya.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_row + rows_a, ya.to(y_ptr.dtype.element_ty), mask=a_ok)
 
 
 def rms_norm_torch(x, weight, eps: float):
@@ -140,7 +132,7 @@ def norm_gemv_torch(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope
 
 
 def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None, use_triton: bool | None = None,
-              tiles=None, row_block: int = ROW_BLOCK):
+              tiles=None):
     """x [T, K] (the residual stream, T <= MAX_ROWS), norm_weight [K], w [N, K]. Returns [T, N], or [T, N / 2] with
     swiglu. Row t's result is bitwise the same whatever T is (one kernel walks the rows in turn), so a position
     computed in a decode step and inside a verify block gets the same bits.
@@ -187,8 +179,8 @@ def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None,
         programs = n // (2 * half) * (half // bn)
     else:
         programs = triton.cdiv(n_out, bn)
-    _norm_gemv_kernel[(triton.cdiv(T, row_block), programs)](
-        x, norm_weight, w, y, cos, sin, pos, T, n_out, rotated, w.stride(0), stride_cs, eps, K=k,
+    _norm_gemv_kernel[(T, programs)](
+        x, norm_weight, w, y, cos, sin, pos, n_out, rotated, w.stride(0), stride_cs, eps, K=k,
         KP=triton.next_power_of_2(k), EPILOGUE=SWIGLU if swiglu else (ROPE if rope is not None else PLAIN),
-        HALF=half, ROUND_NORMED=norm_weight.dtype == x.dtype, BN=bn, RB=row_block, num_warps=tiles["warps"])
+        HALF=half, ROUND_NORMED=norm_weight.dtype == x.dtype, BN=bn, num_warps=tiles["warps"])
     return y

@@ -48,9 +48,9 @@ def seeded(seed=None) -> int:
     return seed
 
 
-def tiny_llama(tie=True, rope=None, heads=4, kv_heads=2) -> LlamaForCausalLM:
+def tiny_llama(tie=True, rope=None) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tie,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
                          max_position_embeddings=512, rope_parameters=rope or {"rope_type": "default",
                                                                                  "rope_theta": 100000.0})
     model = LlamaForCausalLM(config).eval()
@@ -232,10 +232,10 @@ LLAMA_TRITON_SCRIPT = textwrap.dedent("""
     from transformers import DynamicCache
     from backend.models import load_fast
     from tests.test_fast_models import TOL, count_calls, hf_step, seeded, tiny_llama
-    calls = count_calls(importlib.import_module("backend.models.llama"), ["rows_linear"])
+    calls = count_calls(importlib.import_module("backend.models.llama"), ["norm_gemv", "gemv"])
     seeded()
     for tie, hidden in ((True, (0, 2)), (False, (1,))):  # with the last layer's features: its norm outside the head
-        hf = tiny_llama(tie=tie, heads=2, kv_heads=1)  # head size 32: the row kernels' RoPE tile needs 16 | 32 / 2
+        hf = tiny_llama(tie=tie)
         fast = load_fast(hf, max_context=64)
         prompt = torch.randint(0, 320, (9,))
         cache = DynamicCache(config=hf.config)
@@ -247,17 +247,17 @@ LLAMA_TRITON_SCRIPT = textwrap.dedent("""
             torch.testing.assert_close(logits, ref.logits[0, -1], **TOL)
             torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1][0] for i in hidden], -1), **TOL)
             token = int(ref.logits[0, -1].argmax())
-    # 3 layers x (q/k/v, output, gate/up, down) per step, + the LM head (always the row kernel: the features of the
-    # last layer take their own norm); 2 models x 3 steps
-    assert calls == {"rows_linear": 2 * 3 * (3 * 4 + 1)}, calls
+    # 3 layers x (q/k/v, gate/up) per step, + the LM head (always the row kernel: the features of the last layer
+    # take their own norm); 2 models x 3 steps
+    assert calls == {"norm_gemv": 2 * 3 * (2 * 3 + 1), "gemv": 2 * 3 * 2 * 3}, calls
     print("ok")
 """)
 
 
 def test_llama_decode_step_through_triton_kernels_under_interpreter():
-    """A decode step with every Triton kernel (interpreted on the CPU): norm + q/k/v + RoPE, norm + gate/up + SwiGLU,
-    the LM head, the output and down projections with their residual add, all through kernels/rows_linear.py; logits
-    and features are transformers' (fp32)."""
+    """A decode step with every Triton kernel (interpreted on the CPU): norm + q/k/v + RoPE, norm + gate/up + SwiGLU
+    and the LM head through kernels/norm_gemv.py, the output and down projections with their residual add through
+    kernels/gemv.py; logits and features are transformers' (fp32)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", LLAMA_TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True,

@@ -20,8 +20,9 @@ from torch import nn
 from backend.static_cache import KVCache
 from kernels.block_attention import block_attention
 from kernels.fused_moe import triton_usable
-from kernels.rows_linear import MAX_ROWS as ROW_KERNEL_ROWS
-from kernels.rows_linear import ROWS_TILES, rows_linear
+from kernels.gemv import gemv
+from kernels.norm_gemv import MAX_ROWS as ROW_KERNEL_ROWS
+from kernels.norm_gemv import norm_gemv
 
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
 # them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
@@ -229,19 +230,18 @@ class Llama(nn.Module):
         """Whether decode steps and verify blocks can take _rows' kernels: they know no biases and rotate whole
         heads."""
         c = self.config
-        return (not (c.attention_bias or c.mlp_bias) and self.cos.shape[-1] == c.head_dim
-                and (c.head_dim // 2) % ROWS_TILES["BN"] == 0)
+        return not (c.attention_bias or c.mlp_bias) and self.cos.shape[-1] == c.head_dim and c.head_dim % 2 == 0
 
     def _rows(self, x, positions, kv_len: int, hidden_ids: tuple[int, ...]):
-        """A decode step or a verify block (T <= 16 rows) in five launches per layer (kernels/rows_linear.py, two
-        of attention, plus the cache write for T > 1): norm + q/k/v + RoPE; cache write + attention; output
-        projection + residual; norm + gate/up + SwiGLU; down projection + residual.
+        """A decode step or a verify block (T <= 16 rows) in five launches per layer (kernels/norm_gemv.py,
+        kernels/gemv.py, two of attention, plus the cache write for T > 1): norm + q/k/v + RoPE; cache write +
+        attention; output projection + residual; norm + gate/up + SwiGLU; down projection + residual.
         forward()'s glue path takes ten (bench/target_step.py --profile). The residual adds sit in the projections'
         epilogues, so x is always the whole residual stream.
 
-        Batch-invariant: every kernel computes a row the same way for 1..16 rows (a fixed 16-row tile on the
-        tensor cores, K in fixed chunks; attention sees a block row's earlier tokens as cached columns at the decode
-        step's slice boundaries), so a position's logits are bitwise those of a plain decode step at that position.
+        Batch-invariant: every kernel computes a row the same way for 1..16 rows (each input row runs the one-row
+        program of the projection kernels; attention sees a block row's earlier tokens as cached columns at the
+        decode step's slice boundaries), so a position's logits are bitwise those of a plain decode step at that position.
         That is what makes greedy speculative decoding emit exactly plain decoding's tokens on the GPU."""
         c = self.config
         T = x.shape[0]
@@ -251,21 +251,20 @@ class Llama(nn.Module):
         feats = {}
         eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            qkv = rows_linear(x, layer.wqkv, norm=(layer.attn_norm, eps),
-                              rope=(self.cos, self.sin, positions, q_rows + k_rows))
+            qkv = norm_gemv(x, layer.attn_norm, layer.wqkv, eps, rope=(self.cos, self.sin, positions, q_rows + k_rows))
             q = qkv[:, :q_rows].view(T, heads, d).transpose(0, 1)
             k = qkv[:, q_rows:q_rows + k_rows].view(T, kv_heads, d).transpose(0, 1)
             v = qkv[:, q_rows + k_rows:].view(T, kv_heads, d).transpose(0, 1)
-            x = rows_linear(cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, residual=x)
-            h = rows_linear(x, layer.w_gate_up, norm=(layer.mlp_norm, eps), swiglu=True)
-            x = rows_linear(h, layer.w_down, residual=x)
+            x = gemv(cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, residual=x)
+            h = norm_gemv(x, layer.mlp_norm, layer.w_gate_up, eps, swiglu=True)
+            x = gemv(h, layer.w_down, residual=x)
             if i in hidden_ids:
                 feats[i] = x
         last = c.num_layers - 1
         if last in hidden_ids:  # transformers' last hidden state is after the final norm
             feats[last] = rms_norm(x, self.norm, c.rms_norm_eps)
         # all rows' logits (a verify needs them; a decode step has one row): the LM head through the row kernel
-        logits = rows_linear(x, self.lm_head, norm=(self.norm, eps))
+        logits = norm_gemv(x, self.norm, self.lm_head, eps)
         return logits, (torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None)
 
     # ---- loading --------------------------------------------------------------------------------------------------
