@@ -309,6 +309,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
         raise BenchError("--device cuda, but torch sees no CUDA device")
     if adaptive not in ("off", "on", "both"):
         raise BenchError("adaptive must be off, on or both")
+    forced_tau = parse_taus(forced_tau)
     if forced_tau and torch.device(device).type != "cuda":
         raise BenchError("--forced-tau times the GPU's device cycle: use --device cuda")
     target, tokenizer, name, max_context = load_target(model, device)
@@ -501,17 +502,20 @@ def cli(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
-         forced_tau=parse_taus(a.forced_tau),
+         forced_tau=a.forced_tau,
          command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 
-def parse_taus(text: str) -> tuple[float, ...]:
+def parse_taus(text) -> tuple[float, ...]:
+    """--forced-tau "4.9,6.4" -> (4.9, 6.4); a tuple passes through."""
+    if not isinstance(text, str):
+        return tuple(text)
     try:
         taus = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"--forced-tau takes numbers separated by commas, got {text!r}") from None
+        raise BenchError(f"--forced-tau takes numbers separated by commas, got {text!r}") from None
     if any(t < 1 for t in taus):
-        raise SystemExit("--forced-tau: tau is at least 1 (the target's own token)")
+        raise BenchError("--forced-tau: tau is at least 1 (the target's own token)")
     return taus
 
 

@@ -128,6 +128,31 @@ class Engine:
         return isinstance(self.target, FastTarget)
 
     @property
+    def lossless(self) -> bool:
+        """Whether greedy output is token-identical to plain decoding of this engine: always without a drafter;
+        with one, when a position's logits do not depend on how it was reached (a one-token step or any verify
+        block): exact mode, or a fast-path target whose kernels are batch-invariant on this device (the Llama rows
+        path on CUDA). The transformers path and the Qwen3.5/3.6-MoE verify are not (yet): at near-ties their
+        speculative output can differ from plain decoding."""
+        if self.drafter is None:
+            return True
+        if not self.fast:
+            return False
+        return self.target.exact or bool(getattr(self.target.fast.model, "batch_invariant", False))
+
+    def describe_decoding(self) -> str:
+        """One line for the operator: plain or speculative, and whether greedy output equals plain decoding."""
+        if self.drafter is None:
+            return "plain decoding (no drafter)"
+        how = "on the device, CUDA graphs" if self.fast_drafter is not None else "eager"
+        if self.lossless:
+            why = "exact mode" if self.target.exact else "batch-invariant kernels"
+            return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), lossless: greedy output "
+                    f"is token-identical to plain decoding ({why})")
+        return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), NOT lossless on this path: "
+                "greedy output can differ from plain decoding at near-ties (use --drafter none for plain decoding)")
+
+    @property
     def cache_ids(self) -> list[int]:
         """Token ids whose states the target cache holds, in order."""
         return self.target.ids

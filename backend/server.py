@@ -55,6 +55,8 @@ class ServerState:
         self.tool_style = "injected"
         self.stop_ids: tuple[int, ...] = ()
         self.vocab_size = 0
+        self.decoding = ""  # plain or speculative, lossless or not (Engine.describe_decoding), once loaded
+        self.on_ready = None  # called with the state once the model is ready (serve prints the ready line)
 
     # -- loading (background thread) --
     def load(self) -> None:
@@ -76,8 +78,11 @@ class ServerState:
             self.worker = EngineWorker(engine, self.metrics)
             self.metrics.model_ready.set(1)
             self.ready.set()
-            log.info("model %s ready on %s (%s, context %d tokens, drafter: %s)", loaded.name, loaded.device,
-                     loaded.dtype, loaded.max_context, "none" if drafter is None else self.drafter_spec)
+            self.decoding = engine.describe_decoding()
+            log.info("model %s ready on %s (%s, context %d tokens): %s", loaded.name, loaded.device,
+                     loaded.dtype, loaded.max_context, self.decoding)
+            if self.on_ready:
+                self.on_ready(self)
         except Exception as exc:  # noqa: BLE001 - any failure must reach /health and the operator, not kill a thread silently
             self.load_error = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, ModelLoadError):
@@ -251,13 +256,16 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
                 else:
                     bound = self.servers[0].sockets[0].getsockname() if self.servers else (host, port)
                     where = f"http://{f'[{host}]' if ':' in host else host}:{bound[1]}"  # port 0 -> the real one
-                print(f"reviewer serve: listening on {where} (model {model} loading; GET /health turns 200 when ready)",
+                print(f"reviewer serve: listening on {where} (model {model} loading, drafter {drafter}; GET /health "
+                      "turns 200 when ready, and a ready line says whether speculation is on and lossless)",
                       flush=True)
 
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     server = Server(config)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    state.on_ready = lambda st: print(f"reviewer serve: ready: {st.loaded.name} on {st.loaded.device} "
+                                      f"({st.loaded.dtype}): {st.decoding}", flush=True)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal exit here

@@ -188,20 +188,23 @@ def serve(
 
 @app.command()
 def bench(
-    model: Annotated[str, typer.Option(help="Target model: a folder, a .gguf, 'embedded', or 'tiny-moe' (random hybrid MoE).")] = "embedded",
-    drafter: Annotated[str, typer.Option(help="Drafter folder, 'auto', 'random' or 'none'.")] = "auto",
+    model: Annotated[str, typer.Option(help="Target model: a folder, a .gguf, 'embedded', 'tiny-moe' (random hybrid MoE), or 'qwen3.6-35b-a3b-shape' (random weights at the 35B-A3B shape; GPU).")] = "embedded",
+    drafter: Annotated[str, typer.Option(help="Drafter folder, 'auto', 'random', 'released-shape' (random, the released Qwen3.6 drafter's shape) or 'none'.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     prompts: Annotated[int, typer.Option(help="Number of benchmark prompts.")] = 4,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 128,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the results as JSON here.")] = None,
+    adaptive: Annotated[str, typer.Option(help="Adaptive verify length: off, on or both.")] = "both",
+    forced_tau: Annotated[str, typer.Option(help="GPU only: also time the cycle under forced acceptance at these tau (comma-separated, e.g. 4.9,6.4,8.1): drafts replaced by plain decoding's own tokens; for random weights, labelled forced in the record.")] = "",
 ) -> None:
-    """Measure decoding speed: plain vs speculative (tau, acceptance per position, T_d, T_t, L_target, eta)."""
+    """Measure decoding speed: plain vs speculative side by side (tau, acceptance per position, T_d, T_t, host time
+    per cycle, L_target, eta predicted and measured, identical-output count)."""
     try:
         from backend.bench import main as bench_main
     except ImportError as e:
         raise fail(f"the backend is not installed or incomplete ({e}); install it with: pip install 'reviewer[backend]'") from None
     raise typer.Exit(bench_main(model=model, drafter=drafter, device=device, prompts=prompts, max_tokens=max_tokens,
-                                json_out=json_out) or 0)
+                                json_out=json_out, adaptive=adaptive, forced_tau=forced_tau) or 0)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

@@ -226,6 +226,12 @@ class Llama(nn.Module):
         return logits, features
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether decode steps and verify blocks take _rows (kernels that compute a row the same way for 1..16
+        rows): then a position's logits are bitwise the same however the engine reached it."""
+        return self.one_token_kernels and triton_usable(self.embed) and self.kv.use_block_kernel
+
+    @property
     def one_token_kernels(self) -> bool:
         """Whether decode steps and verify blocks can take _rows' kernels: they know no biases and rotate whole
         heads."""
