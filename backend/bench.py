@@ -24,7 +24,7 @@ import torch
 from backend.bench_shapes import RELEASED_DRAFTER, SHAPE_MODELS, released_shape_drafter, shape_model
 from backend.dflash import find_shipped_drafter, load_drafter, random_drafter
 from backend.engine import Engine, SamplingParams
-from backend.speculative import ForcedAcceptance
+from backend.device_cycle import ForcedAcceptance
 
 TINY_MODELS = ("tiny-hybrid", "tiny-moe", "tiny-llama")  # tiny-moe: another name for tiny-hybrid
 PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)
@@ -213,7 +213,7 @@ def run_hf_generate(model, prompts, max_tokens, stops, device):
 
 
 def run_engine(engine, prompts, max_tokens, stops, force=None):
-    """Each prompt once, greedy. force(i): a speculative.ForcedAcceptance for prompt i (benchmarks of random
+    """Each prompt once, greedy. force(i): a device_cycle.ForcedAcceptance for prompt i (benchmarks of random
     weights), or None."""
     outs, stats_list = [], []
     t0 = time.perf_counter()
@@ -299,7 +299,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
     drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
     threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
-    forced_tau: also time speculative runs under forced acceptance at these tau (speculative.ForcedAcceptance:
+    forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
     random weights accept nothing; labelled "forced" in the record)."""
     if threads:
         torch.set_num_threads(threads)
@@ -395,8 +395,8 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
             force = lambda i, tau=tau: ForcedAcceptance(reference[i], tau, vocab, engine.device, seed=i)  # noqa: E731
             run_engine(engine, warm, warm_tokens, stops, force)
             r = runs[f"forced_tau_{tau:g}"] = run_engine(engine, prompt_ids, max_tokens, stops, force)
-            r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation up "
-                                      "to a geometric accept length (a forced condition, not a drafter's tau)"}
+            r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation "
+                                      "up to a geometric accept length (a forced condition, not a drafter's tau)"}
             _compare(r, runs["plain"])
             if r.get("cycles"):
                 r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])

@@ -6,7 +6,7 @@ real sizes, without the real weights (which this machine cannot fetch).
     released-shape drafter   the released z-lab Qwen3.6-35B-A3B-DFlash shape: 6 layers (5 sliding + 1 full), hidden
                              2048, 8 target layers [1, 6, 11, 16, 22, 27, 32, 37], block 16, the target's head
 
-Random weights accept nothing, so these runs use forced acceptance (speculative.ForcedAcceptance) and say so.
+Random weights accept nothing, so these runs use forced acceptance (device_cycle.ForcedAcceptance) and say so.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend import speculative as spec
+from backend.device_cycle import device_speculative_decode
 from backend.fast_drafter import FastDrafter
 from backend.target import FastTarget, HFTarget
 
@@ -69,8 +70,9 @@ class Engine:
     exact=True; see backend/target.py for what it costs). compile: torch.compile the fast path's per-layer glue
     for decode steps and verifies (None: on CUDA, where it fuses the norms, RoPE and gates that otherwise cost a
     launch each; the first step of each shape compiles, ~tens of seconds). device_cycle: the speculative cycle on the
-    device (backend/fast_drafter.py: drafter in CUDA graphs over static caches, acceptance on the device, one host
-    sync per cycle; None: on CUDA whenever the fast path runs outside exact mode; True elsewhere too, for tests)."""
+    device (backend/device_cycle.py, backend/fast_drafter.py: drafter in CUDA graphs over static caches,
+    acceptance on the device, one host sync per cycle; None: on CUDA whenever the fast path runs outside exact
+    mode; True elsewhere too, for tests)."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
                  adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None,
@@ -92,13 +94,13 @@ class Engine:
         self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
         # on the GPU fast path the drafter runs from CUDA graphs over static caches and the cycle stays on the
-        # device (backend/fast_drafter.py, speculative.device_speculative_decode); elsewhere the eager drafter
+        # device (backend/fast_drafter.py, backend/device_cycle.py); elsewhere the eager drafter
         if device_cycle is None:
             device_cycle = self.device.type == "cuda" and self.fast and not self.target.exact
         if device_cycle and not (self.fast and not self.target.exact):
             raise ValueError("the device cycle needs the fast path outside exact mode")
         self.fast_drafter = FastDrafter(drafter, self.max_context) if drafter is not None and device_cycle else None
-        self.forced_acceptance = None  # benchmarks only: speculative.ForcedAcceptance
+        self.forced_acceptance = None  # benchmarks only: device_cycle.ForcedAcceptance
 
     def _make_target(self, model, features, prefill_chunk, fast, exact, compile):
         fast_model = None
@@ -213,7 +215,7 @@ class Engine:
             if self.drafter is None or budget <= 1:
                 yield from self._plain_decode(logits, params, budget, rng, cancelled, stats)
             elif self.fast_drafter is not None:
-                yield from spec.device_speculative_decode(self, logits, params, budget, rng, cancelled, stats)
+                yield from device_speculative_decode(self, logits, params, budget, rng, cancelled, stats)
             else:
                 yield from spec.speculative_decode(self, logits, params, budget, rng, cancelled, stats)
         except GeneratorExit:

@@ -17,7 +17,7 @@ target steps. Here:
     advance the context length on the device by `keep`, then the block forward, the head over the drafted positions
     only, in the model dtype, and argmax + confidence;
   - positions, the context length, masks and RoPE come from device tensors, so nothing waits for the host: the
-    speculative cycle reads one small result per cycle (backend/speculative.py).
+    speculative cycle reads one small result per cycle (backend/device_cycle.py).
 The arithmetic is DFlashDrafter's own (its modules are called); the block's keys are written to the cache and masked
 instead of concatenated. Draft quality never touches the output: the target verifies every token.
 """

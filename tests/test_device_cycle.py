@@ -1,4 +1,4 @@
-"""The speculative cycle on the device (backend/fast_drafter.py + speculative.device_speculative_decode): the drafter
+"""The speculative cycle on the device (backend/device_cycle.py + backend/fast_drafter.py): the drafter
 over static caches, the acceptance test on the device, one host sync per cycle.
 
 CPU tests (CI) run the same cycle without CUDA graphs on tiny fp32 targets, where any two ways of computing a
@@ -18,7 +18,7 @@ from backend.bench import tiny_model
 from backend.dflash import random_drafter
 from backend.engine import Engine, SamplingParams
 from backend.fast_drafter import FastDrafter
-from backend.speculative import ForcedAcceptance
+from backend.device_cycle import ForcedAcceptance
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

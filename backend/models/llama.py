@@ -247,7 +247,8 @@ class Llama(nn.Module):
 
         Batch-invariant: every kernel computes a row the same way for 1..16 rows (each input row runs the one-row
         program of the projection kernels; attention sees a block row's earlier tokens as cached columns at the
-        decode step's slice boundaries), so a position's logits are bitwise those of a plain decode step at that position.
+        decode step's slice boundaries), so a position's logits are bitwise those of a plain decode step at that
+        position.
         That is what makes greedy speculative decoding emit exactly plain decoding's tokens on the GPU."""
         c = self.config
         T = x.shape[0]
