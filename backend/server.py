@@ -11,17 +11,22 @@ model loads on a background thread after the socket is up: /health says 503 unti
 """
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import errno
 import ipaddress
 import logging
 import os
 import secrets
+import socket
+import stat
 import sys
 import threading
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend import chat
@@ -33,6 +38,22 @@ from backend.worker import EngineWorker
 log = logging.getLogger("reviewer.backend")
 
 DEFAULT_QUEUE_TIMEOUT = float(os.environ.get("REVIEWER_QUEUE_TIMEOUT", "600"))
+# A request body larger than its prompt could ever be is refused before it is read (413). A token of the prompt is at
+# most a few dozen bytes of JSON (a long token, or a few characters as \uXXXX escapes), so 64 bytes per token of the
+# window, at least 1 MiB (tools and JSON around a short prompt), never turns away a prompt that fits the window.
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
+LOADING_CONTEXT = 1 << 18  # the window assumed until the model has loaded (its real one is known then)
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds a request body may take to arrive in full
+
+
+def release_freed_memory() -> None:
+    """Give freed heap back to the system (glibc keeps it otherwise: a rejected 20 MB request left the RSS gigabytes
+    higher). Costs a few ms; a no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---- server state ----------------------------------------------------------------------------------------------------
@@ -41,10 +62,15 @@ class ServerState:
     """What the routes need: settings, metrics, and (once loading finished) the model and the engine worker."""
 
     def __init__(self, model, drafter: str, device: str, dtype: str, max_context: int | None, api_key: str | None,
-                 queue_timeout: float):
+                 queue_timeout: float, max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT):
         self.model_spec, self.drafter_spec = model, drafter
         self.device, self.dtype, self.max_context_arg = device, dtype, max_context
         self.api_key, self.queue_timeout = api_key, queue_timeout
+        self.max_body_arg, self.body_timeout = max_body_bytes, body_timeout
+        # Set on SIGTERM/Ctrl-C (serve) or when the app stops: streams send their final event, waiting and running
+        # non-streamed requests are answered 503, so the server drains in seconds.
+        self.stopping = threading.Event()
+        self.prompt_slot: asyncio.Semaphore | None = None  # one prompt rendered/tokenized at a time (api.py)
         self.metrics = Metrics()
         self.loaded: LoadedModel | None = None
         self.worker: EngineWorker | None = None
@@ -74,6 +100,7 @@ class ServerState:
             self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
             self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
             self.worker = EngineWorker(engine, self.metrics)
+            release_freed_memory()  # loading (GGUF conversion, dtype casts) leaves hundreds of MB of freed heap behind
             self.metrics.model_ready.set(1)
             self.ready.set()
             log.info("model %s ready on %s (%s, context %d tokens, drafter: %s)", loaded.name, loaded.device,
@@ -85,6 +112,14 @@ class ServerState:
             log.error("model loading failed: %s", self.load_error)
             if self.on_load_failure:
                 self.on_load_failure()
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The request body cap: --max-body-mb, else sized to the window (BODY_BYTES_PER_TOKEN)."""
+        if self.max_body_arg:
+            return self.max_body_arg
+        window = self.loaded.max_context if self.loaded else (self.max_context_arg or LOADING_CONTEXT)
+        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * window)
 
     @property
     def model_ids(self) -> set[str]:
@@ -134,17 +169,60 @@ def check_api_key(request: Request) -> None:
 
 # ---- the app ---------------------------------------------------------------------------------------------------------
 
+class BodyGuard:
+    """Request bodies: over the cap (ServerState.max_body_bytes, read per request because the window is known only
+    once the model has loaded) -> 413, from the Content-Length alone before a byte is read, or as soon as a chunked
+    body passes it; not complete within body_timeout -> 408 (a body shorter than its Content-Length held the
+    connection forever: uvicorn times out idle keep-alive connections, not a body in progress). Both are raised from
+    `receive` as HTTPExceptions, which FastAPI passes on to our handler (route-style error body), and both close the
+    connection, since the rest of the body is never read. (Starlette's RequestBodyLimitMiddleware has a fixed limit
+    and replaces every response to an oversize request with its own plain-text one.)"""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cap, timeout = self.state.max_body_bytes, self.state.body_timeout
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+        loop = asyncio.get_running_loop()
+        deadline, received = loop.time() + timeout, 0
+
+        async def guarded_receive():
+            nonlocal received
+            if declared.isdigit() and int(declared) > cap:
+                raise StarletteHTTPException(413, headers={"Connection": "close"})
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(408, f"the request body did not arrive within {timeout:g} s (shorter "
+                                                  "than its Content-Length?)", headers={"Connection": "close"}) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > cap:
+                    raise StarletteHTTPException(413, headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, guarded_receive, send)
+
+
 def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", device: str = "auto", dtype: str = "auto",
                max_context: int | None = None, api_key: str | None = None,
-               queue_timeout: float = DEFAULT_QUEUE_TIMEOUT) -> FastAPI:
+               queue_timeout: float = DEFAULT_QUEUE_TIMEOUT, max_body_bytes: int | None = None,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The ASGI app. The model loads on a background thread once the app starts (lifespan), so the socket answers
-    /health (503) at once. `model` may also be an already loaded LoadedModel (tests)."""
-    state = ServerState(model, drafter, device, dtype, max_context, api_key, queue_timeout)
+    /health (503) at once. `model` may also be an already loaded LoadedModel (tests). `max_body_bytes`: the request
+    body cap (default: sized to the context window); `body_timeout`: seconds a body may take to arrive."""
+    state = ServerState(model, drafter, device, dtype, max_context, api_key, queue_timeout, max_body_bytes,
+                        body_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.prompt_slot = asyncio.Semaphore(1)
         threading.Thread(target=state.load, name="reviewer-loader", daemon=True).start()
         yield
+        state.stopping.set()
         if state.worker:
             state.worker.stop()
 
@@ -152,6 +230,7 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
     app = FastAPI(title="reviewer inference server", version="1", lifespan=lifespan,
                   openapi_url=None, docs_url=None, redoc_url=None)
     app.state.reviewer = state
+    app.add_middleware(BodyGuard, state=state)
     keyed = [Depends(check_api_key)]
 
     @app.get("/health", tags=["server"], responses={503: {"description": "loading or failed"}})
@@ -162,7 +241,9 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok", "model": state.loaded.name, "max_context": state.loaded.max_context}
 
-    @app.get("/metrics", tags=["server"], dependencies=keyed)
+    @app.get("/metrics", tags=["server"], dependencies=keyed, response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics():
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
@@ -189,18 +270,18 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
     async def _validation_error(request: Request, exc: RequestValidationError):
         # OpenAI answers malformed requests with 400 (not FastAPI's 422); so do we, on every route.
         count_refusal(request, "rejected")
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first['msg']}" if where else first["msg"]
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problems)"
-        return error_response(request, 400, message, code="invalid_request", param=where or None)
+        message, where = validation_message(exc.errors())
+        return error_response(request, 400, message, code="invalid_request", param=where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        message, headers = str(exc.detail), getattr(exc, "headers", None)
+        if exc.status_code == 413:  # from BodyGuard
+            count_refusal(request, "rejected")
+            message = body_too_large_message(state)
+        elif exc.status_code == 408:
+            count_refusal(request, "rejected")
+        return error_response(request, exc.status_code, message, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -208,6 +289,68 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
         return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     return app
+
+
+def body_too_large_message(state: ServerState) -> str:
+    cap = state.max_body_bytes
+    why = ("--max-body-mb" if state.max_body_arg else
+           f"sized to the {state.loaded.max_context}-token context window: no longer prompt could be served; "
+           "--max-body-mb changes it" if state.loaded else "the model is still loading")
+    return f"the request body is larger than {cap} bytes ({cap / 2**20:.1f} MiB), the most this server accepts ({why})"
+
+
+# Pydantic tries each member of a union (`stop: str | list[str]`) and reports every failure: "stop.str: Input should
+# be a valid string (and 1 more problems)" for 17 stop strings. These error types only say "not this member"; the
+# member names (str, list[str], TextPart, function-after[...]) are dropped from the location.
+MISMATCH = {"string_type", "list_type", "int_type", "int_parsing", "float_type", "float_parsing", "bool_type",
+            "bool_parsing", "dict_type", "model_type", "model_attributes_type", "none_required", "is_instance_of",
+            "literal_error", "union_tag_invalid", "union_tag_not_found"}
+
+
+def _is_member_tag(part) -> bool:
+    return isinstance(part, str) and (not part[:1].islower() or "[" in part or "-" in part or
+                                      part in {"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def field_path(loc) -> str:
+    """("body", "messages", 0, "content", "list[TextPart]", 0, "text") -> "messages[0].content[0].text"."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _is_member_tag(part):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def describe_error(error: dict, where: str) -> str:
+    kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind == "missing":
+        return f"{where} is required"
+    if kind == "too_long" and "max_length" in ctx:
+        return f"{where} has {ctx.get('actual_length', 'too many')} items; at most {ctx['max_length']} are allowed"
+    if kind == "too_short" and "min_length" in ctx:
+        return f"{where} needs at least {ctx['min_length']} item(s)"
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """FastAPI's validation errors -> (one message in plain words, the field it is about)."""
+    if errors and errors[0].get("type") == "json_invalid":
+        pos = errors[0]["loc"][-1] if errors[0].get("loc") else "?"
+        return (f"the request body is not valid JSON ({(errors[0].get('ctx') or {}).get('error', 'decode error')} "
+                f"at character {pos})"), None
+    located = [(field_path(e.get("loc", ())), e) for e in errors] or [("", {"msg": "invalid request"})]
+    # A "not this member" error is noise when another error says what is wrong inside the same field.
+    kept = [(w, e) for w, e in located if e.get("type") not in MISMATCH or not any(
+        o.get("type") not in MISMATCH and ow.startswith(w) for ow, o in located)]
+    where, first = kept[0]
+    message = describe_error(first, where)
+    others = len({w for w, _ in kept} - {where})
+    if others:
+        message += f" (and {others} more problem{'s' if others > 1 else ''})"
+    return message, where or None
 
 
 def is_loopback(host: str) -> bool:
@@ -219,10 +362,55 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bind_socket(host: str, port: int, uds: str | None) -> socket.socket:
+    """The listening socket, bound here rather than by uvicorn so that a port in use or a bad address is one line of
+    ours and status 2 (uvicorn logs its own lines and exits 1). A unix socket file left by a killed server (nobody
+    answers on it) is replaced; one that answers is in use."""
+    def refuse(message: str):
+        print(f"reviewer serve: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if uds:
+        if os.path.exists(uds):
+            if not stat.S_ISSOCK(os.stat(uds).st_mode):
+                refuse(f"--uds {uds} exists and is not a socket")
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(uds)
+                    refuse(f"--uds {uds} is in use: another server answers on it")
+                except (ConnectionRefusedError, FileNotFoundError):
+                    os.unlink(uds)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(uds)
+        except OSError as exc:
+            sock.close()
+            refuse(f"cannot listen on unix socket {uds}: {exc.strerror or exc}")
+        os.chmod(uds, 0o666)  # as uvicorn does: the socket's folder decides who may connect
+    else:
+        if not 0 <= port <= 65535:
+            refuse(f"--port must be between 0 and 65535 (0: any free port), got {port}")
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                refuse(f"port {port} on {host} is already in use (another server?); pick another --port, or --port 0 "
+                       "for any free one")
+            refuse(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(model: str, drafter: str, host: str, port: int, uds: str | None, device: str, dtype: str,
-          max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False) -> None:
+          max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False,
+          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
     """Run the server until interrupted (blocking). Prints one "listening on ..." line once the socket is up; the
-    model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails."""
+    model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
+    bad setup (model path, drafter, port, an address in use). SIGTERM or Ctrl-C: streams end with a final error event,
+    other requests get a 503, and the process exits within a few seconds."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -239,7 +427,16 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
         print(f"reviewer serve: refusing to listen on {host} (not a loopback address) without --api-key; "
               "set one, or REVIEWER_ALLOW_REMOTE_WITHOUT_KEY=1 to allow it anyway", file=sys.stderr)
         raise SystemExit(2)
-    app = create_app(model, drafter, device, dtype, max_context, api_key)
+    if max_body_bytes is not None and max_body_bytes < 1:
+        print(f"reviewer serve: --max-body-mb must be positive, got {max_body_bytes / 2**20:g}", file=sys.stderr)
+        raise SystemExit(2)
+    if not body_timeout > 0:
+        print(f"reviewer serve: --body-timeout must be a positive number of seconds, got {body_timeout:g}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    sock = bind_socket(host, port, uds)
+    app = create_app(model, drafter, device, dtype, max_context, api_key, max_body_bytes=max_body_bytes,
+                     body_timeout=body_timeout)
     state: ServerState = app.state.reviewer
 
     class Server(uvicorn.Server):
@@ -254,15 +451,22 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
                 print(f"reviewer serve: listening on {where} (model {model} loading; GET /health turns 200 when ready)",
                       flush=True)
 
+        def handle_exit(self, sig, frame):
+            state.stopping.set()  # before uvicorn stops: requests in flight end now, with a final word
+            super().handle_exit(sig, frame)
+
+    # timeout_graceful_shutdown is the ceiling; with `stopping` set, requests in flight end well before it.
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     server = Server(config)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal exit here
         pass
+    finally:
+        if uds and os.path.exists(uds):
+            os.unlink(uds)
     if state.load_error:
         print(f"reviewer serve: the model failed to load: {state.load_error}", file=sys.stderr)
         raise SystemExit(1)
-
