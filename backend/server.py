@@ -22,6 +22,7 @@ import socket
 import stat
 import sys
 import threading
+import contextlib
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -45,6 +46,7 @@ BODY_BYTES_PER_TOKEN = 64
 MIN_BODY_BYTES = 1 << 20
 LOADING_CONTEXT = 1 << 18  # the window assumed until the model has loaded (its real one is known then)
 DEFAULT_BODY_TIMEOUT = 60.0  # seconds a request body may take to arrive in full
+DRAIN_BYTES = 64 << 20  # an oversize body up to this size is read and dropped before the 413 (see BodyGuard)
 
 
 def release_freed_memory() -> None:
@@ -175,8 +177,11 @@ class BodyGuard:
     body passes it; not complete within body_timeout -> 408 (a body shorter than its Content-Length held the
     connection forever: uvicorn times out idle keep-alive connections, not a body in progress). Both are raised from
     `receive` as HTTPExceptions, which FastAPI passes on to our handler (route-style error body), and both close the
-    connection, since the rest of the body is never read. (Starlette's RequestBodyLimitMiddleware has a fixed limit
-    and replaces every response to an oversize request with its own plain-text one.)"""
+    connection. An oversize body announced by its Content-Length is read and dropped chunk by chunk first (up to
+    DRAIN_BYTES, within the timeout: memory stays flat), because a client still uploading (httpx, the SDKs) sees a
+    connection reset instead of an early answer; one that sent `Expect: 100-continue` gets the 413 before it uploads.
+    (Starlette's RequestBodyLimitMiddleware has a fixed limit and replaces every response to an oversize request with
+    its own plain-text one.)"""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -185,19 +190,28 @@ class BodyGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         cap, timeout = self.state.max_body_bytes, self.state.body_timeout
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+        headers = dict(scope["headers"])
+        declared, expect = headers.get(b"content-length", b""), headers.get(b"expect", b"").lower()
         loop = asyncio.get_running_loop()
         deadline, received = loop.time() + timeout, 0
+
+        async def next_message():
+            try:
+                return await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.001))
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(408, f"the request body did not arrive within {timeout:g} s (shorter "
+                                                  "than its Content-Length?)", headers={"Connection": "close"}) from None
 
         async def guarded_receive():
             nonlocal received
             if declared.isdigit() and int(declared) > cap:
+                if int(declared) <= DRAIN_BYTES and expect != b"100-continue":
+                    with contextlib.suppress(StarletteHTTPException):  # a body that stops short is refused anyway
+                        while (message := await next_message())["type"] == "http.request" and message.get(
+                                "more_body"):
+                            pass
                 raise StarletteHTTPException(413, headers={"Connection": "close"})
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.001))
-            except asyncio.TimeoutError:
-                raise StarletteHTTPException(408, f"the request body did not arrive within {timeout:g} s (shorter "
-                                                  "than its Content-Length?)", headers={"Connection": "close"}) from None
+            message = await next_message()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > cap:

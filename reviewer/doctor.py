@@ -55,7 +55,7 @@ def sandbox_checks(db_path: Path | None) -> list[Check]:
     """Run PROBE inside a real sandbox (the same code path as a review's commands)."""
     home = Path.home().resolve()
     allowed = sorted({p.relative_to(home).parts[0] for p in isolation.python_prefixes() if p.is_relative_to(home)})
-    ws = Path(tempfile.mkdtemp(prefix="reviewer-doctor-"))
+    ws = Path(tempfile.mkdtemp(prefix=f"reviewer-doctor-pid{os.getpid()}-"))
     try:
         for sub in ("repo", "home", "tmp"):
             (ws / sub).mkdir()

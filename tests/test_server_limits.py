@@ -66,7 +66,11 @@ def test_oversize_body_is_refused_from_its_content_length_before_it_is_sent(capp
     error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
     assert f"larger than {CAP} bytes" in error["message"] and "--max-body-mb" in error["message"], error
     assert seconds < 9  # answered, not left waiting for the 20 MB that never come (the socket timeout is 10 s)
-    with capped.http() as http:  # and the server goes on serving
+    with capped.http() as http:
+        # A client that uploads the whole body before it reads (httpx, the SDKs) sees the 413 too, not a reset.
+        response = http.post("/v1/completions", json={"model": model_id, "prompt": "x" * (4 * CAP)})
+        assert response.status_code == 413 and response.json()["error"]["message"] == error["message"], response.text
+        # and the server goes on serving
         assert http.post("/v1/completions", json={"model": model_id, "prompt": "x", "max_tokens": 1}).status_code == 200
 
 
