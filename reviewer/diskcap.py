@@ -36,6 +36,11 @@ def image_size(disk_bytes: int) -> int:
     return (size + 4095) // 4096 * 4096
 
 
+def host_folder(path: Path) -> Path:
+    """Where a workspace's bytes land on the host: the folder holding its image when it is capped, else itself."""
+    return path.parent if image_path(path).exists() and os.path.ismount(path) else path
+
+
 def unavailable_reason() -> str | None:
     """Why this machine cannot cap a workspace's disk use in the kernel (None: it can)."""
     if os.geteuid() != 0:
