@@ -6,11 +6,14 @@ Load (issue 29's, loopback only): 4 concurrent 20 MB /v1/chat/completions bodies
 while /health is polled every 50 ms (its slowest answer is the freeze), then 4 concurrent 20 MB /v1/messages. The
 server is a separate `serve` process on the embedded model (plain decoding); its RSS is sampled every 20 ms from
 /proc. Reported: idle RSS, peak RSS, RSS 3 s after the load, the statuses, the slowest /health.
-`--code-root DIR` runs the server from another checkout (e.g. the commit before a fix) for a before/after pair.
+`--max-body-mb 64` raises the server's body cap so that the 20 MB bodies are parsed, rendered and tokenized (the
+bounded path behind the cap). `--code-root DIR` runs the server from another checkout (e.g. the commit before a fix)
+for a before/after pair.
 
 `--idle` instead measures, in this process, RSS after each step of a server's start: interpreter, `import torch`,
 `import transformers`, the weights loaded, the engine made (its static caches), one short generation, and
-the same after giving freed heap back to the system (malloc_trim).
+the same after giving freed heap back to the system (malloc_trim); and the sizes of the weights, the fast path's KV
+cache and its fused weight copies.
 """
 from __future__ import annotations
 
@@ -62,9 +65,11 @@ class Sampler(threading.Thread):
                 return
 
 
-def start_server(code_root: Path) -> tuple[subprocess.Popen, str]:
+def start_server(code_root: Path, max_body_mb: float | None) -> tuple[subprocess.Popen, str]:
     args = dict(model="embedded", drafter="none", host="127.0.0.1", port=0, uds=None, device="cpu", dtype="auto",
                 max_context=None)
+    if max_body_mb:
+        args["max_body_bytes"] = int(max_body_mb * 2**20)
     code = "import json, sys; from backend.server import serve; serve(**json.loads(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(code_root)}
     process = subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], cwd=code_root, stdout=subprocess.PIPE,
@@ -183,6 +188,15 @@ def idle_breakdown() -> dict:
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     engine = Engine(loaded.model, drafter=None, max_context=loaded.max_context)
     steps["engine made"] = rss_bytes()
+    # What the engine's fast path holds beside the transformers model: its KV cache (allocated up front for the
+    # whole window) and the fused projections (wqkv, w_gate_up: new tensors; the originals stay in the HF model).
+    fast = getattr(getattr(getattr(engine, "target", None), "fast", None), "model", None)
+    hf_storages = {p.untyped_storage().data_ptr() for p in loaded.model.parameters()}
+    kv = getattr(fast, "kv", None)
+    held = {"kv_cache_mb": round((kv.k.nbytes + kv.v.nbytes) / 2**20) if kv is not None else None,
+            "fused_weight_copies_mb": round(sum(p.nbytes for p in fast.parameters()
+                                                if p.untyped_storage().data_ptr() not in hf_storages) / 2**20)
+            if fast is not None else None}
     list(engine.generate(loaded.tokenizer("Hello there")["input_ids"], SamplingParams(max_tokens=8, temperature=0)))
     steps["one generation"] = rss_bytes()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -190,13 +204,16 @@ def idle_breakdown() -> dict:
     mb = {k: round(v / 2**20) for k, v in steps.items()}
     names = list(mb)
     return {"rss_mb": mb, "delta_mb": {names[i]: mb[names[i]] - mb[names[i - 1]] for i in range(1, len(names))},
-            "weights_mb": round(weights / 2**20), "dtype": str(loaded.model.dtype), "max_context": loaded.max_context,
+            "weights_mb": round(weights / 2**20), **held, "dtype": str(loaded.model.dtype),
+            "max_context": loaded.max_context,
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--code-root", type=Path, default=ROOT, help="checkout whose backend/ the server runs")
+    ap.add_argument("--max-body-mb", type=float, help="the server's body cap (default: its own); 64 lets the 20 MB "
+                    "bodies through to parsing, rendering and tokenizing")
     ap.add_argument("--phases", default="chat,completions,messages", help="which loads, in this order")
     ap.add_argument("--idle", action="store_true", help="the idle breakdown instead of the hostile load")
     ap.add_argument("--label", default="", help="name of this record in the results file, e.g. before / after")
@@ -210,7 +227,7 @@ def main() -> None:
         sys.path.insert(0, str(opts.code_root))
         record["idle"] = idle_breakdown()
     else:
-        process, url = start_server(opts.code_root)
+        process, url = start_server(opts.code_root, opts.max_body_mb)
         try:
             record["load"] = asyncio.run(hostile(url, process, opts.phases.split(",")))
         finally:

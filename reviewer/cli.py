@@ -82,7 +82,8 @@ def run(
     json_output: Annotated[bool, typer.Option("--json", help="Print the finished run as JSON instead of tables.")] = False,
 ) -> None:
     """Review one repository now: each persona installs it from scratch, tests it, tries to break it, and records
-    findings and measurements in the database. Reviews on one machine run one at a time."""
+    findings and measurements in the database. Reviews on one machine run one at a time; before it starts, a review
+    marks runs whose process is gone interrupted and removes the workspaces and sandbox folders they left."""
     settings = settings_or_exit(
         llm=llm, model=model, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
         personas_dir=personas_dir, isolation=isolation,
@@ -136,7 +137,8 @@ def report(
     format: Annotated[ReportFormat, typer.Option("--format", "-f", help="Output format.")] = ReportFormat.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
 ) -> None:
-    """Show stored reviews: findings by severity, their state and verification, and measurements."""
+    """Show stored reviews: findings by severity, their state and verification, and measurements. Runs of this
+    machine whose process is gone (killed) are marked interrupted first, so none shows as running."""
     from reviewer.report import ReportError, ReportFilter, report_command
 
     settings = settings_or_exit(db=db)
