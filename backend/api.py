@@ -193,7 +193,7 @@ def event_stream(events, generation: Generation, metrics: Metrics, route: str, f
 
     async def guarded():
         stop = asyncio.ensure_future(shutdown.wait())
-        source = events.__aiter__()
+        source, step = events.__aiter__(), None
         try:
             while True:
                 step = asyncio.ensure_future(source.__anext__())
@@ -212,6 +212,8 @@ def event_stream(events, generation: Generation, metrics: Metrics, route: str, f
                     return
         finally:
             stop.cancel()
+            if step is not None and not step.done():  # the client left (sse-starlette cancelled us): stop the route
+                step.cancel()
             if generation.stats is None and not shutdown.is_set():  # not finished: the client left (or it failed)
                 generation.job.cancelled = True
                 if not generation.failed:
