@@ -103,6 +103,18 @@ def check_text(body: BaseModel) -> None:
                             "escape without its pair)", code="invalid_value", param=where)
 
 
+def check_prompt_length(state: ServerState, texts, field: str) -> None:
+    """Refuse, without tokenizing, a prompt that cannot fit the window: a token covers at most max_token_chars
+    characters of text (a byte-level token's string has one character per byte it stands for, and a character is at
+    least a byte), so more characters than window x that are more tokens than the window. Tokenizing such a prompt
+    is what took gigabytes and seconds (a 20 MB prompt: 6 GB, 38 s)."""
+    chars, window = sum(len(t) for t in texts if t), state.loaded.max_context
+    if state.max_token_chars and chars > window * state.max_token_chars:
+        raise APIError(400, f"the prompt has {chars} characters, more than the {window} tokens of the context window "
+                            f"can hold (a token is at most {state.max_token_chars} characters); shorten it",
+                       code="context_length_exceeded", param=field)
+
+
 async def off_loop(state: ServerState, fn, *args):
     """Prompt rendering and tokenization: on a worker thread, so the event loop (and /health) keeps answering while a
     big prompt is tokenized, and one at a time, so that several big requests at once do not multiply the memory."""
@@ -315,6 +327,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice.function.name if hasattr(body.tool_choice, "function") else body.tool_choice
     tools = select_tools(tools, choice)
+    check_prompt_length(state, (message_text(m.content) for m in body.messages), "messages")
     prompt_text, prompt_ids = await render(state, openai_messages(body), tools, body.chat_template_kwargs)
     params = sampling_params(state, len(prompt_ids), body.max_completion_tokens or body.max_tokens,
                              body.temperature, body.top_p, body.seed)
@@ -395,6 +408,7 @@ async def completions(request: Request, body: CompletionRequest, state: ServerSt
             raise APIError(400, "only one prompt per request is supported (batch 1)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_prompt_length(state, [prompt], "prompt")
         prompt_ids = (await off_loop(state, state.loaded.tokenizer, prompt))["input_ids"]
     else:
         prompt_ids = list(prompt)
@@ -503,6 +517,7 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
     check_model(state, body.model)
     check_text(body)
     messages, tools = anthropic_conversation(body)
+    check_prompt_length(state, (m["content"] for m in messages), "messages")
     tools = select_tools(tools, anthropic_tool_choice(body))
     thinking_off = body.thinking is not None and body.thinking.type == "disabled"
     prompt_text, prompt_ids = await render(state, messages, tools, {"enable_thinking": False} if thinking_off else None)

@@ -83,6 +83,7 @@ class ServerState:
         self.tool_style = "injected"
         self.stop_ids: tuple[int, ...] = ()
         self.vocab_size = 0
+        self.max_token_chars = 0  # the longest token's text: a prompt longer than window x this cannot fit (api.py)
 
     # -- loading (background thread) --
     def load(self) -> None:
@@ -101,6 +102,7 @@ class ServerState:
             self.loaded, self.tool_style = loaded, chat.tool_style(loaded.tokenizer)
             self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
             self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
+            self.max_token_chars = max(map(len, loaded.tokenizer.get_vocab()), default=0)
             self.worker = EngineWorker(engine, self.metrics)
             release_freed_memory()  # loading (GGUF conversion, dtype casts) leaves hundreds of MB of freed heap behind
             self.metrics.model_ready.set(1)

@@ -139,15 +139,17 @@ def test_openapi_describes_metrics_as_text(capped):
 
 def test_health_answers_while_a_big_prompt_is_tokenized(tiny_model, live_server, model_id):
     """Tokenizing used to run on the event loop: /health waited 15.7 s behind a 20 MB /v1/completions. Now it runs on
-    a worker thread: /health keeps answering before the big request does."""
+    a worker thread: /health keeps answering before the big request does. (count_tokens has no window to refuse a
+    long prompt by, so it tokenizes all of it; the generating routes refuse a prompt that cannot fit before that.)"""
     server = live_server(tiny_model("llama"), max_body_bytes=64 * 2**20)
-    prompt = "def first(xs):\n    return xs[1]\n" * 200_000  # ~6.6 MB of text
+    text = "def first(xs):\n    return xs[1]\n" * 200_000  # ~6.6 MB of text
     done = threading.Event()
-    answers: list[str] = []
+    answers: list[httpx.Response] = []
 
     def big() -> None:
         with server.http(timeout=300) as http:
-            answers.append(str(http.post("/v1/completions", json={"model": model_id, "prompt": prompt}).status_code))
+            answers.append(http.post("/v1/messages/count_tokens", json={
+                "model": model_id, "messages": [{"role": "user", "content": text}]}))
         done.set()
 
     threading.Thread(target=big, daemon=True).start()
@@ -157,8 +159,46 @@ def test_health_answers_while_a_big_prompt_is_tokenized(tiny_model, live_server,
             if http.get("/health").status_code == 200 and not done.is_set():
                 healthy_meanwhile += 1
             time.sleep(0.05)
-    assert answers == ["400"]  # far past the 2048-token window
+        # the generating routes refuse it from its length alone, without tokenizing
+        refused = http.post("/v1/completions", json={"model": model_id, "prompt": text})
+    assert answers[0].status_code == 200 and answers[0].json()["input_tokens"] > 100_000, answers[0].text
     assert healthy_meanwhile >= 3, healthy_meanwhile
+    assert refused.status_code == 400 and "characters, more than the 2048 tokens" in refused.json()["error"]["message"]
+
+
+def test_health_answers_while_completions_tokenizes_a_big_prompt(tiny_model, live_server, tmp_path):
+    """The issue's case: /v1/completions tokenized on the event loop. A window large enough that a ~2 MB prompt is
+    not refused by its length alone, so it is tokenized (then refused by its token count)."""
+    import shutil
+
+    wide = tmp_path / "wide"
+    shutil.copytree(tiny_model("llama"), wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1 << 17}))
+    server = live_server(wide, max_body_bytes=64 * 2**20)
+    with server.http() as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+    prompt = "def first(xs):\n    return xs[1]\n" * 45_000  # 1.44 MB: under 131072 x 13 characters, over 131072 tokens
+    done = threading.Event()
+    answers: list[httpx.Response] = []
+
+    def big() -> None:
+        with server.http(timeout=300) as http:
+            answers.append(http.post("/v1/completions", json={"model": model, "prompt": prompt}))
+        done.set()
+
+    threading.Thread(target=big, daemon=True).start()
+    healthy_meanwhile = 0
+    with server.http() as http:
+        while not done.is_set():
+            if http.get("/health").status_code == 200 and not done.is_set():
+                healthy_meanwhile += 1
+            time.sleep(0.02)
+    error = answers[0].json()["error"]
+    assert answers[0].status_code == 400 and error["param"] == "prompt", error
+    assert "tokens but the context window holds 131072" in error["message"], error  # it was tokenized
+    # on the event loop it was 2 (answers before the tokenizing began); on a worker thread, over a hundred here
+    assert healthy_meanwhile >= 10, healthy_meanwhile
 
 
 # ---- `serve` as a process: SIGTERM and the command line ----------------------------------------------------------------
