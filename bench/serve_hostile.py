@@ -201,6 +201,9 @@ def idle_breakdown() -> dict:
     steps["one generation"] = rss_bytes()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     steps["after malloc_trim"] = rss_bytes()
+    status = dict(ln.split(":", 1) for ln in Path("/proc/self/status").read_text().splitlines() if ":" in ln)
+    # file-backed pages are the safetensors weights mapped from the cache: clean, the kernel can drop them
+    held["rss_anon_mb"], held["rss_file_mb"] = (round(int(status[k].split()[0]) / 1024) for k in ("RssAnon", "RssFile"))
     mb = {k: round(v / 2**20) for k, v in steps.items()}
     names = list(mb)
     return {"rss_mb": mb, "delta_mb": {names[i]: mb[names[i]] - mb[names[i - 1]] for i in range(1, len(names))},
