@@ -195,7 +195,7 @@ class BodyGuard:
         headers = dict(scope["headers"])
         declared, expect = headers.get(b"content-length", b""), headers.get(b"expect", b"").lower()
         loop = asyncio.get_running_loop()
-        deadline, received = loop.time() + timeout, 0
+        deadline, received, complete = loop.time() + timeout, 0, False
 
         async def next_message():
             try:
@@ -205,7 +205,9 @@ class BodyGuard:
                                                   "than its Content-Length?)", headers={"Connection": "close"}) from None
 
         async def guarded_receive():
-            nonlocal received
+            nonlocal received, complete
+            if complete:  # later calls wait for a disconnect (queue, stream): no deadline for those
+                return await receive()
             if declared.isdigit() and int(declared) > cap:
                 if int(declared) <= DRAIN_BYTES and expect != b"100-continue":
                     with contextlib.suppress(StarletteHTTPException):  # a body that stops short is refused anyway
@@ -218,6 +220,7 @@ class BodyGuard:
                 received += len(message.get("body", b""))
                 if received > cap:
                     raise StarletteHTTPException(413, headers={"Connection": "close"})
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         await self.app(scope, guarded_receive, send)

@@ -97,6 +97,18 @@ def test_a_body_shorter_than_its_content_length_gets_a_408_not_a_hung_connection
     assert seconds < 9  # closed by the server after body_timeout, not by our socket timeout
 
 
+def test_the_body_timeout_does_not_cut_an_answer_that_lasts_longer(capped, model_id):
+    """The 1 s body timeout covers the body only: a stream open for longer (sse-starlette listens for a disconnect
+    all along, as a request waiting in the queue does) is answered in full."""
+    with capped.http() as http, http.stream("POST", "/v1/chat/completions", json={
+            "model": model_id, "messages": ASK, "max_tokens": 200, "stream": True}) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        time.sleep(2)  # the response stays open past the body timeout however fast the engine is
+        lines = [first] + [line for line in lines if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+
+
 BAD = [  # (path, body, status, param, words that must be in the message)
     ("/v1/chat/completions", b'{"model": "m", "messages": [}', 400, None, ["not valid JSON"]),
     ("/v1/chat/completions", {"messages": ASK, "stop": [f"s{i}" for i in range(17)]}, 400, "stop",
