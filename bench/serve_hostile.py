@@ -13,7 +13,8 @@ for a before/after pair.
 `--idle` instead measures, in this process, RSS after each step of a server's start: interpreter, `import torch`,
 `import transformers`, the weights loaded, the engine made (its static caches), one short generation, and
 the same after giving freed heap back to the system (malloc_trim); and the sizes of the weights, the fast path's KV
-cache and its fused weight copies.
+cache and its fused weight copies; then a real `serve` process's RSS (anonymous and file-backed) when ready and after
+one request, with the shipped drafter and without.
 """
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ class Sampler(threading.Thread):
                 return
 
 
-def start_server(code_root: Path, max_body_mb: float | None) -> tuple[subprocess.Popen, str]:
-    args = dict(model="embedded", drafter="none", host="127.0.0.1", port=0, uds=None, device="cpu", dtype="auto",
+def start_server(code_root: Path, max_body_mb: float | None, drafter: str = "none") -> tuple[subprocess.Popen, str]:
+    args = dict(model="embedded", drafter=drafter, host="127.0.0.1", port=0, uds=None, device="cpu", dtype="auto",
                 max_context=None)
     if max_body_mb:
         args["max_body_bytes"] = int(max_body_mb * 2**20)
@@ -168,6 +169,34 @@ async def completions_phase(http, url: str, pid: int, sampler: Sampler, post, ph
     out["completions_20MB"]["slowest_health_ms"] = round(slowest * 1e3, 1)
 
 
+def memory_split(pid: int | str) -> dict:
+    status = dict(ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in ln)
+    return {k: round(int(status[k].split()[0]) / 1024) for k in ("VmRSS", "RssAnon", "RssFile")}
+
+
+def idle_servers(code_root: Path) -> dict:
+    """A real `serve` process, with the shipped drafter (the default) and without: MB when /health turns 200 and
+    after one short chat request (the first forward touches every weight page)."""
+    import httpx
+
+    out = {}
+    for drafter in ("auto", "none"):
+        process, url = start_server(code_root, None, drafter)
+        try:
+            with httpx.Client(base_url=url, timeout=300) as http:
+                while http.get("/health").status_code != 200:
+                    time.sleep(0.5)
+                ready = memory_split(process.pid)
+                http.post("/v1/chat/completions", json={"model": "embedded", "max_tokens": 32, "messages": [
+                    {"role": "user", "content": "hi"}]})
+                time.sleep(1)
+                out[f"drafter_{drafter}"] = {"ready_mb": ready, "after_one_request_mb": memory_split(process.pid)}
+        finally:
+            process.terminate()
+            process.wait(30)
+    return out
+
+
 def idle_breakdown() -> dict:
     """RSS after each step of a server start, in this process (MB)."""
     import ctypes
@@ -229,6 +258,7 @@ def main() -> None:
     if opts.idle:
         sys.path.insert(0, str(opts.code_root))
         record["idle"] = idle_breakdown()
+        record["idle_servers"] = idle_servers(opts.code_root)
     else:
         process, url = start_server(opts.code_root, opts.max_body_mb)
         try:
