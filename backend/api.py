@@ -90,7 +90,9 @@ def check_text(body: BaseModel) -> None:
         if isinstance(value, BaseModel):
             items = ((f"{where}.{k}" if where else k, getattr(value, k)) for k in type(value).model_fields)
         elif isinstance(value, dict):
-            items = ((f"{where}.{k}", v) for k, v in value.items() if not SURROGATE.search(str(k)))
+            if any(SURROGATE.search(str(k)) for k in value):  # in a key (a tool schema's property name)
+                return where
+            items = ((f"{where}.{k}", v) for k, v in value.items())
         elif isinstance(value, (list, tuple)):
             items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
         else:
