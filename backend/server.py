@@ -50,8 +50,8 @@ DRAIN_BYTES = 64 << 20  # an oversize body up to this size is read and dropped b
 
 
 def release_freed_memory() -> None:
-    """Give freed heap back to the system (glibc keeps it otherwise: a rejected 20 MB request left the RSS gigabytes
-    higher). Costs a few ms; a no-op where there is no glibc."""
+    """Give freed heap back to the system (glibc keeps freed memory mapped: after a rejected 20 MB request the RSS
+    stayed gigabytes higher, before the body cap). Costs a few ms; a no-op where there is no glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -104,7 +104,7 @@ class ServerState:
             self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
             self.max_token_chars = max(map(len, loaded.tokenizer.get_vocab()), default=0)
             self.worker = EngineWorker(engine, self.metrics)
-            release_freed_memory()  # loading (GGUF conversion, dtype casts) leaves hundreds of MB of freed heap behind
+            release_freed_memory()  # what loading freed (conversion, casts): ~10 MB from the embedded model's cache
             self.metrics.model_ready.set(1)
             self.ready.set()
             log.info("model %s ready on %s (%s, context %d tokens, drafter: %s)", loaded.name, loaded.device,
