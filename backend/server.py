@@ -179,9 +179,9 @@ class BodyGuard:
     body passes it; not complete within body_timeout -> 408 (a body shorter than its Content-Length held the
     connection forever: uvicorn times out idle keep-alive connections, not a body in progress). Both are raised from
     `receive` as HTTPExceptions, which FastAPI passes on to our handler (route-style error body), and both close the
-    connection. An oversize body announced by its Content-Length is read and dropped chunk by chunk first (up to
-    DRAIN_BYTES, within the timeout: memory stays flat), because a client still uploading (httpx, the SDKs) sees a
-    connection reset instead of an early answer; one that sent `Expect: 100-continue` gets the 413 before it uploads.
+    connection. The rest of an oversize body is read and dropped chunk by chunk first (up to DRAIN_BYTES, within the
+    timeout: memory stays flat), because a client still uploading (httpx, the SDKs) sees a connection reset instead
+    of an early answer; one that sent `Expect: 100-continue` gets the 413 before it uploads.
     (Starlette's RequestBodyLimitMiddleware has a fixed limit and replaces every response to an oversize request with
     its own plain-text one.)"""
 
@@ -204,23 +204,28 @@ class BodyGuard:
                 raise StarletteHTTPException(408, f"the request body did not arrive within {timeout:g} s (shorter "
                                                   "than its Content-Length?)", headers={"Connection": "close"}) from None
 
+        async def refuse(size: int, more: bool):
+            # Read the rest and drop it (bounded), so that a client still uploading reads the 413, then refuse.
+            with contextlib.suppress(StarletteHTTPException):  # a body that stops short is refused anyway
+                while more and size <= DRAIN_BYTES and expect != b"100-continue":
+                    message = await next_message()
+                    size += len(message.get("body", b""))
+                    more = message["type"] == "http.request" and message.get("more_body", False)
+            raise StarletteHTTPException(413, headers={"Connection": "close"})
+
         async def guarded_receive():
             nonlocal received, complete
             if complete:  # later calls wait for a disconnect (queue, stream): no deadline for those
                 return await receive()
             if declared.isdigit() and int(declared) > cap:
-                if int(declared) <= DRAIN_BYTES and expect != b"100-continue":
-                    with contextlib.suppress(StarletteHTTPException):  # a body that stops short is refused anyway
-                        while (message := await next_message())["type"] == "http.request" and message.get(
-                                "more_body"):
-                            pass
-                raise StarletteHTTPException(413, headers={"Connection": "close"})
+                await refuse(0, int(declared) <= DRAIN_BYTES)
             message = await next_message()
+            more = message["type"] == "http.request" and message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > cap:
-                    raise StarletteHTTPException(413, headers={"Connection": "close"})
-            complete = message["type"] != "http.request" or not message.get("more_body", False)
+                    await refuse(received, more)
+            complete = not more
             return message
 
         await self.app(scope, guarded_receive, send)

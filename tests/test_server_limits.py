@@ -80,10 +80,7 @@ def test_oversize_chunked_body_is_stopped_at_the_cap(capped, model_id):
             yield b"x" * 65536
 
     with capped.http() as http:
-        try:
-            response = http.post("/v1/messages", content=chunks(), headers={"content-type": "application/json"})
-        except httpx.WriteError:  # the server may close before the client has sent everything: also refused
-            return
+        response = http.post("/v1/messages", content=chunks(), headers={"content-type": "application/json"})
         assert response.status_code == 413, response.text
         assert response.json()["error"]["type"] == "request_too_large"
 
