@@ -9,18 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
 from backend import chat
+from backend.guards import APIError, check_prompt_length, check_text, off_loop
 from backend.metrics import Metrics
 from backend.schemas import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 from backend.worker import Generation, Job
@@ -36,31 +34,6 @@ ERRORS = {400: {"description": "bad request (OpenAI- or Anthropic-style error bo
           503: {"description": "model loading, the queue wait timed out, or the server is shutting down"}}
 SHUTDOWN_MESSAGE = "the server is shutting down; this answer is incomplete, send the request again"
 SHUTDOWN_GRACE = 2.0  # seconds a stream gets after SIGTERM to send its final event, before sse-starlette cuts it
-SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class APIError(Exception):
-    """An error with an HTTP status, rendered OpenAI- or Anthropic-style depending on the route."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-
-_OPENAI_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                 500: "server_error", 503: "server_overloaded"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
-
-
-def error_response(request: Request, status: int, message: str, code: str | None = None, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    if request.url.path.startswith("/v1/messages"):
-        body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message}}
-    else:
-        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
-                          "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # ---- request plumbing --------------------------------------------------------------------------------------------------
@@ -79,49 +52,6 @@ def check_model(state: ServerState, name: str) -> None:
     if name not in state.model_ids:
         raise APIError(404, f"model {name!r} is not served here; this server serves {state.loaded.name!r}",
                        code="model_not_found", param="model")
-
-
-def check_text(body: BaseModel) -> None:
-    """A lone UTF-16 surrogate ("\\ud800" in JSON without its pair) parses into a Python string no tokenizer can
-    encode: name the field and say so, instead of the tokenizer's "TextEncodeInput must be Union[...]"."""
-    def find(value, where: str) -> str | None:
-        if isinstance(value, str):
-            return where if SURROGATE.search(value) else None
-        if isinstance(value, BaseModel):
-            items = ((f"{where}.{k}" if where else k, getattr(value, k)) for k in type(value).model_fields)
-        elif isinstance(value, dict):
-            if any(SURROGATE.search(str(k)) for k in value):  # in a key (a tool schema's property name)
-                return where
-            items = ((f"{where}.{k}", v) for k, v in value.items())
-        elif isinstance(value, (list, tuple)):
-            items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
-        else:
-            return None
-        return next((found for key, item in items if (found := find(item, key))), None)
-
-    where = find(body, "")
-    if where:
-        raise APIError(400, f"{where} is not valid Unicode text: it holds a lone surrogate (a \\ud800-\\udfff "
-                            "escape without its pair)", code="invalid_value", param=where)
-
-
-def check_prompt_length(state: ServerState, texts, field: str) -> None:
-    """Refuse, without tokenizing, a prompt that cannot fit the window: a token covers at most max_token_chars
-    characters of text (a byte-level token's string has one character per byte it stands for, and a character is at
-    least a byte), so more characters than window x that are more tokens than the window. Tokenizing such a prompt
-    is what took gigabytes and seconds (a 20 MB prompt: 6 GB, 38 s)."""
-    chars, window = sum(len(t) for t in texts if t), state.loaded.max_context
-    if state.max_token_chars and chars > window * state.max_token_chars:
-        raise APIError(400, f"the prompt has {chars} characters, more than the {window} tokens of the context window "
-                            f"can hold (a token is at most {state.max_token_chars} characters); shorten it",
-                       code="context_length_exceeded", param=field)
-
-
-async def off_loop(state: ServerState, fn, *args):
-    """Prompt rendering and tokenization: on a worker thread, so the event loop (and /health) keeps answering while a
-    big prompt is tokenized, and one at a time, so that several big requests at once do not multiply the memory."""
-    async with state.prompt_slot or contextlib.nullcontext():
-        return await asyncio.to_thread(fn, *args)
 
 
 def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None, temperature, top_p, seed,

@@ -22,7 +22,6 @@ import socket
 import stat
 import sys
 import threading
-import contextlib
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -31,7 +30,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend import chat
-from backend.api import APIError, error_response, router
+from backend.api import router
+from backend.guards import (DEFAULT_BODY_TIMEOUT, LOADING_CONTEXT, APIError, BodyGuard, body_bytes_cap,
+                            body_too_large_message, error_response, validation_message)
 from backend.loading import LoadedModel, ModelLoadError, check_model_spec, load_model
 from backend.metrics import Metrics
 from backend.worker import EngineWorker
@@ -39,16 +40,6 @@ from backend.worker import EngineWorker
 log = logging.getLogger("reviewer.backend")
 
 DEFAULT_QUEUE_TIMEOUT = float(os.environ.get("REVIEWER_QUEUE_TIMEOUT", "600"))
-# A request body larger than its prompt could ever be is refused before it is read (413). A token of the prompt is at
-# most a few dozen bytes of JSON (a long token, or a few characters as \uXXXX escapes), so 64 bytes per token of the
-# window, at least 1 MiB (tools and JSON around a short prompt), never turns away a prompt that fits the window.
-BODY_BYTES_PER_TOKEN = 64
-MIN_BODY_BYTES = 1 << 20
-LOADING_CONTEXT = 1 << 18  # the window assumed until the model has loaded (its real one is known then)
-DEFAULT_BODY_TIMEOUT = 60.0  # seconds a request body may take to arrive in full
-DRAIN_BYTES = 64 << 20  # an oversize body up to this size is read and dropped before the 413 (see BodyGuard)
-
-
 def release_freed_memory() -> None:
     """Give freed heap back to the system (glibc keeps freed memory mapped: after a rejected 20 MB request the RSS
     stayed gigabytes higher, before the body cap). Costs a few ms; a no-op where there is no glibc."""
@@ -119,11 +110,10 @@ class ServerState:
 
     @property
     def max_body_bytes(self) -> int:
-        """The request body cap: --max-body-mb, else sized to the window (BODY_BYTES_PER_TOKEN)."""
+        """The request body cap: --max-body-mb, else sized to the window (guards.body_bytes_cap)."""
         if self.max_body_arg:
             return self.max_body_arg
-        window = self.loaded.max_context if self.loaded else (self.max_context_arg or LOADING_CONTEXT)
-        return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * window)
+        return body_bytes_cap(self.loaded.max_context if self.loaded else (self.max_context_arg or LOADING_CONTEXT))
 
     @property
     def model_ids(self) -> set[str]:
@@ -172,64 +162,6 @@ def check_api_key(request: Request) -> None:
 
 
 # ---- the app ---------------------------------------------------------------------------------------------------------
-
-class BodyGuard:
-    """Request bodies: over the cap (ServerState.max_body_bytes, read per request because the window is known only
-    once the model has loaded) -> 413, from the Content-Length alone before a byte is read, or as soon as a chunked
-    body passes it; not complete within body_timeout -> 408 (a body shorter than its Content-Length held the
-    connection forever: uvicorn times out idle keep-alive connections, not a body in progress). Both are raised from
-    `receive` as HTTPExceptions, which FastAPI passes on to our handler (route-style error body), and both close the
-    connection. The rest of an oversize body is read and dropped chunk by chunk first (up to DRAIN_BYTES, within the
-    timeout: memory stays flat), because a client still uploading (httpx, the SDKs) sees a connection reset instead
-    of an early answer; one that sent `Expect: 100-continue` gets the 413 before it uploads.
-    (Starlette's RequestBodyLimitMiddleware has a fixed limit and replaces every response to an oversize request with
-    its own plain-text one.)"""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        cap, timeout = self.state.max_body_bytes, self.state.body_timeout
-        headers = dict(scope["headers"])
-        declared, expect = headers.get(b"content-length", b""), headers.get(b"expect", b"").lower()
-        loop = asyncio.get_running_loop()
-        deadline, received, complete = loop.time() + timeout, 0, False
-
-        async def next_message():
-            try:
-                return await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.001))
-            except asyncio.TimeoutError:
-                raise StarletteHTTPException(408, f"the request body did not arrive within {timeout:g} s (shorter "
-                                                  "than its Content-Length?)", headers={"Connection": "close"}) from None
-
-        async def refuse(size: int, more: bool):
-            # Read the rest and drop it (bounded), so that a client still uploading reads the 413, then refuse.
-            with contextlib.suppress(StarletteHTTPException):  # a body that stops short is refused anyway
-                while more and size <= DRAIN_BYTES and expect != b"100-continue":
-                    message = await next_message()
-                    size += len(message.get("body", b""))
-                    more = message["type"] == "http.request" and message.get("more_body", False)
-            raise StarletteHTTPException(413, headers={"Connection": "close"})
-
-        async def guarded_receive():
-            nonlocal received, complete
-            if complete:  # later calls wait for a disconnect (queue, stream): no deadline for those
-                return await receive()
-            if declared.isdigit() and int(declared) > cap:
-                await refuse(0, int(declared) <= DRAIN_BYTES)
-            message = await next_message()
-            more = message["type"] == "http.request" and message.get("more_body", False)
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > cap:
-                    await refuse(received, more)
-            complete = not more
-            return message
-
-        await self.app(scope, guarded_receive, send)
-
 
 def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", device: str = "auto", dtype: str = "auto",
                max_context: int | None = None, api_key: str | None = None,
@@ -313,68 +245,6 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
         return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     return app
-
-
-def body_too_large_message(state: ServerState) -> str:
-    cap = state.max_body_bytes
-    why = ("--max-body-mb" if state.max_body_arg else
-           f"sized to the {state.loaded.max_context}-token context window: no longer prompt could be served; "
-           "--max-body-mb changes it" if state.loaded else "the model is still loading")
-    return f"the request body is larger than {cap} bytes ({cap / 2**20:.1f} MiB), the most this server accepts ({why})"
-
-
-# Pydantic tries each member of a union (`stop: str | list[str]`) and reports every failure: "stop.str: Input should
-# be a valid string (and 1 more problems)" for 17 stop strings. These error types only say "not this member"; the
-# member names (str, list[str], TextPart, function-after[...]) are dropped from the location.
-MISMATCH = {"string_type", "list_type", "int_type", "int_parsing", "float_type", "float_parsing", "bool_type",
-            "bool_parsing", "dict_type", "model_type", "model_attributes_type", "none_required", "is_instance_of",
-            "literal_error", "union_tag_invalid", "union_tag_not_found"}
-
-
-def _is_member_tag(part) -> bool:
-    return isinstance(part, str) and (not part[:1].islower() or "[" in part or "-" in part or
-                                      part in {"str", "int", "float", "bool", "dict", "list", "none"})
-
-
-def field_path(loc) -> str:
-    """("body", "messages", 0, "content", "list[TextPart]", 0, "text") -> "messages[0].content[0].text"."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not _is_member_tag(part):
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def describe_error(error: dict, where: str) -> str:
-    kind, ctx = error.get("type", ""), error.get("ctx") or {}
-    if kind == "missing":
-        return f"{where} is required"
-    if kind == "too_long" and "max_length" in ctx:
-        return f"{where} has {ctx.get('actual_length', 'too many')} items; at most {ctx['max_length']} are allowed"
-    if kind == "too_short" and "min_length" in ctx:
-        return f"{where} needs at least {ctx['min_length']} item(s)"
-    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-    return f"{where}: {message}" if where else message
-
-
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """FastAPI's validation errors -> (one message in plain words, the field it is about)."""
-    if errors and errors[0].get("type") == "json_invalid":
-        pos = errors[0]["loc"][-1] if errors[0].get("loc") else "?"
-        return (f"the request body is not valid JSON ({(errors[0].get('ctx') or {}).get('error', 'decode error')} "
-                f"at character {pos})"), None
-    located = [(field_path(e.get("loc", ())), e) for e in errors] or [("", {"msg": "invalid request"})]
-    # A "not this member" error is noise when another error says what is wrong inside the same field.
-    kept = [(w, e) for w, e in located if e.get("type") not in MISMATCH or not any(
-        o.get("type") not in MISMATCH and ow.startswith(w) for ow, o in located)]
-    where, first = kept[0]
-    message = describe_error(first, where)
-    others = len({w for w, _ in kept} - {where})
-    if others:
-        message += f" (and {others} more problem{'s' if others > 1 else ''})"
-    return message, where or None
 
 
 def is_loopback(host: str) -> bool:

@@ -123,8 +123,6 @@ async def hostile(url: str, process: subprocess.Popen, phases: list[str]) -> dic
 
 
 async def load_phases(http, url: str, pid: int, sampler: Sampler, post, phase, out: dict, phases: list[str]) -> None:
-    import httpx
-
     big = "a " * (MB20 // 2)
     if "chat" in phases:
         sampler.peak = rss_bytes(pid)
