@@ -229,7 +229,7 @@ def test_sigterm_ends_streams_with_a_final_event_and_drains_in_seconds(tmp_path,
 
     def openai_stream() -> None:
         with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/chat/completions", json={
-                "model": model, "messages": ASK, "max_tokens": 1900, "stream": True}) as response:
+                "model": model, "messages": ASK, "max_tokens": 1900, "temperature": 0, "stream": True}) as response:
             for line in sse_lines(response):
                 openai_lines.append(line)
                 started.set()
@@ -259,20 +259,31 @@ def test_sigterm_ends_streams_with_a_final_event_and_drains_in_seconds(tmp_path,
     process.stderr_file.seek(0)
     assert "Traceback" not in process.stderr_file.read()
 
-    # The Anthropic stream ends with an `error` event the SDK raises on (not a silent cut).
-    process = start_serve(tmp_path, model=str(tiny_model("llama")))
-    url = listening_address(process)
-    with httpx.Client(base_url=url, timeout=60) as http:
-        assert wait_for(lambda: http.get("/health").status_code == 200, timeout=120)
-        with http.stream("POST", "/v1/messages", json={"model": model, "messages": ASK, "max_tokens": 1900,
-                                                        "stream": True}) as response:
-            for line in sse_lines(response):
-                anthropic_lines.append(line)
-                if line.startswith("data:") and "content_block_delta" in line and process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-    assert process.wait(30) == -signal.SIGTERM
-    assert anthropic_lines[-2] == "event: error", anthropic_lines[-4:]
-    assert json.loads(anthropic_lines[-1].removeprefix("data: "))["error"]["type"] == "overloaded_error"
+    # The Anthropic stream ends with an `error` event the SDK raises on (not a silent cut). A tiny random model can end
+    # its answer by itself before the signal lands (seen in a full run): such a stream ends normally, with
+    # message_stop; a new server is tried then, and one of three must be cut with the error event.
+    ends = []
+    for _ in range(3):
+        anthropic_lines = []
+        process = start_serve(tmp_path, model=str(tiny_model("llama")))
+        url = listening_address(process)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            assert wait_for(lambda: http.get("/health").status_code == 200, timeout=120)
+            with http.stream("POST", "/v1/messages", json={"model": model, "messages": ASK, "max_tokens": 1900,
+                                                            "temperature": 0, "stream": True}) as response:
+                for line in sse_lines(response):
+                    anthropic_lines.append(line)
+                    if line.startswith("data:") and "content_block_delta" in line and process.poll() is None:
+                        process.send_signal(signal.SIGTERM)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == -signal.SIGTERM
+        ends.append(anthropic_lines[-2])
+        assert anthropic_lines[-2] in ("event: error", "event: message_stop"), anthropic_lines[-4:]
+        if anthropic_lines[-2] == "event: error":
+            assert json.loads(anthropic_lines[-1].removeprefix("data: "))["error"]["type"] == "overloaded_error"
+            break
+    assert ends[-1] == "event: error", ends
 
 
 def reviewer_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
