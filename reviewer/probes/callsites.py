@@ -127,30 +127,53 @@ def expected_exceptions(fn: ast.AST) -> set[str]:
     return found
 
 
+def own_nodes(scope: ast.AST):
+    """The nodes of one scope (a module or a function), not those of the functions and classes inside it."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
 def scan(tree: ast.AST, rel: str, package: str, in_docs: bool, sites: Sites, line_offset: int = 0) -> None:
     names = aliases(tree, package)
     if not names:
         return
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
-            expected = expected_exceptions(node)
+    scopes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for scope in scopes:
+        if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and scope.name.startswith("test"):
+            expected = expected_exceptions(scope)
             if expected:
-                for call in ast.walk(node):
+                for call in ast.walk(scope):
                     if isinstance(call, ast.Call) and (target := dotted(call.func, names)):
                         sites.expected.setdefault(target, set()).update(expected)
-        if not isinstance(node, ast.Call):
-            continue
-        target = dotted(node.func, names)
-        if not target or any(p.startswith("_") for p in target.split(".")[1:]):
-            continue
-        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
-            continue
-        args = [classify(a) for a in node.args]
-        kwargs = [(k.arg, classify(k.value)) for k in node.keywords]
-        if any(a is None for a in args) or any(a is None for _, a in kwargs) or not (args or kwargs):
-            continue
-        site = CallSite(target, f"{rel}:{node.lineno + line_offset}", ast.unparse(node), args, kwargs, in_docs)
-        sites.calls.setdefault(target, []).append(site)
+        nodes = list(own_nodes(scope))
+        # `txt = "..."; slugify(txt)`: a name bound to a literal earlier in the same scope stands for that literal.
+        bound: dict[str, list[tuple[int, ast.expr]]] = {}
+        for node in nodes:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                bound.setdefault(node.targets[0].id, []).append((node.lineno, node.value))
+
+        def arg(node: ast.expr, line: int) -> Arg | None:
+            if isinstance(node, ast.Name) and node.id in bound:
+                earlier = [v for ln, v in bound[node.id] if ln < line]
+                return classify(earlier[-1]) if earlier else None
+            return classify(node)
+
+        for node in sorted((n for n in nodes if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
+            target = dotted(node.func, names)
+            if not target or any(p.startswith("_") for p in target.split(".")[1:]):
+                continue
+            if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+                continue
+            args = [arg(a, node.lineno) for a in node.args]
+            kwargs = [(k.arg, arg(k.value, node.lineno)) for k in node.keywords]
+            if any(a is None for a in args) or any(a is None for _, a in kwargs) or not (args or kwargs):
+                continue
+            site = CallSite(target, f"{rel}:{node.lineno + line_offset}", ast.unparse(node), args, kwargs, in_docs)
+            sites.calls.setdefault(target, []).append(site)
 
 
 def test_files(root: Path) -> list[Path]:

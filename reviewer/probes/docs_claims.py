@@ -94,9 +94,7 @@ def run_examples(blocks, package, only=None):
                 raise
             return buf.getvalue(), None, e
 
-    for block in blocks:
-        if only is not None and block["line"] > only:
-            break
+    def run_block(block):
         if block["doctest"]:
             for ex in doctest.DocTestParser().get_examples(block["text"]):
                 line = block["line"] + ex.lineno
@@ -123,13 +121,13 @@ def run_examples(blocks, package, only=None):
                     record(block, line, ex.source, "error", error=exception_line(error))
                 else:
                     record(block, line, ex.source, "skipped", error=exception_line(error))
-            continue
+            return
         try:
             tree = ast.parse(block["text"])
         except SyntaxError:
-            continue  # pseudo-code, or output shown as code
+            return  # pseudo-code, or output shown as code
         if any(isinstance(n, ast.Constant) and n.value is Ellipsis for n in ast.walk(tree)):
-            continue  # `f(...)`: a placeholder for the reader
+            return  # `f(...)`: a placeholder for the reader
         lines = block["text"].splitlines()
         for stmt in tree.body:
             line = block["line"] + stmt.lineno - 1
@@ -162,6 +160,17 @@ def run_examples(blocks, package, only=None):
                 value = list(itertools.islice(value, 10000))
             ok = same_value(value, want[0])
             record(block, line, code, "ok" if ok else "mismatch", want=claim.group(1), got=repr(value)[:2000])
+
+    for block in blocks:
+        if only is not None and block["line"] > only:
+            break
+        before = dict(ns)
+        run_block(block)
+        # `import pkg` in one snippet (to set an option) must not turn `from pkg import pkg` of the others into the
+        # module: a snippet's rebinding of a name to a module stays in that snippet.
+        for name, old in before.items():
+            if ns.get(name) is not old and isinstance(ns.get(name), type(os)) and not isinstance(old, type(os)):
+                ns[name] = old
     return outcomes
 
 
@@ -274,12 +283,16 @@ def check_examples(probe: Probe, blocks: list[doctext.Block]) -> None:
         second, _, _ = run(probe, f"probe: the Python examples of {file} (again, another hash seed)", code,
                            DOCS_SCRIPT_TIMEOUT, env="PYTHONHASHSEED=1")
         again = {(o["line"], o["kind"], o.get("got"), o.get("error")) for o in (second or {}).get("outcomes", [])}
-        for o in first["outcomes"]:
-            if o["kind"] in ("mismatch", "error") and (o["line"], o["kind"], o.get("got"), o.get("error")) in again:
-                example_finding(probe, file_blocks, o)
+        stable = [o for o in first["outcomes"] if o["kind"] in ("mismatch", "error")
+                  and (o["line"], o["kind"], o.get("got"), o.get("error")) in again]
+        groups: dict[str, list[dict]] = {}  # one finding per distinct error: a renamed function breaks many examples
+        for o in stable:
+            groups.setdefault(o["error"] if o["kind"] == "error" else f"line {o['line']}", []).append(o)
+        for same in groups.values():
+            example_finding(probe, file_blocks, same[0], also=[o["line"] for o in same[1:]])
 
 
-def example_finding(probe: Probe, file_blocks: list[dict], o: dict) -> None:
+def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[int] = ()) -> None:
     code = o["code"].splitlines()[0] + (" ..." if "\n" in o["code"] else "")
     if o["kind"] == "mismatch":
         title = f"{o['file']} example `{code[:80]}` gives {o['got'][:60]}, the docs say {o['want'][:60]}"
@@ -287,8 +300,10 @@ def example_finding(probe: Probe, file_blocks: list[dict], o: dict) -> None:
                    f"examples before it in that file, it gives {o['got']}.")
         severity = "medium"
     else:
-        title = f"{o['file']} example `{code[:80]}` fails: {o['error'][:100]}"
-        details = f"{o['file']}:{o['line']}:\n    {o['code']}\nraises {o['error']} (run after the examples before it)."
+        more = f" (and {len(also)} more examples)" if also else ""
+        title = f"{o['file']} example `{code[:80]}` fails: {o['error'][:100]}{more}"
+        details = (f"{o['file']}:{o['line']}:\n    {o['code']}\nraises {o['error']} (run after the examples before it)."
+                   + (f"\nThe examples at lines {', '.join(map(str, also))} fail the same way." if also else ""))
         severity = "high" if "Import" in o["error"] else "medium"
     before = [b for b in file_blocks if b["line"] <= o["line"]]  # the repro needs only what comes before the example
     repro = command(examples_script(before, probe.package, only=o["line"]), env="PYTHONHASHSEED=0")

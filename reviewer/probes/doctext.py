@@ -16,6 +16,11 @@ SHELL_LANGS = {"", "bash", "sh", "shell", "console", "shell-session", "zsh", "te
 # Pipeline stages that only shape text: a documented `echo x | tool | head` may run. Anything else in a documented
 # command line (pip, git, curl, make, ...) sets up or fetches rather than uses the project, and is left alone.
 TEXT_WORDS = {"echo", "printf", "cat", "head", "tail", "grep", "sort", "uniq", "wc", "cut", "tr", "jq"}
+UNLABELED = {"", "text", "none"}
+# First words of the lines of an untyped block that make it a block of commands.
+COMMAND_WORDS = {"pip", "pip3", "pipx", "python", "python3", "py", "pytest", "uv", "conda", "git", "cd", "export",
+                 "source", "make", "docker", "curl", "wget", "echo", "cat", "mkdir", "sudo", "apt", "apt-get", "brew",
+                 "npm", "poetry", "tox", "nox"}
 # A documented argument that stands for something the reader supplies.
 PLACEHOLDER = re.compile(r"^<.*>$|^\[.*\]$|^\{.*\}$|^[A-Z][A-Z0-9_]{2,}$|path/to|your[-_]|my[-_]|\.\.\.|example\.(com|org)|^\$")
 
@@ -147,6 +152,9 @@ def commands(blocks_: list[Block], scripts: set[str], package: str | None) -> li
             continue
         lines = block.text.splitlines()
         prompted = any(re.match(r"^\s*[$%] ", ln) for ln in lines)
+        if not prompted and block.lang in UNLABELED and not all(
+                looks_like_command(ln, scripts) for ln in lines if ln.strip() and not ln.strip().startswith("#")):
+            continue  # an untyped block of output, a table, a help text: not commands
         k = 0
         while k < len(lines):
             raw, line_no = lines[k], block.line + k
@@ -178,7 +186,8 @@ def commands(blocks_: list[Block], scripts: set[str], package: str | None) -> li
 def project_stage(text: str, scripts: set[str], package: str | None) -> list[str] | None:
     """The argv of the pipeline stage that runs the project, or None when the line does not run it (or runs
     something that sets up, fetches, or that we cannot tell is harmless)."""
-    if re.search(r"[;&`]|\$\(|>|<", text.replace("->", "")):  # sequences, redirections, substitutions: not a usage line
+    bare = re.sub(r"'[^']*'|\"[^\"]*\"", "", text)  # what is outside quotes
+    if re.search(r"[;&`()]|\$\(|>|<", bare.replace("->", "")):  # sequences, redirections, substitutions, a table row
         return None
     stages = []
     for stage in text.split("|"):
@@ -199,6 +208,11 @@ def project_stage(text: str, scripts: set[str], package: str | None) -> list[str
         elif word not in TEXT_WORDS:
             return None
     return mine
+
+
+def looks_like_command(line: str, scripts: set[str]) -> bool:
+    word = line.strip().split()[0]
+    return word in scripts or word in COMMAND_WORDS
 
 
 def sentences(root: Path) -> list[tuple[str, int, str]]:

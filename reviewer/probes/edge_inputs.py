@@ -18,7 +18,8 @@ from reviewer.probes.callsites import Arg, CallSite
 from reviewer.probes.docs_claims import PATHLIKE, run_cli
 from reviewer.probes.runner import Probe, command, data, run, script
 from reviewer.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, EDGE_CALL_LIMIT_S, EDGE_MAX_FUNCTIONS,
-                                        EDGE_SCRIPT_TIMEOUT, NON_ASCII, NON_EMPTY_CONTRACT, POSITIVE_CONTRACT)
+                                        EDGE_SCRIPT_TIMEOUT, FIT_CONTRACT, NON_ASCII, NON_EMPTY_CONTRACT,
+                                        POSITIVE_CONTRACT)
 from reviewer.smoke import EVIDENCE_CHARS, tail
 
 # Malformed content for a file argument, by its extension: what a user's broken file looks like.
@@ -47,12 +48,28 @@ def edges(arg: Arg) -> list[tuple[str, str]]:
     return []
 
 
-def call_source(site: CallSite, swap: int | None = None, value: str = "") -> tuple[str, str]:
-    """(`(args), {kwargs}` source, the call as a reader would write it) with argument `swap` replaced."""
-    parts, shown = [], []
-    pos, kws = [], []
+def variants(site: CallSite) -> list[list[tuple[int, str, str]]]:
+    """The edge calls of a site, each a list of (argument index, kind of edge, source) swaps: one argument at a
+    time, except that several sequences are emptied together (one empty matrix beside a full one is a misfit the
+    caller must avoid, not an edge input)."""
+    args = site.all_args()
+    seqs = [i for i, (_, a) in enumerate(args) if edges(a) and edges(a)[0][0] == "empty" and a.kind != "str"]
+    out = []
+    if len(seqs) > 1:
+        out.append([(i, "empty", edges(args[i][1])[0][1]) for i in seqs])
+    for i, (_, arg) in enumerate(args):
+        for kind, value in edges(arg):
+            if not (len(seqs) > 1 and i in seqs and kind == "empty"):
+                out.append([(i, kind, value)])
+    return out
+
+
+def call_source(site: CallSite, swaps: list[tuple[int, str, str]] = ()) -> tuple[str, str]:
+    """(`(args), {kwargs}` source, the call as a reader would write it) with the swapped arguments replaced."""
+    replace = {i: value for i, _, value in swaps}
+    shown, pos, kws = [], [], []
     for i, (key, arg) in enumerate(site.all_args()):
-        src = value if i == swap else arg.source
+        src = replace.get(i, arg.source)
         (pos if key is None else kws).append((key, src))
         shown.append(src if key is None else f"{key}={src}")
     args = "(" + "".join(f"{s}, " for _, s in pos) + ")"
@@ -91,7 +108,8 @@ for label, kind, build in CASES:
         name = type(e).__name__
         if type(e) not in crash_types or name in EXPECTED or re.search(r"\\b%s\\b" % name, doc):
             continue
-        if (kind == "empty" and re.search(NON_EMPTY, doc)) or (kind in ("zero", "negative") and re.search(POSITIVE, doc)):
+        if (kind == "empty" and (re.search(NON_EMPTY, doc) or (FIT and re.search(FIT, doc)))) or (
+                kind in ("zero", "negative") and re.search(POSITIVE, doc)):
             continue
         lines = traceback.format_exception(type(e), e, e.__traceback__)
         crashes.append({"case": label, "kind": kind, "error": exception_line(e), "traceback": "".join(lines[-6:])[-2000:]})
@@ -119,7 +137,9 @@ sys.exit(1 if crashes else 0)
 
 def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set[str], doc_text: str) -> str:
     base, _ = call_source(site)
+    multi = len([a for _, a in site.all_args() if a.kind in ("seq", "range", "listrange", "iter", "bytes")]) > 1
     lines = [f"TARGET = {site.target!r}", f"BASE = ({base})", f"CRASHES = {data(list(CRASHES))}",
+             f"FIT = {(FIT_CONTRACT.pattern if multi else None)!r}",
              f"EXPECTED = {data(sorted(expected))}", f"DOC_TEXT = {data(doc_text)}", f"LIMIT = {EDGE_CALL_LIMIT_S!r}",
              f"NON_EMPTY = {NON_EMPTY_CONTRACT.pattern!r}", f"POSITIVE = {POSITIVE_CONTRACT.pattern!r}", "CASES = ["]
     lines += [f"    ({label!r}, {kind!r}, lambda: ({src}))," for label, kind, src in cases] + ["]"]
@@ -148,12 +168,11 @@ def check_functions(probe: Probe) -> None:
     for target in targets[:EDGE_MAX_FUNCTIONS]:
         cases, seen = [], set()
         for site in sorted(sites.calls[target], key=lambda s: not s.in_docs)[:2]:
-            for i, (_, arg) in enumerate(site.all_args()):
-                for kind, value in edges(arg):
-                    src, shown = call_source(site, i, value)
-                    if shown not in seen:
-                        seen.add(shown)
-                        cases.append((shown, kind, src, site))
+            for swaps in variants(site):
+                src, shown = call_source(site, swaps)
+                if shown not in seen:
+                    seen.add(shown)
+                    cases.append((shown, swaps[0][1], src, site))
         if not cases:
             continue
         site = cases[0][3]

@@ -23,18 +23,15 @@ def emit(obj):
 
 
 def resolve(target):
-    """'pkg.sub.name' -> the object: the longest importable module prefix, then attributes."""
+    """'pkg.sub.name' -> the object, as `from pkg.sub import name` finds it: an attribute first, else a submodule."""
     parts = target.split(".")
-    for i in range(len(parts), 0, -1):
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            if i == 1:
-                raise
-            continue
-        for part in parts[i:]:
             obj = getattr(obj, part)
-        return obj
+        except AttributeError:
+            obj = importlib.import_module(".".join(parts[:i]))
+    return obj
 
 
 class Overtime(BaseException):

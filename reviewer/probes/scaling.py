@@ -28,7 +28,8 @@ SIZED = ("seq", "str", "bytes", "range", "listrange", "iter")
 
 def grown(site: CallSite, with_ints: bool) -> tuple[str, int, str] | None:
     """(`(args), {kwargs}` source as a function of f, the reference length, what grows) or None."""
-    lengths = [a.length for _, a in site.all_args() if a.kind in SIZED and a.length > 0]
+    lengths = [a.length for key, a in site.all_args() if a.kind in SIZED and a.length > 0
+               and not (a.kind == "str" and key is not None)]
     ints = [int(a.source) for _, a in site.all_args() if a.kind == "int"]
     ref = max(lengths) if lengths else 0
     if not ref:
@@ -38,7 +39,9 @@ def grown(site: CallSite, with_ints: bool) -> tuple[str, int, str] | None:
     pos, kws, what = [], [], []
     for key, a in site.all_args():
         src = a.source
-        if a.kind in ("seq", "str", "bytes") and a.length > 0:
+        if a.kind == "str" and key is not None:
+            pass  # a string given by keyword is an option (incomplete='strict'), not data
+        elif a.kind in ("seq", "str", "bytes") and a.length > 0:
             src = f"grow({a.source}, f)"
         elif a.kind in ("range", "listrange") and a.length > 0:
             src = f"range(scale({a.inner}, f))" if a.kind == "range" else f"list(range(scale({a.inner}, f)))"
