@@ -155,10 +155,11 @@ def cli_edge_script(argv: list[str], index: int, ext: str, cases: list[tuple[str
 
 # --- the host side ----------------------------------------------------------------------------------------------------
 
-def probe_edges(probe: Probe) -> None:
+def probe_edges(probe: Probe, cli: bool = True) -> None:
     if probe.package:
         check_functions(probe)
-    check_cli_files(probe)
+    if cli:
+        check_cli_files(probe)
 
 
 def check_functions(probe: Probe) -> None:

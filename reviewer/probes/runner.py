@@ -184,3 +184,37 @@ def run_probes(probe: Probe, *, import_ms: float | None = None) -> None:
             return
         except Exception as e:  # noqa: BLE001 - a probe's bug must not cost the review; it is said in the summary
             probe.notes.append(f"probe {name} failed: {type(e).__name__}: {e}")
+
+
+PROBES = ("docs", "timing", "scaling", "edges")
+
+
+def run_tool(kind: str, workspace, recorder, *, deadline: float | None = None, function: str | None = None) -> str:
+    """One probe as an LLM persona's tool, on its workspace (where it installed the project): the findings go to its
+    recorder; the text that comes back says what was found."""
+    from reviewer.probes import docs_claims, edge_inputs, scaling, timing_claims
+    from reviewer.smoke import import_name, python_metadata
+
+    root = workspace.root
+    package = import_name(root, python_metadata(root)[0])
+    end = time.monotonic() + PROBES_BUDGET_S
+    probe = Probe(root=root, sh=lambda label, cmd, timeout: workspace.run(cmd, timeout),
+                  finding=recorder.record_finding, measure=recorder.record_measurement,
+                  deadline=min(deadline, end) if deadline else end, package=package)
+    try:
+        installed(probe)
+        if kind != "docs" and probe.package is None:
+            return ("error: the project's package does not import in this workspace"
+                    + (f" ({package})" if package else "") + "; install it first (e.g. `pip install -e .`)")
+        if function:  # only the call sites of this function
+            sites = probe.sites()
+            sites.calls = {t: c for t, c in sites.calls.items() if t == function or t.rsplit(".", 1)[-1] == function}
+            if not sites.calls:
+                return f"error: the tests and docs never call {function!r} with literal arguments; nothing to probe"
+        {"docs": docs_claims.probe_docs, "timing": timing_claims.probe_timing, "scaling": scaling.probe_scaling,
+         "edges": lambda p: edge_inputs.probe_edges(p, cli=not function)}[kind](probe)
+    except OutOfTime as e:
+        probe.notes.append(f"stopped at '{e}': out of time")
+    found = "\n".join(f"- {t}" for t in probe.titles) or "- nothing"
+    notes = "".join(f"\nnote: {n}" for n in probe.notes)
+    return f"{kind} probe recorded {len(probe.titles)} finding(s) (each with a repro command):\n{found}{notes}"
