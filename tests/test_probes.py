@@ -417,3 +417,19 @@ def test_half():
         "pkg.pkg": ["p.pkg(txt)"], "pkg.core.half": ["half(range(4), n=2)", "half({}, n=[1, 2])"]}
     assert [a.source for _, a in sites.calls["pkg.pkg"][0].all_args()] == ["'abc'"]  # the literal the name stands for
     assert sites.expected == {"pkg.pkg": {"KeyError"}, "pkg.core.half": {"KeyError"}, "pkg._private": {"KeyError"}}
+
+
+def test_no_probes_option_and_setting(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from reviewer.cli import app
+    from reviewer.config import load_settings
+
+    assert "--no-probes" in CliRunner().invoke(app, ["run", "--help"]).output
+    monkeypatch.delenv("REVIEWER_PROBES")
+    assert load_settings().probes is True  # on by default
+    monkeypatch.setenv("REVIEWER_PROBES", "maybe")
+    bad = CliRunner().invoke(app, ["run", str(tmp_path)])
+    assert bad.exit_code == 2 and "REVIEWER_PROBES" in bad.output  # a bad value: one line naming the key
+    overridden = CliRunner().invoke(app, ["run", str(tmp_path), "--no-probes"])  # the command line wins
+    assert overridden.exit_code == 2 and "not a git repository" in overridden.output
