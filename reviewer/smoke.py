@@ -73,7 +73,8 @@ class Smoke:
         if remaining <= 1:
             raise SmokeTimeout(label)
         self.steps += 1
-        self.on_step(self.steps, "bash", f"{label}: {command}")
+        first = command.splitlines()[0] if command.strip() else command  # a probe's script: its first line on screen
+        self.on_step(self.steps, "bash", f"{label}: {first}" + (" ..." if first != command else ""))
         call_id = f"smoke-{self.steps}"
         self.messages.append({"role": "assistant", "content": label, "tool_calls": [
             {"id": call_id, "type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": command})}}]})

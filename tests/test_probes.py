@@ -433,3 +433,23 @@ def test_no_probes_option_and_setting(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "REVIEWER_PROBES" in bad.output  # a bad value: one line naming the key
     overridden = CliRunner().invoke(app, ["run", str(tmp_path), "--no-probes"])  # the command line wins
     assert overridden.exit_code == 2 and "not a git repository" in overridden.output
+
+
+def test_a_probe_script_as_repro_keeps_its_lines_in_the_reports(tmp_path):
+    from reviewer import html_report, report
+
+    dbp = str(tmp_path / "reviews.db")
+    script = "python - <<'REVIEWER_PROBE'\nimport sys\nsys.exit(1)\nREVIEWER_PROBE"
+    with db.session(dbp) as s:
+        run = ReviewRun(repository_id=db.get_or_create_repository(s, "file:///x").id, commit_sha="a" * 40,
+                        status="completed")
+        s.add(run)
+        s.flush()
+        s.add(Finding(run_id=run.id, persona="smoke", title="t", severity="low", category="docs", details="d",
+                      repro_command=script))
+        s.commit()
+    runs = report.collect_runs(dbp)
+    markdown = report.render_markdown(runs, [], source=dbp)
+    assert "    ```\n    python - <<'REVIEWER_PROBE'\n    import sys\n    sys.exit(1)\n    REVIEWER_PROBE\n    ```" in markdown
+    html = html_report.finding_html(runs[0]["findings"][0])
+    assert "<pre>python - &lt;&lt;&#x27;REVIEWER_PROBE&#x27;\nimport sys\nsys.exit(1)\nREVIEWER_PROBE</pre>" in html

@@ -203,7 +203,7 @@ def run_tool(kind: str, workspace, recorder, *, deadline: float | None = None, f
                   deadline=min(deadline, end) if deadline else end, package=package)
     try:
         installed(probe)
-        if kind != "docs" and probe.package is None:
+        if probe.package is None and (kind != "docs" or not probe.scripts):
             return ("error: the project's package does not import in this workspace"
                     + (f" ({package})" if package else "") + "; install it first (e.g. `pip install -e .`)")
         if function:  # only the call sites of this function

@@ -4,9 +4,9 @@ A call site's sized arguments (a list, tuple, string, bytes, range) are grown on
 doubling, until a call takes SCALING_ENOUGH_S or the sizes run out (each call cut off after SCALING_CALL_LIMIT_S, each
 function after SCALING_SCRIPT_BUDGET_S). For each of the first two: the sequence alone, and the sequence with the
 integer arguments no larger than it (a window, a chunk size), grown in proportion, as the call site has them. A lone
-integer is never grown: what it counts (a number's value, a factorial's) may rightly cost more than linear. At each size: the median and
-minimum of SCALING_REPEATS runs, with garbage collection off (as timeit does), each run consuming what the call
-returns. The exponent b of time ~ n^b is fitted over the largest SCALING_POINTS sizes, for the medians and for the
+integer is never grown: what it counts (a number's value, a factorial's) may rightly cost more than linear. At each
+size: the median and minimum of SCALING_REPEATS runs, with garbage collection off (as timeit does), each run consuming
+what the call returns. The exponent b of time ~ n^b is fitted over the largest SCALING_POINTS sizes, for the medians and for the
 minima, and so is the growth of the output itself: a function whose output grows as n^2 has to take n^2. A finding
 when both fits exceed max(1, output exponent) by EXCESS_CLAIMED where the docs call the function linear or fast,
 by EXCESS_UNCLAIMED otherwise.
