@@ -4,7 +4,8 @@ It looks at the files at the top of the repository to tell what kind of project 
 installs it into the fresh workspace the way its ecosystem expects, runs its test command and, for Python, times the
 import of the top-level package. What it finds (install fails, tests fail — with the failing test ids and a command
 that reproduces them —, no tests) and what it measures (install, test and import times) give every review a baseline
-that does not depend on how good the model is.
+that does not depend on how good the model is. After a Python install it runs the probes (reviewer/probes: the docs
+as executable claims, timing claims, scaling, edge inputs) in the same workspace.
 
 Every command goes through `Workspace.run` (the sandbox), and the transcript is saved after each one in the same
 OpenAI message shape the agent personas use, so one viewer reads both.

@@ -189,7 +189,8 @@ def record(probe: Probe, site: CallSite, claims: list[str], r: dict, variant, wh
     table = "\n".join(f"  n={p['n']:>8}  median {p['median'] * 1000:10.3f} ms  (min {p['min'] * 1000:.3f}, "
                       f"max {p['max'] * 1000:.3f})  output {p['out']}" for p in r["points"])
     said = claims[0].split(": ", 1)[1] if claims else ""
-    title = (f"`{site.name}` takes time ~n^{b:.1f}, though the docs say: \"{said[:80]}\"" if claims
+    said = said if len(said) <= 80 else said[:77].rsplit(" ", 1)[0] + " ..."
+    title = (f"`{site.name}` takes time ~n^{b:.1f}, though the docs say: \"{said}\"" if claims
              else f"`{site.name}` takes time ~n^{b:.1f} in the input size")
     severity = ("high" if b >= 1.8 else "medium") if claims else "low"
     details = (f"`{site.target}` called as at {site.where} (`{site.text}`), {r['variant']} from "
