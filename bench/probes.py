@@ -31,7 +31,7 @@ def review(repo: str, probes: bool, work: Path) -> dict:
     if done.returncode != 0:
         return {"error": done.stderr[-2000:], "seconds": round(seconds, 1)}
     run = json.loads(done.stdout)["runs"][0]
-    return {"seconds": round(seconds, 1),
+    return {"seconds": round(seconds, 1), "commit": run["commit"],
             "findings": [{"category": f["category"], "severity": f["severity"], "title": f["title"],
                           "verified": f["verified"]} for f in run["findings"]],
             "measurements": {m["name"]: m["value"] for m in run["measurements"]}}
