@@ -292,16 +292,23 @@ def check_examples(probe: Probe, blocks: list[doctext.Block]) -> None:
             example_finding(probe, file_blocks, same[0], also=[o["line"] for o in same[1:]])
 
 
+def short(text: str, limit: int) -> str:
+    """One line of at most `limit` characters, for a title."""
+    lines = text.strip().splitlines() or [""]
+    first = lines[0] if len(lines[0]) <= limit else lines[0][:limit - 4].rstrip() + " ..."
+    return first + (" ..." if len(lines) > 1 and not first.endswith("...") else "")
+
+
 def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[int] = ()) -> None:
-    code = o["code"].splitlines()[0] + (" ..." if "\n" in o["code"] else "")
+    code = short(o["code"], 80)
     if o["kind"] == "mismatch":
-        title = f"{o['file']} example `{code[:80]}` gives {o['got'][:60]}, the docs say {o['want'][:60]}"
+        title = f"{o['file']} example `{code}` gives {short(o['got'], 60)}, the docs say {short(o['want'], 60)}"
         details = (f"{o['file']}:{o['line']} shows\n    {o['code']}\nwith the result {o['want']}; run after the "
                    f"examples before it in that file, it gives {o['got']}.")
         severity = "medium"
     else:
         more = f" (and {len(also)} more examples)" if also else ""
-        title = f"{o['file']} example `{code[:80]}` fails: {o['error'][:100]}{more}"
+        title = f"{o['file']} example `{code}` fails: {short(o['error'], 100)}{more}"
         details = (f"{o['file']}:{o['line']}:\n    {o['code']}\nraises {o['error']} (run after the examples before it)."
                    + (f"\nThe examples at lines {', '.join(map(str, also))} fail the same way." if also else ""))
         severity = "high" if "Import" in o["error"] else "medium"

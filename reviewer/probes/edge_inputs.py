@@ -15,7 +15,7 @@ import re
 
 from reviewer.probes import doctext, prelude
 from reviewer.probes.callsites import Arg, CallSite
-from reviewer.probes.docs_claims import PATHLIKE, run_cli
+from reviewer.probes.docs_claims import PATHLIKE, run_cli, short
 from reviewer.probes.runner import Probe, command, data, run, script
 from reviewer.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, EDGE_CALL_LIMIT_S, EDGE_MAX_FUNCTIONS,
                                         EDGE_SCRIPT_TIMEOUT, FIT_CONTRACT, NON_ASCII, NON_EMPTY_CONTRACT,
@@ -192,8 +192,8 @@ def check_functions(probe: Probe) -> None:
         listing = "\n".join(f"- `{c['case']}` ({c['kind']} input): {c['error']}" for c in crashes)
         only = [c for c in cases if c[0] in {x["case"] for x in crashes}]
         repro = command(edge_script(site, [(c[0], c[1], c[2]) for c in only], expected, doc_text))
-        probe.record(title=f"`{first['case']}` raises {first['error'].split(':')[0]}{others}", severity="medium",
-                     category="crash",
+        title = f"`{short(first['case'], 80)}` raises {first['error'].split(':')[0]}{others}"
+        probe.record(title=title, severity="medium", category="crash",
                      details=f"`{target}`, called as the tests or docs call it ({site.where}: `{site.text}`) but with "
                              f"an edge input, crashes with an exception neither its docstring, the docs nor its tests "
                              f"mention:\n{listing}",
