@@ -3,6 +3,7 @@ kind the probes look for, its clean twin has the same docs and tests with every 
 finding. Real installs in the real sandbox, real subprocesses; each finding's repro command is run again, and must
 fail on the defective project and pass on the fixed one. No timing is asserted (speed figures: bench/probes.py)."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -453,3 +454,36 @@ def test_a_probe_script_as_repro_keeps_its_lines_in_the_reports(tmp_path):
     assert "    ```\n    python - <<'REVIEWER_PROBE'\n    import sys\n    sys.exit(1)\n    REVIEWER_PROBE\n    ```" in markdown
     html = html_report.finding_html(runs[0]["findings"][0])
     assert "<pre>python - &lt;&lt;&#x27;REVIEWER_PROBE&#x27;\nimport sys\nsys.exit(1)\nREVIEWER_PROBE</pre>" in html
+
+
+def test_a_call_that_hangs_is_abandoned_and_not_reported(tmp_path):
+    from reviewer.probes import edge_inputs
+    from reviewer.probes.runner import result_line
+
+    (tmp_path / "hangs").mkdir()
+    (tmp_path / "hangs" / "__init__.py").write_text(
+        "def spin(values):\n    while not values:\n        pass\n    return values[0]\n")
+    one = callsites.classify(ast.parse("[1]", mode="eval").body)
+    site = callsites.CallSite("hangs.spin", "tests/test_x.py:1", "spin([1])", [one], [], False)
+    cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(site)
+             for src, shown in [edge_inputs.call_source(site, swaps)]]
+    assert [c[0] for c in cases] == ["spin([])"]
+    code = edge_inputs.edge_script(site, cases, set(), "")
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert done.returncode == 0 and result_line(done.stdout)["crashes"] == [], done.stdout + done.stderr
+
+
+def test_the_probes_stop_when_their_time_is_spent(tmp_path):
+    import time
+
+    from reviewer.probes.runner import Probe, run_probes
+
+    def never(*args):
+        raise AssertionError("no command may start once the probes' time is spent")
+
+    probe = Probe(root=tmp_path, sh=never, finding=never, measure=never, deadline=time.monotonic() + 12,
+                  package="pkg")
+    run_probes(probe)
+    assert probe.notes == ["probes stopped at 'probe: console scripts and import of the installed project': "
+                           "their time ran out"]
