@@ -10,7 +10,7 @@ SYSTEM_PACKAGES := git bubblewrap chromium postgresql
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo
 
-.PHONY: setup demo demo-llm test system-deps clean
+.PHONY: setup demo test system-deps clean
 
 setup: $(STAMP)
 
@@ -34,17 +34,14 @@ system-deps:
 
 demo: setup system-deps
 	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
-	# The smoke persona and its probes (docs/probes.md): no model needed for what a program can check.
-	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke --timeout 600
+	# The smoke persona and its probes (docs/probes.md): no model needed for what a program can check. Then the docs
+	# persona through the embedded model (SmolLM2-135M on the CPU is small: a short step budget and a time limit keep
+	# the demo to minutes).
+	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke --persona docs \
+		--max-steps 4 --timeout 420
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format html --output $(DEMO_DIR)/report.html
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
 	@echo "Full report: $(DEMO_DIR)/report.html (JSON: $(DEMO_DIR)/report.json; or $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
-
-# The docs persona through the embedded model, after `make demo`, into the same database. SmolLM2-135M on the CPU is
-# small: a short step budget and a time limit keep it to minutes (each step takes one or two on a busy 2-core box).
-demo-llm: demo
-	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona docs --max-steps 4 --timeout 360
-	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format html --output $(DEMO_DIR)/report.html
 
 test: setup system-deps
 	$(BIN)/python -m pytest -q

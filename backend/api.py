@@ -7,16 +7,18 @@ events (message_start ... message_stop) for Anthropic. Errors are APIError, rend
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
 from typing import TYPE_CHECKING
 
+import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from backend import chat
+from backend.guards import APIError, check_prompt_length, check_text, off_loop
 from backend.metrics import Metrics
 from backend.schemas import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 from backend.worker import Generation, Job
@@ -27,31 +29,11 @@ if TYPE_CHECKING:
 router = APIRouter()
 ERRORS = {400: {"description": "bad request (OpenAI- or Anthropic-style error body)"},
           401: {"description": "missing or wrong API key"}, 404: {"description": "unknown model"},
-          503: {"description": "model loading, or the queue wait timed out"}}
-
-
-class APIError(Exception):
-    """An error with an HTTP status, rendered OpenAI- or Anthropic-style depending on the route."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
-
-_OPENAI_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                 500: "server_error", 503: "server_overloaded"}
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
-
-
-def error_response(request: Request, status: int, message: str, code: str | None = None, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    if request.url.path.startswith("/v1/messages"):
-        body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message}}
-    else:
-        body = {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
-                          "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+          408: {"description": "the request body did not arrive in time"},
+          413: {"description": "the request body is larger than the server accepts"},
+          503: {"description": "model loading, the queue wait timed out, or the server is shutting down"}}
+SHUTDOWN_MESSAGE = "the server is shutting down; this answer is incomplete, send the request again"
+SHUTDOWN_GRACE = 2.0  # seconds a stream gets after SIGTERM to send its final event, before sse-starlette cuts it
 
 
 # ---- request plumbing --------------------------------------------------------------------------------------------------
@@ -72,13 +54,14 @@ def check_model(state: ServerState, name: str) -> None:
                        code="model_not_found", param="model")
 
 
-def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None, temperature, top_p, seed):
+def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None, temperature, top_p, seed,
+                    prompt_field: str = "messages"):
     from backend.engine import SamplingParams
 
     window = state.loaded.max_context
     if prompt_len >= window:
         raise APIError(400, f"the prompt has {prompt_len} tokens but the context window holds {window}; shorten it",
-                       code="context_length_exceeded", param="messages")
+                       code="context_length_exceeded", param=prompt_field)
     if max_tokens is not None and max_tokens > window:
         raise APIError(400, f"max_tokens is {max_tokens} but the context window holds {window} tokens",
                        code="invalid_value", param="max_tokens")
@@ -113,6 +96,9 @@ async def start_job(state: ServerState, request: Request, prompt_ids: list[int],
         if await request.is_disconnected():
             job.cancelled = True
             raise APIError(499, "client disconnected while waiting")
+        if state.stopping.is_set():
+            job.cancelled = True
+            raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutdown")
         if time.monotonic() >= deadline:
             job.cancelled = True
             raise APIError(503, f"the server is busy: this request waited {state.queue_timeout:g} s for the engine, "
@@ -120,34 +106,59 @@ async def start_job(state: ServerState, request: Request, prompt_ids: list[int],
     return job
 
 
-async def watch_disconnect(request: Request, job: Job) -> None:
+async def watch_disconnect(request: Request, job: Job, state: ServerState) -> None:
     while not job.cancelled:
         await asyncio.sleep(0.2)
-        if await request.is_disconnected():
+        if await request.is_disconnected() or state.stopping.is_set():
             job.cancelled = True
 
 
-async def collect(request: Request, generation: Generation, metrics: Metrics, route: str) -> str:
-    """Non-streamed: gather all text, cancelling the generation if the client disconnects meanwhile. An engine
-    failure is counted on the route and answered as a 500 with the reason."""
-    watcher = asyncio.create_task(watch_disconnect(request, generation.job))
+async def collect(request: Request, generation: Generation, state: ServerState, route: str) -> str:
+    """Non-streamed: gather all text, cancelling the generation if the client disconnects or the server stops
+    meanwhile (a 503 then). An engine failure is counted on the route and answered as a 500 with the reason."""
+    watcher = asyncio.create_task(watch_disconnect(request, generation.job, state))
     try:
-        return "".join([delta async for delta in generation.deltas()])
+        text = "".join([delta async for delta in generation.deltas()])
     except Exception as exc:
-        metrics.requests.labels(route, "error").inc()
+        state.metrics.requests.labels(route, "error").inc()
         raise APIError(500, f"generation failed: {exc}") from None
     finally:
         watcher.cancel()
+    if state.stopping.is_set() and generation.finish_reason == "cancelled":
+        raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutdown")
+    return text
 
 
-def event_stream(events, generation: Generation, metrics: Metrics, route: str) -> EventSourceResponse:
-    """SSE response over `events`; a client that goes away cancels the generation at once."""
+def event_stream(events, generation: Generation, metrics: Metrics, route: str, farewell: dict) -> EventSourceResponse:
+    """SSE response over `events`; a client that goes away cancels the generation at once. When the server shuts
+    down (sse-starlette sets `shutdown`), the generation is cancelled and `farewell` (an error chunk or event) is the
+    stream's last item, so a client knows the answer was cut short."""
+    shutdown = anyio.Event()
+
     async def guarded():
+        stop = asyncio.ensure_future(shutdown.wait())
+        source, step = events.__aiter__(), None
         try:
-            async for item in events:
-                yield item
+            while True:
+                step = asyncio.ensure_future(source.__anext__())
+                await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():  # shutting down: stop waiting for the engine, say so, end
+                    step.cancel()
+                    with contextlib.suppress(BaseException):
+                        await step
+                    generation.job.cancelled = True
+                    metrics.requests.labels(route, "cancelled").inc()
+                    yield farewell
+                    return
+                try:
+                    yield step.result()
+                except StopAsyncIteration:
+                    return
         finally:
-            if generation.stats is None:  # not finished: the client left (or the stream failed)
+            stop.cancel()
+            if step is not None and not step.done():  # the client left (sse-starlette cancelled us): stop the route
+                step.cancel()
+            if generation.stats is None and not shutdown.is_set():  # not finished: the client left (or it failed)
                 generation.job.cancelled = True
                 if not generation.failed:
                     metrics.requests.labels(route, "cancelled").inc()
@@ -155,7 +166,8 @@ def event_stream(events, generation: Generation, metrics: Metrics, route: str) -
     async def closed(_message) -> None:
         generation.job.cancelled = True
 
-    return EventSourceResponse(guarded(), ping=15, sep="\n", client_close_handler_callable=closed)
+    return EventSourceResponse(guarded(), ping=15, sep="\n", client_close_handler_callable=closed,
+                               shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE)
 
 
 def new_id(prefix: str) -> str:
@@ -220,8 +232,8 @@ def select_tools(tools: list[dict] | None, choice: str | None) -> list[dict] | N
 async def render(state: ServerState, messages: list[dict], tools: list[dict] | None,
                  template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     try:
-        return await asyncio.to_thread(chat.render_chat, state.loaded.tokenizer, messages, tools, state.tool_style,
-                                       template_kwargs)
+        return await off_loop(state, chat.render_chat, state.loaded.tokenizer, messages, tools, state.tool_style,
+                              template_kwargs)
     except chat.ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
 
@@ -243,9 +255,11 @@ def _outcome(generation: Generation, calls=()) -> str:
 @router.post("/v1/chat/completions", tags=["openai"], responses=ERRORS)
 async def chat_completions(request: Request, body: ChatCompletionRequest, state: ServerState = Depends(ready_state)):
     check_model(state, body.model)
+    check_text(body)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice.function.name if hasattr(body.tool_choice, "function") else body.tool_choice
     tools = select_tools(tools, choice)
+    check_prompt_length(state, (message_text(m.content) for m in body.messages), "messages")
     prompt_text, prompt_ids = await render(state, openai_messages(body), tools, body.chat_template_kwargs)
     params = sampling_params(state, len(prompt_ids), body.max_completion_tokens or body.max_tokens,
                              body.temperature, body.top_p, body.seed)
@@ -260,7 +274,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state:
                                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})}
 
     if not body.stream:
-        text = await collect(request, generation, state.metrics, "chat")
+        text = await collect(request, generation, state, "chat")
         reasoning, content, calls = chat.merge_events(parser.push(text) + parser.finish())
         message = {"role": "assistant", "content": content if (content or not calls) else None}
         if reasoning:
@@ -298,7 +312,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state:
                                        "choices": [], "usage": _usage(generation.stats)})}
         yield {"data": "[DONE]"}
 
-    return event_stream(stream(), generation, state.metrics, "chat")
+    return event_stream(stream(), generation, state.metrics, "chat", {"data": json.dumps(
+        {"error": {"message": SHUTDOWN_MESSAGE, "type": "server_error", "code": "server_shutdown"}})})
 
 
 def openai_delta(chunk, event: chat.Event, index: int):
@@ -318,20 +333,23 @@ def openai_delta(chunk, event: chat.Event, index: int):
 @router.post("/v1/completions", tags=["openai"], responses=ERRORS)
 async def completions(request: Request, body: CompletionRequest, state: ServerState = Depends(ready_state)):
     check_model(state, body.model)
+    check_text(body)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported (batch 1)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        prompt_ids = state.loaded.tokenizer(prompt)["input_ids"]
+        check_prompt_length(state, [prompt], "prompt")
+        prompt_ids = (await off_loop(state, state.loaded.tokenizer, prompt))["input_ids"]
     else:
         prompt_ids = list(prompt)
         if any(not 0 <= t < state.vocab_size for t in prompt_ids):
             raise APIError(400, f"prompt token ids must lie in [0, {state.vocab_size})", param="prompt")
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", param="prompt")
-    params = sampling_params(state, len(prompt_ids), body.max_tokens, body.temperature, body.top_p, body.seed)
+    params = sampling_params(state, len(prompt_ids), body.max_tokens, body.temperature, body.top_p, body.seed,
+                             prompt_field="prompt")
     stops = [body.stop] if isinstance(body.stop, str) else body.stop
     job = await start_job(state, request, prompt_ids, params)
     generation = Generation(job, state.loaded.tokenizer, stops)
@@ -347,7 +365,7 @@ async def completions(request: Request, body: CompletionRequest, state: ServerSt
         return "length" if generation.finish_reason == "length" else "stop"
 
     if not body.stream:
-        text = await collect(request, generation, state.metrics, "completions")
+        text = await collect(request, generation, state, "completions")
         state.metrics.requests.labels("completions", generation.finish_reason).inc()
         return {"id": cid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": echo + text, "logprobs": None, "finish_reason": finish()}],
@@ -371,7 +389,8 @@ async def completions(request: Request, body: CompletionRequest, state: ServerSt
                                        "choices": [], "usage": _usage(generation.stats)})}
         yield {"data": "[DONE]"}
 
-    return event_stream(stream(), generation, state.metrics, "completions")
+    return event_stream(stream(), generation, state.metrics, "completions", {"data": json.dumps(
+        {"error": {"message": SHUTDOWN_MESSAGE, "type": "server_error", "code": "server_shutdown"}})})
 
 
 # ---- Anthropic -------------------------------------------------------------------------------------------------------
@@ -428,7 +447,9 @@ def anthropic_tool_choice(body) -> str | None:
 @router.post("/v1/messages", tags=["anthropic"], responses=ERRORS)
 async def messages_endpoint(request: Request, body: MessagesRequest, state: ServerState = Depends(ready_state)):
     check_model(state, body.model)
+    check_text(body)
     messages, tools = anthropic_conversation(body)
+    check_prompt_length(state, (m["content"] for m in messages), "messages")
     tools = select_tools(tools, anthropic_tool_choice(body))
     thinking_off = body.thinking is not None and body.thinking.type == "disabled"
     prompt_text, prompt_ids = await render(state, messages, tools, {"enable_thinking": False} if thinking_off else None)
@@ -451,7 +472,7 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
                 "cache_read_input_tokens": s.cached_tokens, "cache_creation_input_tokens": 0}
 
     if not body.stream:
-        text = await collect(request, generation, state.metrics, "messages")
+        text = await collect(request, generation, state, "messages")
         reasoning, content, calls = chat.merge_events(parser.push(text) + parser.finish())
         blocks = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else [])
         blocks += [{"type": "text", "text": content}] if content or not calls else []
@@ -518,12 +539,14 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
                                       "timings": generation.timings()})
         yield event("message_stop", {})
 
-    return event_stream(stream(), generation, state.metrics, "messages")
+    return event_stream(stream(), generation, state.metrics, "messages", event("error", {"error": {
+        "type": "overloaded_error", "message": SHUTDOWN_MESSAGE}}))
 
 
 @router.post("/v1/messages/count_tokens", tags=["anthropic"], responses=ERRORS)
 async def count_tokens(body: CountTokensRequest, state: ServerState = Depends(ready_state)):
     check_model(state, body.model)
+    check_text(body)
     messages, tools = anthropic_conversation(body)
     _, prompt_ids = await render(state, messages, tools)
     return {"input_tokens": len(prompt_ids)}

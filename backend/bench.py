@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from backend.bench_shapes import RELEASED_DRAFTER, SHAPE_MODELS, released_shape_drafter, shape_model
 from backend.dflash import find_shipped_drafter, load_drafter, random_drafter
 from backend.engine import Engine, SamplingParams
+from backend.device_cycle import ForcedAcceptance
 
 TINY_MODELS = ("tiny-hybrid", "tiny-moe", "tiny-llama")  # tiny-moe: another name for tiny-hybrid
 PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)
@@ -34,6 +36,15 @@ PROMPTS = [  # coding-assistant prompts like the ones the personas send (first f
     "What does `git rebase -i` do? Give a short example.",
     "Write a unit test for a function add(a, b) that returns a + b.",
     "Explain the difference between a list and a tuple in Python.",
+    # 9-16: so that 16 prompts are 16 different ones
+    "My script raises `KeyError: 'HOME'` when run from cron. Why, and how do I fix it?",
+    "Write a Python generator that yields the running maximum of a list of numbers.",
+    "What is the difference between `pip install -e .` and `pip install .`?",
+    "Review this function:\n\ndef mean(xs):\n    return sum(xs) / len(xs)\n",
+    "How can I time a Python function more reliably than with time.time()?",
+    "Write a pytest test that checks a function raises ValueError on negative input.",
+    "Explain what a race condition is, with a short example in Python threads.",
+    "How do I read a large CSV file in chunks with pandas?",
 ]
 
 
@@ -75,6 +86,10 @@ def load_target(spec: str, device: str):
     if spec in TINY_MODELS:
         model = tiny_model(spec).to(device)
         return model, None, spec, 4096
+    if spec in SHAPE_MODELS:
+        if torch.device(device).type != "cuda":
+            raise BenchError(f"{spec} is a GPU shape (tens of GB of random weights): use --device cuda")
+        return shape_model(spec, device), None, spec, 4096
     from backend.loading import load_model
 
     loaded = load_model(spec, device=device)
@@ -111,6 +126,8 @@ def make_drafter(spec: str, model, name: str, block_size: int | None):
         return None, "none"
     if spec == "random":
         return random_drafter(model, block_size=block_size or 8), "random (untrained, 1 layer)"
+    if spec == RELEASED_DRAFTER:
+        return released_shape_drafter(model), "random, the released Qwen3.6-35B-A3B drafter's shape (6 layers)"
     path = find_shipped_drafter(name) if spec == "auto" else Path(spec)
     if path is None:  # like `reviewer serve --drafter auto`: plain decoding only
         print(f"reviewer bench: no drafter is shipped for {name}; measuring plain decoding only "
@@ -195,10 +212,14 @@ def run_hf_generate(model, prompts, max_tokens, stops, device):
     return {"outputs": outs, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
 
 
-def run_engine(engine, prompts, max_tokens, stops):
+def run_engine(engine, prompts, max_tokens, stops, force=None):
+    """Each prompt once, greedy. force(i): a device_cycle.ForcedAcceptance for prompt i (benchmarks of random
+    weights), or None."""
     outs, stats_list = [], []
     t0 = time.perf_counter()
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        if force is not None:
+            engine.forced_acceptance = force(i)
         out = [t for b in engine.generate(p, SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)) for t in b]
         outs.append(out)
         stats_list.append(engine.last_stats)
@@ -225,9 +246,12 @@ def run_engine(engine, prompts, max_tokens, stops):
             "T_d_ms": 1e3 * sum(s.draft_seconds for s in stats_list) / cycles,
             "T_t_ms": 1e3 * sum(s.verify_seconds for s in stats_list) / cycles,
             "rollback_ms": 1e3 * sum(s.rollback_seconds for s in stats_list) / cycles,
+            "cycle_ms": 1e3 * decode / cycles,
             "verify_sizes": dict(sorted(sizes.items())),
             "out_of_draft_vocab": sum(s.out_of_draft_vocab for s in stats_list),
         })
+        # what the device spent outside draft, verify and acceptance: the host's share of a cycle
+        res["host_ms_per_cycle"] = res["cycle_ms"] - res["T_d_ms"] - res["T_t_ms"] - res["rollback_ms"]
     return res
 
 
@@ -271,10 +295,12 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
 def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
               max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
               adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
-              command: str | None = None) -> dict:
+              command: str | None = None, forced_tau: tuple[float, ...] = ()) -> dict:
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
     drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
-    threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls)."""
+    threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
+    forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
+    random weights accept nothing; labelled "forced" in the record)."""
     if threads:
         torch.set_num_threads(threads)
     if device == "auto":
@@ -283,14 +309,22 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
         raise BenchError("--device cuda, but torch sees no CUDA device")
     if adaptive not in ("off", "on", "both"):
         raise BenchError("adaptive must be off, on or both")
+    forced_tau = parse_taus(forced_tau)
+    if forced_tau and torch.device(device).type != "cuda":
+        raise BenchError("--forced-tau times the GPU's device cycle: use --device cuda")
     target, tokenizer, name, max_context = load_target(model, device)
     draft_model, drafter_desc = make_drafter(drafter, target, name, block_size)
     vocab = target.get_input_embeddings().weight.shape[0]
     prompt_ids = make_prompts(tokenizer, prompts, vocab)
     stops = stop_ids(target, tokenizer)
     warm = [prompt_ids[0][:8]]
+    # On a GPU every CUDA graph (target and drafter: per block size and attention span) and compile is made on first
+    # use: warm up on the whole workload, so the timed run replays and never captures.
+    warm_tokens = max_tokens if torch.device(device).type == "cuda" else 4
+    if torch.device(device).type == "cuda":
+        warm = prompt_ids
 
-    result = {"command": command or " ".join(sys.argv),
+    result = {"benchmark": "spec_e2e", "device": device, "command": command or " ".join(sys.argv),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(device),
               "model": {"spec": model, "name": name, "class": type(target).__name__,
@@ -307,14 +341,14 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     plain = Engine(target, max_context=max_context, exact=torch.device(device).type == "cpu")
     result["engine"] = {"path": "fast" if plain.fast else "transformers",
                         "exact": bool(plain.fast and plain.target.exact)}
-    run_engine(plain, warm, 4, stops)
+    run_engine(plain, warm, warm_tokens, stops)
     runs["plain"] = run_engine(plain, prompt_ids, max_tokens, stops)
     baseline = runs["plain"]
     if result["engine"]["exact"]:
         # exact mode pads every plain step to a 16-token block (what makes speculative output identical); a plain
         # engine without a drafter does not, so speed ratios use the faster of the two plain runs
         unpadded = Engine(target, max_context=max_context, exact=False)
-        run_engine(unpadded, warm, 4, stops)
+        run_engine(unpadded, warm, warm_tokens, stops)
         runs["plain_unpadded"] = run_engine(unpadded, prompt_ids, max_tokens, stops)
         runs["plain_unpadded"]["identical_to_plain"] = runs["plain_unpadded"]["outputs"] == runs["plain"]["outputs"]
         if runs["plain_unpadded"]["decode_tok_s"] > baseline["decode_tok_s"]:
@@ -334,10 +368,10 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
             key = "speculative_adaptive" if adaptive_on else "speculative"
             engine = Engine(target, drafter=draft_model, max_context=max_context, adaptive_verify=adaptive_on)
             counter.watch(engine)
-            run_engine(engine, warm, 4, stops)
+            run_engine(engine, warm, warm_tokens, stops)
             counter.by_size.clear()
             r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops)
-            r["identical_to_plain"] = r["outputs"] == runs["plain"]["outputs"]
+            _compare(r, runs["plain"])
             if r.get("cycles"):
                 r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
                 r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
@@ -355,6 +389,20 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
                 if key in runs:
                     runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
         counter.close()
+        for tau in forced_tau:  # the real cycle at a real tau: drafts replaced by plain decoding's own tokens
+            engine = Engine(target, drafter=draft_model, max_context=max_context)
+            reference = runs["plain"]["outputs"]
+            force = lambda i, tau=tau: ForcedAcceptance(reference[i], tau, vocab, engine.device, seed=i)  # noqa: E731
+            run_engine(engine, warm, warm_tokens, stops, force)
+            r = runs[f"forced_tau_{tau:g}"] = run_engine(engine, prompt_ids, max_tokens, stops, force)
+            r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation "
+                                      "up to a geometric accept length (a forced condition, not a drafter's tau)"}
+            _compare(r, runs["plain"])
+            if r.get("cycles"):
+                r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
+                r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+    result["summary"] = {key: _summary(r, result["L_target_ms"], baseline) for key, r in runs.items()
+                         if r.get("cycles")}
     if compare_hf:
         runs["plain"]["identical_to_hf_generate"] = runs["plain"]["outputs"] == runs["hf_generate"]["outputs"]
     for r in runs.values():
@@ -366,6 +414,26 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
         json_out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {json_out}")
     return result
+
+
+def _compare(run: dict, plain: dict) -> None:
+    """Greedy output against plain decoding, prompt by prompt."""
+    same = [a == b for a, b in zip(run["outputs"], plain["outputs"])]
+    run["identical_to_plain"] = all(same)
+    run["identical"], run["identical_of"] = sum(same), len(same)
+    run["first_difference"] = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                               for a, b, ok in zip(run["outputs"], plain["outputs"], same) if not ok]
+
+
+def _summary(r: dict, l_target_ms: float, baseline: dict) -> dict:
+    """The spec_e2e figures of one speculative run, side by side with plain decoding of the same run."""
+    keys = ("T_d_ms", "T_t_ms", "host_ms_per_cycle", "cycle_ms", "tau", "eta_predicted", "eta_measured")
+    out = {"L_target_ms": l_target_ms, **{k: r.get(k) for k in keys}, "plain_decode_tok_s": baseline["decode_tok_s"],
+           "speculative_decode_tok_s": r["decode_tok_s"], "identical": r.get("identical"),
+           "prompts": r.get("identical_of")}
+    if "forced_acceptance" in r:
+        out["forced_tau"] = r["forced_acceptance"]["tau"]
+    return out
 
 
 def format_table(res: dict) -> str:
@@ -381,6 +449,7 @@ def format_table(res: dict) -> str:
     labels = {"hf_generate": "transformers generate", "plain": "engine, plain",
               "plain_unpadded": "engine, plain unpadded",
               "speculative": "engine, speculative", "speculative_adaptive": "engine, spec + adaptive k"}
+    labels.update({k: f"engine, forced tau {k.removeprefix('forced_tau_')}" for k in runs if k.startswith("forced_")})
     for key, r in runs.items():
         same = r.get("identical_to_plain", r.get("identical_to_hf_generate"))
         ref = " (vs plain)" if "identical_to_plain" in r else (" (vs generate)" if same is not None else "")
@@ -391,12 +460,14 @@ def format_table(res: dict) -> str:
     lines.append(f"\nengine path: {eng.get('path')}{', exact (batch-invariant) mode' if eng.get('exact') else ''}; "
                  f"speed ratios against {labels[res.get('baseline', 'plain')]}")
     lines.append(f"L_target (plain decode time per token) {res['L_target_ms']:.2f} ms")
-    for key in ("speculative", "speculative_adaptive"):
+    for key in [k for k in runs if k.startswith(("speculative", "forced_"))]:
         r = runs.get(key)
         if not r or not r.get("cycles"):
             continue
         lines += [f"\n{labels[key]}: {r['cycles']} cycles, tau {r['tau']:.2f}, "
-                  f"T_d {r['T_d_ms']:.2f} ms, T_t {r['T_t_ms']:.2f} ms, rollback {r['rollback_ms']:.2f} ms",
+                  f"T_d {r['T_d_ms']:.2f} ms, T_t {r['T_t_ms']:.2f} ms, accept/rollback {r['rollback_ms']:.2f} ms, "
+                  f"host {r['host_ms_per_cycle']:.2f} ms, cycle {r['cycle_ms']:.2f} ms; identical "
+                  f"{r['identical']}/{r['identical_of']} prompts",
                   f"  eta predicted tau*L_target/(T_t+T_d) = {r['eta_predicted']:.2f}, "
                   f"measured {r['eta_measured']:.2f}",
                   "  acceptance by draft position: "
@@ -414,8 +485,10 @@ def format_table(res: dict) -> str:
 
 def cli(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny-hybrid", help=f"{', '.join(TINY_MODELS)}, embedded, a HF folder or .gguf")
-    ap.add_argument("--drafter", default="random", help="random, none, auto (shipped for the model) or a folder")
+    ap.add_argument("--model", default="tiny-hybrid", help=f"{', '.join(TINY_MODELS + SHAPE_MODELS)} (random "
+                    "weights), embedded, a HF folder or .gguf")
+    ap.add_argument("--drafter", default="random", help=f"random, {RELEASED_DRAFTER} (random weights), none, auto "
+                    "(shipped for the model) or a folder")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -424,10 +497,26 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--forced-tau", default="", help="comma-separated tau values: also time speculative runs with "
+                    "forced acceptance (random weights; labelled forced in the record), e.g. 4.9,6.4,8.1")
     a = ap.parse_args(argv)
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
+         forced_tau=a.forced_tau,
          command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+def parse_taus(text) -> tuple[float, ...]:
+    """--forced-tau "4.9,6.4" -> (4.9, 6.4); a tuple passes through."""
+    if not isinstance(text, str):
+        return tuple(text)
+    try:
+        taus = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BenchError(f"--forced-tau takes numbers separated by commas, got {text!r}") from None
+    if any(t < 1 for t in taus):
+        raise BenchError("--forced-tau: tau is at least 1 (the target's own token)")
+    return taus
 
 
 if __name__ == "__main__":

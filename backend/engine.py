@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from backend import speculative as spec
+from backend.device_cycle import device_speculative_decode
+from backend.fast_drafter import FastDrafter
 from backend.target import FastTarget, HFTarget
 
 log = logging.getLogger("reviewer.backend")
@@ -67,11 +69,14 @@ class Engine:
     bf16 too (None: on for a CPU engine with a drafter; a plain engine that serves as its reference needs
     exact=True; see backend/target.py for what it costs). compile: torch.compile the fast path's per-layer glue
     for decode steps and verifies (None: on CUDA, where it fuses the norms, RoPE and gates that otherwise cost a
-    launch each; the first step of each shape compiles, ~tens of seconds)."""
+    launch each; the first step of each shape compiles, ~tens of seconds). device_cycle: the speculative cycle on the
+    device (backend/device_cycle.py, backend/fast_drafter.py: drafter in CUDA graphs over static caches,
+    acceptance on the device, one host sync per cycle; None: on CUDA whenever the fast path runs outside exact
+    mode; True elsewhere too, for tests)."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
                  adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None,
-                 compile: bool | None = None):
+                 compile: bool | None = None, device_cycle: bool | None = None):
         self.model = model
         self.drafter = drafter
         self.device = next(model.parameters()).device
@@ -88,6 +93,14 @@ class Engine:
         self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
         self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
+        # on the GPU fast path the drafter runs from CUDA graphs over static caches and the cycle stays on the
+        # device (backend/fast_drafter.py, backend/device_cycle.py); elsewhere the eager drafter
+        if device_cycle is None:
+            device_cycle = self.device.type == "cuda" and self.fast and not self.target.exact
+        if device_cycle and not (self.fast and not self.target.exact):
+            raise ValueError("the device cycle needs the fast path outside exact mode")
+        self.fast_drafter = FastDrafter(drafter, self.max_context) if drafter is not None and device_cycle else None
+        self.forced_acceptance = None  # benchmarks only: device_cycle.ForcedAcceptance
 
     def _make_target(self, model, features, prefill_chunk, fast, exact, compile):
         fast_model = None
@@ -117,6 +130,31 @@ class Engine:
         return isinstance(self.target, FastTarget)
 
     @property
+    def lossless(self) -> bool:
+        """Whether greedy output is token-identical to plain decoding of this engine: always without a drafter;
+        with one, when a position's logits do not depend on how it was reached (a one-token step or any verify
+        block): exact mode, or a fast-path target whose kernels are batch-invariant on this device (the Llama rows
+        path on CUDA). The transformers path and the Qwen3.5/3.6-MoE verify are not (yet): at near-ties their
+        speculative output can differ from plain decoding."""
+        if self.drafter is None:
+            return True
+        if not self.fast:
+            return False
+        return self.target.exact or bool(getattr(self.target.fast.model, "batch_invariant", False))
+
+    def describe_decoding(self) -> str:
+        """One line for the operator: plain or speculative, and whether greedy output equals plain decoding."""
+        if self.drafter is None:
+            return "plain decoding (no drafter)"
+        how = "on the device, CUDA graphs" if self.fast_drafter is not None else "eager"
+        if self.lossless:
+            why = "exact mode" if self.target.exact else "batch-invariant kernels"
+            return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), lossless: greedy output "
+                    f"is token-identical to plain decoding ({why})")
+        return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), NOT lossless on this path: "
+                "greedy output can differ from plain decoding at near-ties (use --drafter none for plain decoding)")
+
+    @property
     def cache_ids(self) -> list[int]:
         """Token ids whose states the target cache holds, in order."""
         return self.target.ids
@@ -129,6 +167,12 @@ class Engine:
     def _reset(self) -> None:
         self.target.reset()
         self.draft_context = None
+
+    def _new_draft_context(self):
+        if self.fast_drafter is not None:
+            self.fast_drafter.reset()
+            return self.fast_drafter
+        return self.drafter.new_context()
 
     # ---- generation ---------------------------------------------------------------------------------------------
 
@@ -156,7 +200,7 @@ class Engine:
             if logits is None:
                 want = self.drafter is not None
                 if want and self.draft_context is None:
-                    self.draft_context = self.drafter.new_context()
+                    self.draft_context = self._new_draft_context()
                 logits, features = target.prefill(prompt[reused:], want, cancelled)
                 if logits is None:  # cancelled between chunks: the drafter keeps covering what the target holds
                     if features is not None:
@@ -170,6 +214,8 @@ class Engine:
                 self.draft_context.add_pending(features)  # the drafter's context always covers self.cache_ids
             if self.drafter is None or budget <= 1:
                 yield from self._plain_decode(logits, params, budget, rng, cancelled, stats)
+            elif self.fast_drafter is not None:
+                yield from device_speculative_decode(self, logits, params, budget, rng, cancelled, stats)
             else:
                 yield from spec.speculative_decode(self, logits, params, budget, rng, cancelled, stats)
         except GeneratorExit:

@@ -11,21 +11,28 @@ model loads on a background thread after the socket is up: /health says 503 unti
 """
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import errno
 import ipaddress
 import logging
 import os
 import secrets
+import socket
+import stat
 import sys
 import threading
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend import chat
-from backend.api import APIError, error_response, router
+from backend.api import router
+from backend.guards import (DEFAULT_BODY_TIMEOUT, LOADING_CONTEXT, APIError, BodyGuard, body_bytes_cap,
+                            body_too_large_message, error_response, validation_message)
 from backend.loading import LoadedModel, ModelLoadError, check_model_spec, load_model
 from backend.metrics import Metrics
 from backend.worker import EngineWorker
@@ -33,6 +40,13 @@ from backend.worker import EngineWorker
 log = logging.getLogger("reviewer.backend")
 
 DEFAULT_QUEUE_TIMEOUT = float(os.environ.get("REVIEWER_QUEUE_TIMEOUT", "600"))
+def release_freed_memory() -> None:
+    """Give freed heap back to the system (glibc keeps freed memory mapped: after a rejected 20 MB request the RSS
+    stayed gigabytes higher, before the body cap). Costs a few ms; a no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---- server state ----------------------------------------------------------------------------------------------------
@@ -41,10 +55,15 @@ class ServerState:
     """What the routes need: settings, metrics, and (once loading finished) the model and the engine worker."""
 
     def __init__(self, model, drafter: str, device: str, dtype: str, max_context: int | None, api_key: str | None,
-                 queue_timeout: float):
+                 queue_timeout: float, max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT):
         self.model_spec, self.drafter_spec = model, drafter
         self.device, self.dtype, self.max_context_arg = device, dtype, max_context
         self.api_key, self.queue_timeout = api_key, queue_timeout
+        self.max_body_arg, self.body_timeout = max_body_bytes, body_timeout
+        # Set on SIGTERM/Ctrl-C (serve) or when the app stops: streams send their final event, waiting and running
+        # non-streamed requests are answered 503, so the server drains in seconds.
+        self.stopping = threading.Event()
+        self.prompt_slot: asyncio.Semaphore | None = None  # one prompt rendered/tokenized at a time (api.py)
         self.metrics = Metrics()
         self.loaded: LoadedModel | None = None
         self.worker: EngineWorker | None = None
@@ -55,6 +74,9 @@ class ServerState:
         self.tool_style = "injected"
         self.stop_ids: tuple[int, ...] = ()
         self.vocab_size = 0
+        self.max_token_chars = 0  # the longest token's text: a prompt longer than window x this cannot fit (api.py)
+        self.decoding = ""  # plain or speculative, lossless or not (Engine.describe_decoding), once loaded
+        self.on_ready = None  # called with the state once the model is ready (serve prints the ready line)
 
     # -- loading (background thread) --
     def load(self) -> None:
@@ -73,11 +95,16 @@ class ServerState:
             self.loaded, self.tool_style = loaded, chat.tool_style(loaded.tokenizer)
             self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
             self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
+            self.max_token_chars = max(map(len, loaded.tokenizer.get_vocab()), default=0)
             self.worker = EngineWorker(engine, self.metrics)
+            release_freed_memory()  # what loading freed (conversion, casts): ~10 MB from the embedded model's cache
             self.metrics.model_ready.set(1)
             self.ready.set()
-            log.info("model %s ready on %s (%s, context %d tokens, drafter: %s)", loaded.name, loaded.device,
-                     loaded.dtype, loaded.max_context, "none" if drafter is None else self.drafter_spec)
+            self.decoding = engine.describe_decoding()
+            log.info("model %s ready on %s (%s, context %d tokens): %s", loaded.name, loaded.device,
+                     loaded.dtype, loaded.max_context, self.decoding)
+            if self.on_ready:
+                self.on_ready(self)
         except Exception as exc:  # noqa: BLE001 - any failure must reach /health and the operator, not kill a thread silently
             self.load_error = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, ModelLoadError):
@@ -85,6 +112,13 @@ class ServerState:
             log.error("model loading failed: %s", self.load_error)
             if self.on_load_failure:
                 self.on_load_failure()
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The request body cap: --max-body-mb, else sized to the window (guards.body_bytes_cap)."""
+        if self.max_body_arg:
+            return self.max_body_arg
+        return body_bytes_cap(self.loaded.max_context if self.loaded else (self.max_context_arg or LOADING_CONTEXT))
 
     @property
     def model_ids(self) -> set[str]:
@@ -136,15 +170,20 @@ def check_api_key(request: Request) -> None:
 
 def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", device: str = "auto", dtype: str = "auto",
                max_context: int | None = None, api_key: str | None = None,
-               queue_timeout: float = DEFAULT_QUEUE_TIMEOUT) -> FastAPI:
+               queue_timeout: float = DEFAULT_QUEUE_TIMEOUT, max_body_bytes: int | None = None,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The ASGI app. The model loads on a background thread once the app starts (lifespan), so the socket answers
-    /health (503) at once. `model` may also be an already loaded LoadedModel (tests)."""
-    state = ServerState(model, drafter, device, dtype, max_context, api_key, queue_timeout)
+    /health (503) at once. `model` may also be an already loaded LoadedModel (tests). `max_body_bytes`: the request
+    body cap (default: sized to the context window); `body_timeout`: seconds a body may take to arrive."""
+    state = ServerState(model, drafter, device, dtype, max_context, api_key, queue_timeout, max_body_bytes,
+                        body_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.prompt_slot = asyncio.Semaphore(1)
         threading.Thread(target=state.load, name="reviewer-loader", daemon=True).start()
         yield
+        state.stopping.set()
         if state.worker:
             state.worker.stop()
 
@@ -152,6 +191,7 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
     app = FastAPI(title="reviewer inference server", version="1", lifespan=lifespan,
                   openapi_url=None, docs_url=None, redoc_url=None)
     app.state.reviewer = state
+    app.add_middleware(BodyGuard, state=state)
     keyed = [Depends(check_api_key)]
 
     @app.get("/health", tags=["server"], responses={503: {"description": "loading or failed"}})
@@ -162,7 +202,9 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ok", "model": state.loaded.name, "max_context": state.loaded.max_context}
 
-    @app.get("/metrics", tags=["server"], dependencies=keyed)
+    @app.get("/metrics", tags=["server"], dependencies=keyed, response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     def metrics():
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
@@ -189,18 +231,18 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
     async def _validation_error(request: Request, exc: RequestValidationError):
         # OpenAI answers malformed requests with 400 (not FastAPI's 422); so do we, on every route.
         count_refusal(request, "rejected")
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first['msg']}" if where else first["msg"]
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problems)"
-        return error_response(request, 400, message, code="invalid_request", param=where or None)
+        message, where = validation_message(exc.errors())
+        return error_response(request, 400, message, code="invalid_request", param=where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        message, headers = str(exc.detail), getattr(exc, "headers", None)
+        if exc.status_code == 413:  # from BodyGuard
+            count_refusal(request, "rejected")
+            message = body_too_large_message(state)
+        elif exc.status_code == 408:
+            count_refusal(request, "rejected")
+        return error_response(request, exc.status_code, message, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -219,10 +261,55 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bind_socket(host: str, port: int, uds: str | None) -> socket.socket:
+    """The listening socket, bound here rather than by uvicorn so that a port in use or a bad address is one line of
+    ours and status 2 (uvicorn logs its own lines and exits 1). A unix socket file left by a killed server (nobody
+    answers on it) is replaced; one that answers is in use."""
+    def refuse(message: str):
+        print(f"reviewer serve: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    if uds:
+        if os.path.exists(uds):
+            if not stat.S_ISSOCK(os.stat(uds).st_mode):
+                refuse(f"--uds {uds} exists and is not a socket")
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(uds)
+                    refuse(f"--uds {uds} is in use: another server answers on it")
+                except (ConnectionRefusedError, FileNotFoundError):
+                    os.unlink(uds)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(uds)
+        except OSError as exc:
+            sock.close()
+            refuse(f"cannot listen on unix socket {uds}: {exc.strerror or exc}")
+        os.chmod(uds, 0o666)  # as uvicorn does: the socket's folder decides who may connect
+    else:
+        if not 0 <= port <= 65535:
+            refuse(f"--port must be between 0 and 65535 (0: any free port), got {port}")
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                refuse(f"port {port} on {host} is already in use (another server?); pick another --port, or --port 0 "
+                       "for any free one")
+            refuse(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(model: str, drafter: str, host: str, port: int, uds: str | None, device: str, dtype: str,
-          max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False) -> None:
+          max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False,
+          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
     """Run the server until interrupted (blocking). Prints one "listening on ..." line once the socket is up; the
-    model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails."""
+    model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
+    bad setup (model path, drafter, port, an address in use). SIGTERM or Ctrl-C: streams end with a final error event,
+    other requests get a 503, and the process exits within a few seconds."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -239,7 +326,16 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
         print(f"reviewer serve: refusing to listen on {host} (not a loopback address) without --api-key; "
               "set one, or REVIEWER_ALLOW_REMOTE_WITHOUT_KEY=1 to allow it anyway", file=sys.stderr)
         raise SystemExit(2)
-    app = create_app(model, drafter, device, dtype, max_context, api_key)
+    if max_body_bytes is not None and max_body_bytes < 1:
+        print(f"reviewer serve: --max-body-mb must be positive, got {max_body_bytes / 2**20:g}", file=sys.stderr)
+        raise SystemExit(2)
+    if not body_timeout > 0:
+        print(f"reviewer serve: --body-timeout must be a positive number of seconds, got {body_timeout:g}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    sock = bind_socket(host, port, uds)
+    app = create_app(model, drafter, device, dtype, max_context, api_key, max_body_bytes=max_body_bytes,
+                     body_timeout=body_timeout)
     state: ServerState = app.state.reviewer
 
     class Server(uvicorn.Server):
@@ -251,18 +347,28 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
                 else:
                     bound = self.servers[0].sockets[0].getsockname() if self.servers else (host, port)
                     where = f"http://{f'[{host}]' if ':' in host else host}:{bound[1]}"  # port 0 -> the real one
-                print(f"reviewer serve: listening on {where} (model {model} loading; GET /health turns 200 when ready)",
+                print(f"reviewer serve: listening on {where} (model {model} loading, drafter {drafter}; GET /health "
+                      "turns 200 when ready, and a ready line says whether speculation is on and lossless)",
                       flush=True)
 
+        def handle_exit(self, sig, frame):
+            state.stopping.set()  # before uvicorn stops: requests in flight end now, with a final word
+            super().handle_exit(sig, frame)
+
+    # timeout_graceful_shutdown is the ceiling; with `stopping` set, requests in flight end well before it.
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5)
     server = Server(config)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    state.on_ready = lambda st: print(f"reviewer serve: ready: {st.loaded.name} on {st.loaded.device} "
+                                      f"({st.loaded.dtype}): {st.decoding}", flush=True)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal exit here
         pass
+    finally:
+        if uds and os.path.exists(uds):
+            os.unlink(uds)
     if state.load_error:
         print(f"reviewer serve: the model failed to load: {state.load_error}", file=sys.stderr)
         raise SystemExit(1)
-

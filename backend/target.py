@@ -197,6 +197,7 @@ class FastTarget(_Reuse):
         self.ids: list[int] = []
         self.checkpoint = None
         self._verified = 0
+        self._on_device = False  # the pending verify's tokens are not in self.ids yet
 
     def prefill(self, ids: list[int], features: bool, cancelled: Callable[[], bool]):
         logits, feats = None, []
@@ -231,14 +232,32 @@ class FastTarget(_Reuse):
         n = len(block)
         return logits[:n], (feats[:n][None] if feats is not None else None)
 
+    def verify_on_device(self, tokens: torch.Tensor, features: bool):
+        """verify() of a block whose tokens are a device tensor (the GPU drafter's output, never read by the host
+        before the verify): returns (logits [T, V], features [T, F] or None) on the device. The host learns the
+        tokens at the cycle's sync and names the kept ones in accept(keep, ids)."""
+        if self.exact:
+            raise RuntimeError("verify_on_device is the non-exact GPU path")
+        logits, feats = self.fast.verify(tokens, self.feature_layers if features else ())
+        self._verified = tokens.numel()
+        self._on_device = True
+        return logits, feats
+
     def _padded_verify(self, block: list[int], hidden: tuple[int, ...]):
         pad = [PAD_TOKEN] * (self.fast.max_block - len(block))
         return self.fast.verify(list(block) + pad, hidden)
 
-    def accept(self, keep: int) -> None:
+    def accept(self, keep: int, ids: list[int] | None = None) -> None:
+        """Keep the first `keep` tokens of the verified block; ids: those tokens, after verify_on_device."""
         self.fast.accept(keep)
-        del self.ids[len(self.ids) - self._verified + keep:]
+        if self._on_device:
+            if ids is None or len(ids) != keep:
+                raise ValueError("accept after verify_on_device needs the kept tokens")
+            self.ids.extend(int(t) for t in ids)
+        else:
+            del self.ids[len(self.ids) - self._verified + keep:]
         self._verified = 0
+        self._on_device = False
 
     # reuse hooks
     def _cut(self, keep: int) -> None:

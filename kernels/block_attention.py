@@ -41,8 +41,9 @@ MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (pref
 # cached K+V bytes per program (per key head): small slices, many programs, each a short dependent chain (on the H200
 # 64 KB slices left the kernel latency-bound: 4.8 us for the SmolLM2 shape's 768-column span)
 SPLIT_BYTES = 16 * 1024
-MAX_SPLITS = 63  # + the block's own program: 64 partial sums per row at most, the combine kernel's fixed tile
-SPLIT_TILE = 64
+MAX_SPLITS = 127  # + the block's own program: 128 partial sums per row at most, the combine kernel's fixed tile
+SPLIT_TILE = 128
+BLOCK_ROWS = 16  # query rows per program, whatever T: the same tile shapes for a decode step and a verify block
 COMBINE_COLS = 64  # head-dim columns per combine program
 
 if triton is not None:
@@ -71,15 +72,20 @@ if triton is not None:
         if split < N_SPLITS:
             # columns at fixed absolute offsets, whatever the span: a column's partial sum does not depend on how
             # many splits the launch has (CUDA-graph spans and eager spans give the same bits). The last split also
-            # takes anything past the span (only if a caller broke span >= start + T).
+            # takes anything past the span (only if a caller broke span >= start + T). Row t sees the cached columns
+            # before its own position, start + t: those of earlier block tokens were written to the cache before
+            # this launch (block_attention does it), so a block position is computed exactly as a decode step at
+            # that position computes it (batch invariance); for T = 1 this is the plain decode step.
             c0 = split * SPLIT_COLS
-            c1 = tl.where(split == N_SPLITS - 1, start, tl.minimum(c0 + SPLIT_COLS, start))
+            last_split = split == N_SPLITS - 1
+            c1 = tl.where(last_split, start + T - 1, tl.minimum(c0 + SPLIT_COLS, start + T - 1))
+            row_end = tl.where(last_split, start + t, tl.minimum(c0 + SPLIT_COLS, start + t))
             for c in range(c0, c1, BLOCK_N):
                 cols = c + tl.arange(0, BLOCK_N)
                 ok = cols < c1
                 k = tl.load(kc_ptr + h * skc_h + cols[:, None] * skc_n + d[None, :], mask=ok[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
-                s = tl.where(ok[None, :], s, float("-inf"))
+                s = tl.where(cols[None, :] < row_end[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 p = tl.exp(s - m_new[:, None])
                 alpha = tl.exp(m_i - m_new)
@@ -87,18 +93,19 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
-        else:  # the block's own tokens, causally, straight from the projection
+        else:  # each row's own token, straight from the projection (the earlier block tokens are cached columns)
             j = tl.arange(0, BLOCK_T)
             j_ok = j < T
             k = tl.load(kn_ptr + h * skn_h + j[:, None] * skn_t + d[None, :], mask=j_ok[:, None], other=0.0)
             v = tl.load(vn_ptr + h * svn_h + j[:, None] * svn_t + d[None, :], mask=j_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
-            s = tl.where(j_ok[None, :] & (j[None, :] <= t[:, None]), s, float("-inf"))
+            s = tl.where(j_ok[None, :] & (j[None, :] == t[:, None]), s, float("-inf"))
             m_i = tl.max(s, axis=1)
             p = tl.exp(s - m_i[:, None])
             acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
             l_i = tl.sum(p, axis=1)
-            if chunk == 0:  # one program per key head stores the block into the cache
+            if chunk == 0:  # one program per key head stores the block into the cache (T = 1: the only write;
+                # T > 1: the same bytes block_attention wrote before the launch, so concurrent readers see no change)
                 tl.store(kc_ptr + h * skc_h + (start + j)[:, None] * skc_n + d[None, :], k, mask=j_ok[:, None])
                 tl.store(vc_ptr + h * svc_h + (start + j)[:, None] * svc_n + d[None, :], v, mask=j_ok[:, None])
         # partial sums, [kv head, split, row]: combined by _combine_kernel
@@ -165,8 +172,10 @@ def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | 
     return out[0].transpose(0, 1).reshape(T, H * D)
 
 
-def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_triton: bool | None = None):
-    """See the module docstring. span >= start + T (a host number; the caller's attention span)."""
+def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, positions=None,
+                    use_triton: bool | None = None):
+    """See the module docstring. span >= start + T (a host number; the caller's attention span). positions: the
+    block's positions as a device tensor (start, start + 1, ...) if the caller has them (saves two launches)."""
     if use_triton is None:
         use_triton = triton_usable(q)
     if not use_triton:
@@ -182,11 +191,17 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
             raise ValueError("the last dimension of every tensor must be contiguous")
     block_n = 64 if D <= 64 else 32
     split_cols = max(block_n, SPLIT_BYTES // (4 * D) // block_n * block_n)  # K and V, 2 bytes each
-    split_cols = max(split_cols, math.ceil(int(span) / MAX_SPLITS / block_n) * block_n)  # long spans: wider slices
+    # long caches: wider slices, fixed by the cache's size (not the span or T), so every position of the cache sees
+    # the same slice boundaries however it is reached
+    split_cols = max(split_cols, math.ceil(k_cache.shape[1] / MAX_SPLITS / block_n) * block_n)
     n_splits = max(1, math.ceil(int(span) / split_cols))
     rows = group * T
-    block_m = max(16, min(triton.next_power_of_2(rows), 64 if D > 128 else 128))
+    block_m = BLOCK_ROWS
     n_chunks = math.ceil(rows / block_m)
+    if T > 1:  # the block's keys and values go to the cache first: later block rows read them as cached columns
+        pos = positions if positions is not None else start.reshape(1).long() + torch.arange(T, device=q.device)
+        k_cache.index_copy_(1, pos[:T], k_new)
+        v_cache.index_copy_(1, pos[:T], v_new)
     out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
     part_rows = hkv * (n_splits + 1) * n_chunks * block_m
     po = torch.empty(part_rows, D, device=q.device, dtype=torch.float32)

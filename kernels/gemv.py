@@ -33,6 +33,7 @@ except ImportError:
 PLAIN, GATED_NORM, SIGMOID_GATE = 0, 1, 2
 # Tiles chosen on the H200 for the 35B-A3B output projections (2048 x 4096) by bench/kernel_sweep.py.
 GEMV_TILES = {"BN": 4, "warps": 16}
+MAX_ROWS = 16  # input rows per call: a decode step (1) or a verify block (up to 16)
 
 if triton is not None:
     _GATED_NORM, _SIGMOID_GATE = tl.constexpr(GATED_NORM), tl.constexpr(SIGMOID_GATE)  # what a jit'ed function sees
@@ -41,9 +42,12 @@ if triton is not None:
     def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, res_ptr, y_ptr, N, stride_wn, eps,
                      K: tl.constexpr, KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr,
                      ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr):
-        """Grid (N / BN): y[n-tile] = W[n-tile] @ prologue(x). The weight tile [BN, K] is loaded in one go, before
-        the prologue's arithmetic, so its DRAM round trip overlaps it. GATED_NORM needs D | K, D a power of two."""
-        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        """Grid (T, N / BN): y[t, n-tile] = W[n-tile] @ prologue(x[t]), t = program_id(0). The weight tile [BN, K] is
+        loaded in one go, before the prologue's arithmetic, so its DRAM round trip overlaps it. Every row runs the
+        one-row program (row t's bits do not depend on T); a tile's row programs are neighbours in the launch, so
+        the tile is read from DRAM once. GATED_NORM needs D | K, D a power of two."""
+        t = tl.program_id(0)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, KP)
         n_ok = offs_n < N
         k_ok = offs_k < K
@@ -52,26 +56,26 @@ if triton is not None:
         if PROLOGUE == _GATED_NORM:
             offs2 = tl.arange(0, KP // D)[:, None] * D + tl.arange(0, D)[None, :]  # [heads, D]
             ok2 = offs2 < K
-            xv = tl.load(x_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + t * K + offs2, mask=ok2, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(xv * xv, axis=1) / D + eps)
             normed = (xv * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
             normed = normed * tl.load(nw_ptr + tl.arange(0, D)).to(tl.float32)[None, :]
             if ROUND_NORMED:
                 normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-            gv = tl.load(g_ptr + offs2, mask=ok2, other=0.0).to(tl.float32)
+            gv = tl.load(g_ptr + t * K + offs2, mask=ok2, other=0.0).to(tl.float32)
             a2 = (normed * (gv * tl.sigmoid(gv))).to(x_ptr.dtype.element_ty).to(tl.float32)
             a = tl.reshape(a2, [KP])
         else:
-            a = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            a = tl.load(x_ptr + t * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             if PROLOGUE == _SIGMOID_GATE:
-                gv = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                gv = tl.load(g_ptr + t * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 s = tl.sigmoid(gv).to(x_ptr.dtype.element_ty).to(tl.float32)
                 a = (a * s).to(x_ptr.dtype.element_ty).to(tl.float32)
         y = tl.sum(w.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty)
         if HAS_RESIDUAL:  # residual + y, each rounded as PyTorch rounds the two steps
-            res = tl.load(res_ptr + offs_n, mask=n_ok, other=0.0)
+            res = tl.load(res_ptr + t * N + offs_n, mask=n_ok, other=0.0)
             y = (res.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs_n, y, mask=n_ok)
+        tl.store(y_ptr + t * N + offs_n, y, mask=n_ok)
 
 
 def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None):
@@ -91,18 +95,19 @@ def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=No
 
 def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *, use_triton: bool | None = None,
          tiles=None):
-    """y [1, N] = w [N, K] @ prologue(x [1, K]) (see the module docstring); gate [1, K] like x; norm_weight [D]
-    with K % D == 0 for the per-head gated RMSNorm. residual [1, N]: return residual + y (rounded as PyTorch's
-    `residual + y` of the two tensors), the transformer's residual add in the same launch. tiles overrides
-    GEMV_TILES (bench/kernel_sweep.py)."""
-    if x.dim() != 2 or x.shape[0] != 1 or w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"gemv takes x [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    """y [T, N] = w [N, K] @ prologue(x [T, K]) (see the module docstring), T <= MAX_ROWS; gate [T, K] like x;
+    norm_weight [D] with K % D == 0 for the per-head gated RMSNorm. residual [T, N]: return residual + y (rounded as
+    PyTorch's `residual + y` of the two tensors), the transformer's residual add in the same launch. Row t's bits do
+    not depend on T. tiles overrides GEMV_TILES (bench/kernel_sweep.py)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"gemv takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate {tuple(gate.shape)} must have x's shape {tuple(x.shape)}")
     if norm_weight is not None and (gate is None or x.shape[1] % norm_weight.numel()):
         raise ValueError("the gated norm needs a gate and a norm weight whose size divides K")
-    if residual is not None and tuple(residual.shape) != (1, w.shape[0]):
-        raise ValueError(f"residual {tuple(residual.shape)} must be [1, N] = [1, {w.shape[0]}]")
+    if residual is not None and tuple(residual.shape) != (x.shape[0], w.shape[0]):
+        raise ValueError(f"residual {tuple(residual.shape)} must be [T, N] = [{x.shape[0]}, {w.shape[0]}]")
     if use_triton is None:
         from kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
@@ -118,9 +123,9 @@ def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *,
         raise ValueError(f"the gated norm's head size ({d}) must be a power of two")
     g = gate.contiguous() if gate is not None else x
     nw = norm_weight if norm_weight is not None else x
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     res = residual.contiguous() if residual is not None else y
-    _gemv_kernel[(triton.cdiv(n, tiles["BN"]),)](
+    _gemv_kernel[(x.shape[0], triton.cdiv(n, tiles["BN"]))](
         x, g, nw, w, res, y, n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue,
         D=d, ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype,
         HAS_RESIDUAL=residual is not None, BN=tiles["BN"], num_warps=tiles["warps"])

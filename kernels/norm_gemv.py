@@ -39,6 +39,11 @@ PLAIN, SWIGLU, ROPE = 0, 1, 2
 # the norm); the LM head (49,152 rows) wants fewer, one warp each (16.8 us, cuBLAS 16.6 us + a norm launch).
 NORM_GEMV_TILES = {"BN": 2, "warps": 4}
 LARGE_TILES, LARGE_ROWS = {"BN": 4, "warps": 1}, 16384
+MAX_ROWS = 16  # input rows per call: a decode step (1) or a verify block (up to 16)
+# A row per program row (grid (T, tiles)): a 16-row call launches 16x a one-row call's programs (on the H200 ~5x its
+# time at the SmolLM2 shapes), but each row is computed exactly as alone. Tried and measured slower (2026-12-01):
+# 4 rows per program as one [4, BN, K] product (one-row calls 1.6x slower), and a tensor-core kernel with a fixed
+# 16-row tile (a row's bits independent of T too, but 8.3 us a launch against 2.2-3.2 us for one-row programs).
 
 if triton is not None:
     _SWIGLU, _ROPE = tl.constexpr(SWIGLU), tl.constexpr(ROPE)  # what a jit'ed function sees
@@ -47,9 +52,13 @@ if triton is not None:
     def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, N_OUT, ROTATED, stride_wn,
                           stride_cs, eps, K: tl.constexpr, KP: tl.constexpr, EPILOGUE: tl.constexpr,
                           HALF: tl.constexpr, ROUND_NORMED: tl.constexpr, BN: tl.constexpr):
-        """Grid (programs,): PLAIN rows p*BN..; SWIGLU gate rows p*BN.. with up rows N_OUT + those; ROPE rows
-        j..j+BN of a head's first half (HALF = head_dim / 2) with their partners j + HALF."""
-        p = tl.program_id(0)
+        """Grid (T, programs): input row t = program_id(0) (x [T, K], positions [T]); PLAIN rows p*BN..; SWIGLU
+        gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first half (HALF = head_dim / 2)
+        with their partners j + HALF. Every input row runs exactly the one-row program, so row t's result does not
+        depend on T (batch invariance); the programs of one weight tile are neighbours in the launch order, so the
+        tile comes from DRAM once and from L2 for the other rows."""
+        t = tl.program_id(0)
+        p = tl.program_id(1)
         lane = tl.arange(0, BN)
         if EPILOGUE == _ROPE:
             per_head = HALF // BN
@@ -70,19 +79,20 @@ if triton is not None:
             w_b = tl.load(w_ptr + rows_b[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
                           other=0.0)
         # the norm while the weight tiles are on their way
-        x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + t * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
         a = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * tl.load(nw_ptr + offs_k, mask=k_ok,
                                                                              other=0.0).to(tl.float32)
         if ROUND_NORMED:
             a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
         ya = tl.sum(w_a.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+        y_row = y_ptr + t * N_OUT
         if EPILOGUE == _SWIGLU:
             yb = tl.sum(w_b.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(y_ptr + rows_a, (ya * tl.sigmoid(ya) * yb).to(y_ptr.dtype.element_ty), mask=a_ok)
+            tl.store(y_row + rows_a, (ya * tl.sigmoid(ya) * yb).to(y_ptr.dtype.element_ty), mask=a_ok)
         elif EPILOGUE == _ROPE:
             yb = tl.sum(w_b.to(tl.float32) * a[None, :], axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
-            pos = tl.load(pos_ptr)
+            pos = tl.load(pos_ptr + t)
             cs = cos_ptr + pos * stride_cs
             sn = sin_ptr + pos * stride_cs
             cos_a, sin_a = tl.load(cs + j).to(tl.float32), tl.load(sn + j).to(tl.float32)
@@ -90,10 +100,10 @@ if triton is not None:
             rot = rows_a < ROTATED  # queries and keys; values pass through
             out_a = tl.where(rot, ya * cos_a - yb * sin_a, ya)
             out_b = tl.where(rot, yb * cos_b + ya * sin_b, yb)
-            tl.store(y_ptr + rows_a, out_a.to(y_ptr.dtype.element_ty), mask=a_ok)
-            tl.store(y_ptr + rows_b, out_b.to(y_ptr.dtype.element_ty), mask=a_ok)
+            tl.store(y_row + rows_a, out_a.to(y_ptr.dtype.element_ty), mask=a_ok)
+            tl.store(y_row + rows_b, out_b.to(y_ptr.dtype.element_ty), mask=a_ok)
         else:
-            tl.store(y_ptr + rows_a, ya.to(y_ptr.dtype.element_ty), mask=a_ok)
+            tl.store(y_row + rows_a, ya.to(y_ptr.dtype.element_ty), mask=a_ok)
 
 
 def rms_norm_torch(x, weight, eps: float):
@@ -111,23 +121,28 @@ def norm_gemv_torch(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope
     if rope is not None:
         cos, sin, pos, rotated = rope
         d = cos.shape[-1]
-        c, s = cos[pos.reshape(-1)[:1]].float(), sin[pos.reshape(-1)[:1]].float()  # [1, D]
-        heads = y[:, :rotated].float().reshape(-1, d)
+        T = y.shape[0]
+        c, s = cos[pos.reshape(-1)[:T]].float()[:, None], sin[pos.reshape(-1)[:T]].float()[:, None]  # [T, 1, D]
+        heads = y[:, :rotated].float().reshape(T, -1, d)
         half = d // 2
-        turned = torch.cat((-heads[:, half:], heads[:, :half]), dim=-1)
-        qk = (heads * c + turned * s).reshape(1, rotated).to(y.dtype)
+        turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+        qk = (heads * c + turned * s).reshape(T, rotated).to(y.dtype)
         return torch.cat((qk, y[:, rotated:]), dim=-1)
     return y
 
 
 def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None, use_triton: bool | None = None,
               tiles=None):
-    """x [1, K] (the residual stream), norm_weight [K], w [N, K]. Returns [1, N], or [1, N / 2] with swiglu.
-    rope = (cos, sin, position, rotated): cos / sin [max_positions, D] tables (D = head size, rows of w grouped
-    by head), position a one-element device tensor (a graph replays it), rotated the number of leading rows that
-    get RoPE (queries and keys; the values after them pass through). tiles overrides NORM_GEMV_TILES / LARGE_TILES."""
-    if x.dim() != 2 or x.shape[0] != 1 or w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ValueError(f"norm_gemv takes x [1, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    """x [T, K] (the residual stream, T <= MAX_ROWS), norm_weight [K], w [N, K]. Returns [T, N], or [T, N / 2] with
+    swiglu. Row t's result is bitwise the same whatever T is (one kernel walks the rows in turn), so a position
+    computed in a decode step and inside a verify block gets the same bits.
+    rope = (cos, sin, positions, rotated): cos / sin [max_positions, D] tables (D = head size, rows of w grouped
+    by head), positions a device tensor of at least T positions (a graph replays it), rotated the number of leading
+    rows that get RoPE (queries and keys; the values after them pass through). tiles overrides NORM_GEMV_TILES /
+    LARGE_TILES."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"norm_gemv takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
     if norm_weight.shape != (x.shape[1],):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} must be [K] = [{x.shape[1]}]")
     if swiglu and rope is not None:
@@ -150,7 +165,8 @@ def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None,
     x = x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     n_out = n // 2 if swiglu else n
-    y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    T = x.shape[0]
+    y = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
     cos = sin = pos = x  # unused unless rope
     half, rotated, stride_cs = 1, 0, 0
     if rope is not None:
@@ -163,7 +179,7 @@ def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None,
         programs = n // (2 * half) * (half // bn)
     else:
         programs = triton.cdiv(n_out, bn)
-    _norm_gemv_kernel[(programs,)](
+    _norm_gemv_kernel[(T, programs)](
         x, norm_weight, w, y, cos, sin, pos, n_out, rotated, w.stride(0), stride_cs, eps, K=k,
         KP=triton.next_power_of_2(k), EPILOGUE=SWIGLU if swiglu else (ROPE if rope is not None else PLAIN),
         HALF=half, ROUND_NORMED=norm_weight.dtype == x.dtype, BN=bn, num_warps=tiles["warps"])

@@ -84,9 +84,11 @@ def run(
                                             "(docs examples, timing claims, scaling, edge inputs).")] = False,
 ) -> None:
     """Review one repository now: each persona installs it from scratch, tests it, tries to break it, and records
-    findings and measurements in the database. Reviews on one machine run one at a time. After its install and tests,
-    the smoke persona runs the probes of docs/probes.md: the docs' examples and commands, import and CLI start-up
-    time, scaling and edge inputs of the functions the tests call, each finding with a repro command."""
+    findings and measurements in the database. Reviews on one machine run one at a time; before it starts, a review
+    marks runs whose process is gone interrupted and removes the workspaces and sandbox folders they left. After its
+    install and tests, the smoke persona runs the probes of docs/probes.md: the docs' examples and commands, import
+    and CLI start-up time, scaling and edge inputs of the functions the tests call, each finding with a repro
+    command."""
     settings = settings_or_exit(
         llm=llm, model=model, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
         personas_dir=personas_dir, isolation=isolation, probes=False if no_probes else None,
@@ -140,7 +142,8 @@ def report(
     format: Annotated[ReportFormat, typer.Option("--format", "-f", help="Output format.")] = ReportFormat.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
 ) -> None:
-    """Show stored reviews: findings by severity, their state and verification, and measurements."""
+    """Show stored reviews: findings by severity, their state and verification, and measurements. Runs of this
+    machine whose process is gone (killed) are marked interrupted first, so none shows as running."""
     from reviewer.report import ReportError, ReportFilter, report_command
 
     settings = settings_or_exit(db=db)
@@ -157,7 +160,7 @@ def serve(
     model: Annotated[str, typer.Option(help="Local HF model folder, a .gguf file, or 'embedded' (SmolLM2-135M-Instruct).")] = "embedded",
     drafter: Annotated[str, typer.Option(help="DFlash drafter folder, 'auto' (the one shipped for the model) or 'none'.")] = "auto",
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(help="TCP port (0: any free one, printed in the listening line).")] = 8000,
     uds: Annotated[Optional[str], typer.Option(help="Serve on this unix socket path instead of TCP.")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
@@ -169,8 +172,16 @@ def serve(
     allow_remote_without_key: Annotated[
         bool, typer.Option("--allow-remote-without-key", help="Bind a non-loopback address without an API key anyway.")
     ] = False,
+    max_body_mb: Annotated[
+        Optional[float], typer.Option(help="Largest request body accepted, MiB; a larger one is refused with 413 before "
+                                           "it is read. [default: 64 bytes per token of the context window, at least 1]")
+    ] = None,
+    body_timeout: Annotated[
+        float, typer.Option(help="Seconds a request body may take to arrive in full (408 after that).")
+    ] = 60.0,
 ) -> None:
-    """Serve a local model over an OpenAI- and Anthropic-compatible HTTP API (batch 1, speculative decoding)."""
+    """Serve a local model over an OpenAI- and Anthropic-compatible HTTP API (batch 1, speculative decoding).
+    SIGTERM or Ctrl-C ends streams with a final error event and exits within a few seconds."""
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device must be auto, cpu or cuda, got '{device}'")
     if dtype not in ("auto", "bfloat16", "float32"):
@@ -186,26 +197,32 @@ def serve(
         from backend.server import serve as serve_backend
     except ImportError as e:
         raise fail(f"the backend is not installed ({e}); install it with: pip install 'reviewer[backend]'") from None
+    if max_body_mb is not None and not max_body_mb > 0:
+        raise fail(f"--max-body-mb must be positive, got {max_body_mb:g}")
     serve_backend(model=model, drafter=drafter, host=host, port=port, uds=uds, device=device, dtype=dtype,
-                  max_context=max_context, api_key=api_key, allow_remote_without_key=allow_remote_without_key)
+                  max_context=max_context, api_key=api_key, allow_remote_without_key=allow_remote_without_key,
+                  max_body_bytes=None if max_body_mb is None else int(max_body_mb * 2**20), body_timeout=body_timeout)
 
 
 @app.command()
 def bench(
-    model: Annotated[str, typer.Option(help="Target model: a folder, a .gguf, 'embedded', or 'tiny-moe' (random hybrid MoE).")] = "embedded",
-    drafter: Annotated[str, typer.Option(help="Drafter folder, 'auto', 'random' or 'none'.")] = "auto",
+    model: Annotated[str, typer.Option(help="Target model: a folder, a .gguf, 'embedded', 'tiny-moe' (random hybrid MoE), or 'qwen3.6-35b-a3b-shape' (random weights at the 35B-A3B shape; GPU).")] = "embedded",
+    drafter: Annotated[str, typer.Option(help="Drafter folder, 'auto', 'random', 'released-shape' (random, the released Qwen3.6 drafter's shape) or 'none'.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     prompts: Annotated[int, typer.Option(help="Number of benchmark prompts.")] = 4,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 128,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the results as JSON here.")] = None,
+    adaptive: Annotated[str, typer.Option(help="Adaptive verify length: off, on or both.")] = "both",
+    forced_tau: Annotated[str, typer.Option(help="GPU only: also time the cycle under forced acceptance at these tau (comma-separated, e.g. 4.9,6.4,8.1): drafts replaced by plain decoding's own tokens; for random weights, labelled forced in the record.")] = "",
 ) -> None:
-    """Measure decoding speed: plain vs speculative (tau, acceptance per position, T_d, T_t, L_target, eta)."""
+    """Measure decoding speed: plain vs speculative side by side (tau, acceptance per position, T_d, T_t, host time
+    per cycle, L_target, eta predicted and measured, identical-output count)."""
     try:
         from backend.bench import main as bench_main
     except ImportError as e:
         raise fail(f"the backend is not installed or incomplete ({e}); install it with: pip install 'reviewer[backend]'") from None
     raise typer.Exit(bench_main(model=model, drafter=drafter, device=device, prompts=prompts, max_tokens=max_tokens,
-                                json_out=json_out) or 0)
+                                json_out=json_out, adaptive=adaptive, forced_tau=forced_tau) or 0)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from reviewer import egress_proxy, isolation, limits
+from reviewer import diskcap, egress_proxy, isolation, limits
 from reviewer.isolation import Check
 
 # Runs inside the sandbox: each line "name ok|FAIL detail". Standard library only.
@@ -55,7 +55,7 @@ def sandbox_checks(db_path: Path | None) -> list[Check]:
     """Run PROBE inside a real sandbox (the same code path as a review's commands)."""
     home = Path.home().resolve()
     allowed = sorted({p.relative_to(home).parts[0] for p in isolation.python_prefixes() if p.is_relative_to(home)})
-    ws = Path(tempfile.mkdtemp(prefix="reviewer-doctor-"))
+    ws = Path(tempfile.mkdtemp(prefix=f"reviewer-doctor-pid{os.getpid()}-"))
     try:
         for sub in ("repo", "home", "tmp"):
             (ws / sub).mkdir()
@@ -104,7 +104,21 @@ def limit_checks() -> tuple[list[Check], list[Check]]:
     memory = Check("memory_limit", mem_ok, f"total memory of a command in a {why}" if mem_ok else
                    f"per process only (RLIMIT_DATA); no memory cgroup: {why}")
     rl = Check("rlimits", True, "CPU time, file size, data size set per command inside the sandbox")
-    return [pids], [memory, rl]
+    return [pids], [memory, rl, disk_check()]
+
+
+def disk_check() -> Check:
+    """Can a workspace be its own size-limited file system here (reviewer/diskcap.py)? Tried for real."""
+    probe = Path(tempfile.mkdtemp(prefix=f"reviewer-doctor-pid{os.getpid()}-"))
+    try:
+        why = diskcap.mount_capped(probe, 16 * limits.MiB)
+    finally:
+        diskcap.release(probe)
+        probe.rmdir()
+    if why:
+        return Check("disk_limit", False, why)
+    return Check("disk_limit", True, "in the kernel: each workspace is its own ext4 file system of the disk limit "
+                                     "(loop mount); polling as a second line")
 
 
 def network_check() -> Check:

@@ -386,7 +386,8 @@ def run_sandboxed(command: str, *, sandbox: Sandbox, cwd: Path, env: dict[str, s
     cgroup, _why = limits_mod.create_cgroup(lim)
     r, w = os.pipe()
     os.set_inheritable(w, True)
-    scratch = Path(tempfile.mkdtemp(prefix="rvsb-"))  # short path: unix socket names are limited to 107 bytes
+    # Short path: unix socket names are limited to 107 bytes. The pid tells an orphan (reviewer killed) from one in use.
+    scratch = Path(tempfile.mkdtemp(prefix=f"rvsb-pid{os.getpid()}-"))
     proxy = None
     try:
         watch = [sandbox.workspace]

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from reviewer import diskcap
+
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
@@ -324,7 +326,9 @@ class DiskWatch:
             self.next_free = now + 0.1
             for p in self.paths:
                 try:
-                    st = os.statvfs(p)
+                    # A disk-capped workspace is its own small file system; the free space that matters here (the
+                    # host's, which its image draws on) is that of the folder holding it.
+                    st = os.statvfs(diskcap.host_folder(p))
                 except OSError:
                     continue
                 free = st.f_bavail * st.f_frsize
@@ -347,7 +351,8 @@ class DiskWatch:
             # free space is read before the walk: bytes written while it runs then count as a drop against the
             # room the walk leaves, so the next statvfs poll sees them (read after, they were silently forgiven)
             try:
-                self.free_at_walk = min(os.statvfs(p).f_bavail * os.statvfs(p).f_frsize for p in self.paths)
+                self.free_at_walk = min(os.statvfs(diskcap.host_folder(p)).f_bavail *
+                                        os.statvfs(diskcap.host_folder(p)).f_frsize for p in self.paths)
             except OSError:
                 self.free_at_walk = None
             with self.pause() if urgent and self.pause is not None else contextlib.nullcontext():
@@ -654,6 +659,8 @@ OUTPUT_HINTS = [
     ("cpu_limit", re.compile(r"CPU time limit exceeded|SIGXCPU|exit code:? -24\b", re.I)),
     ("file_size_limit", re.compile(r"File size limit exceeded|SIGXFSZ|exit code:? -25\b", re.I)),
     ("memory_limit", re.compile(r"\bMemoryError\b|cannot allocate memory|heap out of memory|std::bad_alloc", re.I)),
+    # The workspace's own file system is full (reviewer/diskcap.py): the kernel refused a write at the disk cap.
+    ("disk_limit", re.compile(r"No space left on device|ENOSPC|Disk quota exceeded", re.I)),
 ]
 
 

@@ -25,7 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -43,11 +46,16 @@ from reviewer import db
 from reviewer.review import sigterm_as_interrupt, stop_requested
 from reviewer.db import PersonaRun, Repository, ReviewQueue, ReviewRun
 from reviewer.lock import lock_path, review_lock
-from reviewer.workspace import WorkspaceError, is_url, list_remote, local_repository_url, resolve_target
+from reviewer.workspace import (KEPT_MARKER, WorkspaceError, is_url, list_remote, local_repository_url,
+                                remove_workspace, resolve_target)
 
 MAX_BACKOFF = 3600.0
 DEFAULT_LEASE = 300.0  # seconds a claimed job stays a worker's without a heartbeat
 MIN_LEASE = 3.0
+KEPT_SECONDS = 86400.0  # a failed persona's workspace, kept for a look, is swept this long after
+# Folders a review makes, named with their owner's pid: workspaces (reviewer/workspace.py, including the verifier's
+# and the ref probe's), the doctor's, and the sandbox's scratch folder (reviewer/isolation.py).
+OWNED_FOLDER = re.compile(r"^(?:reviewer-.+|rvsb)-pid(\d+)-[A-Za-z0-9_]+$")
 MAX_ATTEMPTS = 3  # a commit whose review was started this often without finishing is given up (status failed)
 REVIEWED = ("completed", "failed")  # run statuses that count as "this commit was reviewed"
 EXIT_OK, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -405,6 +413,37 @@ def requeue_expired(s, console: Console) -> int:
                 interrupt_run(s, run, f"its worker {row.worker or '?'} stopped renewing its lease (killed or cut off)")
         log(console, f"queue item {row.id} ({row.commit_sha[:12]}): lease expired, {why}", "yellow")
     return requeued
+
+
+def remove_orphans(parents: list[Path | None], console: Console) -> int:
+    """Workspaces and sandbox scratch folders whose process is gone (killed before it could remove them: 24-28 MB
+    each, piling up in /tmp), from the system's temporary folder and `parents`. The pid in a folder's name is its
+    owner; owner_alive compares that process's start with the folder's last change, so a reused pid does not keep
+    an orphan alive. A workspace kept on purpose (KEPT_MARKER) goes a day after it was kept. Returns how many went."""
+    removed = 0
+    for parent in dict.fromkeys(Path(p) for p in [*parents, tempfile.gettempdir()] if p):
+        try:
+            entries = list(parent.iterdir())
+        except OSError:
+            continue
+        for path in entries:
+            match = OWNED_FOLDER.match(path.name)
+            if not match or not path.is_dir() or path.is_symlink():
+                continue
+            try:
+                changed = path.stat().st_mtime
+                kept = (path / KEPT_MARKER).stat().st_mtime if (path / KEPT_MARKER).exists() else None
+            except OSError:
+                continue
+            if owner_alive(int(match.group(1)), datetime.fromtimestamp(changed, timezone.utc)):
+                continue
+            if kept is not None and time.time() - kept < KEPT_SECONDS:
+                continue
+            (remove_workspace if path.name.startswith("reviewer-") else shutil.rmtree)(path)
+            removed += 1
+    if removed:
+        log(console, f"removed {removed} workspace(s) and sandbox folder(s) left by killed reviews", "yellow")
+    return removed
 
 
 def as_utc(dt: datetime) -> datetime:

@@ -379,11 +379,32 @@ def write_text(text: str, output: Path | None) -> None:
         raise ReportError(f"cannot write {output}: {e.strerror or e}") from None
 
 
+def open_and_reconcile(db_path: str) -> None:
+    """Open the database (a file that is not one is a one-line ReportError), then mark the runs of this machine whose
+    process is gone `interrupted`, exactly as `reviewer run` and `loop` do before they start (loop.recover_dead_runs):
+    a report never shows a killed review as running. What it says about them goes to stderr (stdout may be JSON)."""
+    from reviewer.loop import first_line, recover_dead_runs
+
+    try:
+        db.get_engine(db_path)
+    except Exception as e:  # noqa: BLE001 - not a database, a newer schema, unreadable: one line
+        raise ReportError(f"cannot open the database {db.display_url(db_path)}: {first_line(e)}") from None
+    try:
+        with db.session(db_path) as s:
+            recover_dead_runs(s, [], Console(stderr=True))
+            s.commit()
+    except Exception as e:  # noqa: BLE001 - a read-only database: report what is stored, and say why it may be stale
+        Console(stderr=True).print(f"[yellow]warning:[/yellow] could not mark dead runs interrupted: "
+                                   f"{escape(first_line(e))}", highlight=False)
+
+
 def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | None, console: Console) -> None:
-    """`reviewer report`: validate, collect, render in the asked format to stdout or a file."""
+    """`reviewer report`: validate, reconcile dead runs, collect, render in the asked format to stdout or a file."""
     validate(flt)
     if fmt not in ("table", "markdown", "json", "html"):
         raise ReportError(f"unknown format '{fmt}' (one of: table, markdown, json, html)")
+    if database_exists(db_path):
+        open_and_reconcile(db_path)
     if flt.repo and database_exists(db_path) and flt.repo not in (repos := known_repositories(db_path)):
         known = ", ".join(repos) if repos else "none yet"
         raise ReportError(f"no reviews of {flt.repo} in {db_path} (repositories: {known})")

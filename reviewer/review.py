@@ -427,9 +427,10 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
                 db.get_engine(settings.db)
             except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line, nothing written
                 raise UserError(f"cannot open the database {db.display_url(settings.db)}: {one_line(e)}") from None
-            from reviewer.loop import recover
+            from reviewer.loop import recover, remove_orphans
 
             recover(settings.db, [], ui)  # runs a killed reviewer left `running` on this machine: interrupted
+            remove_orphans([settings.workdir], ui)  # and the workspaces and sandbox folders it left behind
             run_id = create_run(settings, tgt, ref, llm, worker)
             status = review_personas(run_id, personas, tgt, settings, llm, ui, where)
     except LockBusy as e:
@@ -577,6 +578,7 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
             close_open_rows(settings.db, run_id, "interrupted", f"interrupted during persona {persona.name}")
         note = error or summary or ""
         if ws is not None and status == "failed":
+            ws.keep()
             note += f" (workspace kept: {ws.path})"
         elif ws is not None:
             ws.remove()

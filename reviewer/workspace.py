@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reviewer import diskcap
 from reviewer.isolation import Policy, Sandbox
 from reviewer.sandbox import CommandResult, run_command, sandbox_env
 
@@ -29,6 +30,7 @@ LS_REMOTE_TIMEOUT = 60.0
 FETCH_TIMEOUT = 600.0
 VENV_TIMEOUT = 300.0
 FULL_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+KEPT_MARKER = "KEPT"  # in a workspace kept on purpose (a failed persona's): the orphan sweep leaves it for a day
 SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:")  # git@github.com:owner/repo.git
 
 
@@ -89,7 +91,12 @@ class Workspace:
 
     def remove(self) -> None:
         if self.path is not None:
-            remove_tree(self.path)
+            remove_workspace(self.path)
+
+    def keep(self) -> None:
+        """Leave the workspace for a look (its path is printed); the next reviews' orphan sweep removes it a day on."""
+        if self.path is not None:
+            (self.path / KEPT_MARKER).write_text(f"kept by pid {os.getpid()}\n")
 
 
 def git_env() -> dict[str, str]:
@@ -160,7 +167,7 @@ def list_remote(url: str) -> tuple[dict[str, str], str | None]:
 
 def commit_exists(url: str, sha: str) -> bool:
     """Ask the server for exactly this commit (depth 1, no trees where the server can filter) in a scratch repo."""
-    with tempfile.TemporaryDirectory(prefix="reviewer-probe-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"reviewer-probe-pid{os.getpid()}-") as tmp:
         init = git("init", "-q", "--bare", tmp)
         if init.returncode != 0:
             raise WorkspaceError(f"git init failed: {git_reason(init)}")
@@ -214,6 +221,12 @@ def remove_tree(path: Path) -> None:
         path, onerror=make_writable_and_retry)
 
 
+def remove_workspace(path: Path) -> None:
+    """A workspace folder and everything in it, its disk-capped file system (diskcap) included."""
+    diskcap.release(path)
+    remove_tree(path)
+
+
 def clone_commit(url: str, commit: str, dest: Path, branch: str | None = None) -> list[str]:
     """A fresh shallow clone of one commit: init + fetch --depth 1 <sha> + checkout. Works for https, ssh and file://
     (protocol v2 lets a client ask for any commit, advertised or not). Returns notes for the persona."""
@@ -256,13 +269,18 @@ def create_venv(venv: Path, python: str = sys.executable, home: Path | None = No
 def create_workspace(target: Target, *, parent: Path | None, name: str, command_timeout: float = 600.0,
                      python: str = sys.executable, policy: Policy | None = None) -> Workspace:
     """A fresh folder for one persona: repo/ (shallow clone at target.commit), venv/, home/, tmp/. Its commands run
-    confined by `policy` (default: bubblewrap with the default limits; IsolationError where it is unavailable)."""
+    confined by `policy` (default: bubblewrap with the default limits; IsolationError where it is unavailable).
+    Where the machine allows (root), the folder is its own file system of the policy's disk size (diskcap), so the
+    kernel stops a disk-filling command at the limit; the name carries our pid, so that a later review can tell an
+    orphan (its process killed) from a workspace in use, and remove it (reviewer.loop.remove_orphans)."""
     policy = policy or Policy.from_settings(None)
     parent = Path(parent) if parent else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)[:40] or "persona"
-    path = Path(tempfile.mkdtemp(prefix=f"reviewer-{safe}-", dir=parent))
+    path = Path(tempfile.mkdtemp(prefix=f"reviewer-{safe}-pid{os.getpid()}-", dir=parent))
     try:
+        if policy.limits.disk_bytes:
+            diskcap.mount_capped(path, policy.limits.disk_bytes)  # else (not root): the polling limit alone
         root, venv, home, tmp = path / "repo", path / "venv", path / "home", path / "tmp"
         notes = clone_commit(target.url, target.commit, root, target.branch)
         home.mkdir()
@@ -272,5 +290,5 @@ def create_workspace(target: Target, *, parent: Path | None, name: str, command_
         return Workspace(root=root, venv=venv, env=env, commit=target.commit, path=path, url=target.url,
                          command_timeout=command_timeout, notes=notes, sandbox=policy.for_workspace(path, tmp))
     except BaseException:
-        remove_tree(path)
+        remove_workspace(path)
         raise

@@ -107,9 +107,9 @@ def test_residual_is_added_with_pytorch_rounding():
 
 def test_bad_shapes_raise_clear_errors():
     x, w = torch.randn(1, 64), torch.randn(8, 64)
-    with pytest.raises(ValueError, match=r"x \[1, K\]"):
-        gemv(torch.randn(2, 64), w)
-    with pytest.raises(ValueError, match=r"x \[1, K\]"):
+    with pytest.raises(ValueError, match=r"x \[T <= 16, K\]"):
+        gemv(torch.randn(17, 64), w)
+    with pytest.raises(ValueError, match=r"x \[T <= 16, K\]"):
         gemv(x, torch.randn(8, 32))
     with pytest.raises(ValueError, match="gate"):
         gemv(x, w, gate=torch.randn(1, 32))
@@ -127,3 +127,49 @@ def test_cuda_bf16_matches_pytorch(prologue):
     y, ref = gemv(x, w, **kw), gemv_torch(x, w, **kw)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
     assert torch.equal(y, gemv(x, w, **kw))
+
+
+ROWS_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_gemv import CASES, rows_inputs
+from kernels.gemv import gemv
+for i, case in enumerate(CASES):
+    x, w, kw, res = rows_inputs(case, 5)
+    block = gemv(x, w, residual=res, use_triton=True, tiles={"BN": case[5], "warps": 2}, **kw)
+    alone = [gemv(x[t:t + 1], w, residual=res[t:t + 1], use_triton=True, tiles={"BN": case[5], "warps": 2},
+                  **{k: v[t:t + 1] if k == "gate" else v for k, v in kw.items()}) for t in range(5)]
+    print(json.dumps({"case": [i], "equal": torch.equal(block, torch.cat(alone))}), flush=True)
+"""
+
+
+def rows_inputs(case, rows: int, device="cpu"):
+    """A block of `rows` inputs (gates and residuals too) for a CASES entry."""
+    x, w, kw = inputs_for(case, device)
+    g = torch.Generator().manual_seed(rows)
+    more = lambda: torch.randn(rows, x.shape[1], generator=g).to(device, x.dtype)  # noqa: E731
+    x = more()
+    if "gate" in kw:
+        kw["gate"] = more()
+    return x, w, kw, torch.randn(rows, w.shape[0], generator=g).to(device, x.dtype)
+
+
+def test_rows_of_a_block_equal_rows_alone_in_interpreter():
+    """Batch invariance: row t of a T-row call is bit for bit the one-row call on row t (a verify block's position
+    gets a decode step's bits)."""
+    results = interpreted_by_case(ROWS_SCRIPT)
+    assert len(results) == len(CASES) and all(r["equal"] for r in results.values()), results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prologue", ["gated_norm", "sigmoid_gate", "plain"])
+@pytest.mark.parametrize("rows", [2, 7, 16])
+def test_cuda_bf16_rows_are_batch_invariant(prologue, rows):
+    case = ("bfloat16", 2048, 4096, 128 if prologue == "gated_norm" else None, prologue)
+    x, w, kw, res = rows_inputs(case, rows, "cuda")
+    block = gemv(x, w, residual=res, **kw)
+    for t in range(rows):
+        alone = gemv(x[t:t + 1], w, residual=res[t:t + 1], **{k: v[t:t + 1] if k == "gate" else v
+                                                               for k, v in kw.items()})
+        assert torch.equal(block[t:t + 1], alone), t

@@ -108,8 +108,8 @@ def test_bad_inputs_raise_clear_errors():
     x, nw, w = torch.randn(1, 64), torch.randn(64), torch.randn(8, 64)
     cos = sin = torch.randn(16, 16)
     pos = torch.tensor([3])
-    with pytest.raises(ValueError, match=r"x \[1, K\]"):
-        norm_gemv(torch.randn(2, 64), nw, w, 1e-5)
+    with pytest.raises(ValueError, match=r"x \[T <= 16, K\]"):
+        norm_gemv(torch.randn(17, 64), nw, w, 1e-5)
     with pytest.raises(ValueError, match="norm weight"):
         norm_gemv(x, torch.randn(32), w, 1e-5)
     with pytest.raises(ValueError, match="one epilogue"):
@@ -130,3 +130,67 @@ def test_cuda_bf16_at_the_smollm2_shapes(case):
     y, ref = norm_gemv(x, nw, w, 1e-5, **kw), model_math(case, x, nw, w)
     assert ((y.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
     assert torch.equal(y, norm_gemv(x, nw, w, 1e-5, **kw))
+
+
+ROWS_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.test_norm_gemv import CASES, rows_inputs
+from kernels.norm_gemv import norm_gemv
+for i, case in enumerate(CASES):
+    x, nw, w, kw = rows_inputs(case, 4)
+    tiles = {"BN": case[4], "warps": 2}
+    block = norm_gemv(x, nw, w, 1e-5, use_triton=True, tiles=tiles, **kw)
+    alone = []
+    for t in range(4):
+        one = dict(kw)
+        if "rope" in kw:
+            cos, sin, pos, n = kw["rope"]
+            one["rope"] = (cos, sin, pos[t:t + 1], n)
+        alone.append(norm_gemv(x[t:t + 1], nw, w, 1e-5, use_triton=True, tiles=tiles, **one))
+    print(json.dumps({"case": [i], "equal": torch.equal(block, torch.cat(alone))}), flush=True)
+"""
+
+
+def rows_inputs(case, rows: int, device="cpu"):
+    """`rows` input rows for a CASES entry, each at its own position under RoPE."""
+    x, nw, w, kw = inputs_for(case, device)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, x.shape[1], generator=g).to(device, x.dtype)
+    if "rope" in kw:
+        cos, sin, _, n = kw["rope"]
+        kw["rope"] = (cos, sin, torch.arange(POSITION, POSITION + rows, device=device), n)
+    return x, nw, w, kw
+
+
+def test_rows_of_a_block_equal_rows_alone_in_interpreter():
+    """Batch invariance: row t of a T-row call (RoPE at its own position) is bit for bit the one-row call."""
+    results = interpreted_by_case(ROWS_SCRIPT)
+    assert len(results) == len(CASES) and all(r["equal"] for r in results.values()), results
+
+
+def test_fallback_rows_rotate_at_their_own_positions():
+    """The PyTorch twin (CPU BLAS: not batch-invariant, so within fp32 rounding) rotates row t at positions[t]."""
+    case = CASES[0]
+    x, nw, w, kw = rows_inputs(case, 3)
+    cos, sin, pos, n = kw["rope"]
+    block = norm_gemv(x, nw, w, 1e-5, use_triton=False, **kw)
+    for t in range(3):
+        one = norm_gemv(x[t:t + 1], nw, w, 1e-5, use_triton=False, rope=(cos, sin, pos[t:t + 1], n))
+        torch.testing.assert_close(block[t:t + 1], one, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [("bfloat16", 576, "rope", (9, 3, 64), 4), ("bfloat16", 576, "swiglu", 1536, 4),
+                                  ("bfloat16", 576, "plain", 49152, 4)], ids=lambda c: c[2])
+@pytest.mark.parametrize("rows", [2, 9, 16])
+def test_cuda_bf16_rows_are_batch_invariant(case, rows):
+    x, nw, w, kw = rows_inputs(case, rows, "cuda")
+    block = norm_gemv(x, nw, w, 1e-5, **kw)
+    for t in range(rows):
+        one = dict(kw)
+        if "rope" in kw:
+            cos, sin, pos, n = kw["rope"]
+            one["rope"] = (cos, sin, pos[t:t + 1], n)
+        assert torch.equal(block[t:t + 1], norm_gemv(x[t:t + 1], nw, w, 1e-5, **one)), t

@@ -486,6 +486,8 @@ def test_serve_on_a_unix_socket_then_stop(tmp_path, tiny_model):
         assert listening_address(process) == f"unix:{sock}"
         with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost") as http:
             assert wait_for(lambda: http.get("/health").status_code == 200, timeout=60)
+            ready = process.stdout.readline()  # the ready line: what decoding the engine does
+            assert ready.startswith("reviewer serve: ready: ") and "plain decoding (no drafter)" in ready, ready
             client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=http, max_retries=0)
             assert client.chat.completions.create(model=client.models.list().data[0].id, messages=ASK,
                                                   max_tokens=3).usage.completion_tokens == 3

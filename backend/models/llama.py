@@ -21,6 +21,7 @@ from backend.static_cache import KVCache
 from kernels.block_attention import block_attention
 from kernels.fused_moe import triton_usable
 from kernels.gemv import gemv
+from kernels.norm_gemv import MAX_ROWS as ROW_KERNEL_ROWS
 from kernels.norm_gemv import norm_gemv
 
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
@@ -94,7 +95,8 @@ def cached_attention(kv: KVCache, layer: int, q, k, v, positions, kv_len: int, m
     when the forward chose it (mask None; positions are consecutive, as FastModel makes them), else index_copy_ + SDPA
     over the first kv_len columns with `mask`. Returns [T, Hq * D]."""
     if mask is None:
-        return block_attention(q, k, v, kv.k[layer], kv.v[layer], positions[:1], kv_len, use_triton=True)
+        return block_attention(q, k, v, kv.k[layer], kv.v[layer], positions[:1], kv_len, positions=positions,
+                               use_triton=True)
     k_all, v_all = kv.write(layer, positions, k, v, kv_len)
     return attention(q, k_all, v_all, mask)
 
@@ -199,8 +201,10 @@ class Llama(nn.Module):
         through torch.compile (see glue())."""
         c = self.config
         x, y = F.embedding(tokens, self.embed), None  # residual stream, and the MLP output not yet added to it
-        if tokens.numel() == 1 and self.one_token_kernels and triton_usable(x):
-            return self._one_token(x, positions, kv_len, hidden_ids)
+        T = tokens.numel()
+        if T <= ROW_KERNEL_ROWS and self.one_token_kernels and triton_usable(x) and (
+                T == 1 or self.kv.block_kernel(T)):
+            return self._rows(x, positions, kv_len, hidden_ids)
         attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         cos, sin = self.cos[positions], self.sin[positions]
         mask = None if self.kv.block_kernel(tokens.numel()) else causal_mask(positions, kv_len)
@@ -222,38 +226,52 @@ class Llama(nn.Module):
         return logits, features
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether decode steps and verify blocks take _rows (kernels that compute a row the same way for 1..16
+        rows): then a position's logits are bitwise the same however the engine reached it."""
+        return self.one_token_kernels and triton_usable(self.embed) and self.kv.use_block_kernel
+
+    @property
     def one_token_kernels(self) -> bool:
-        """Whether a decode step can take _one_token's kernels: they know no biases and rotate whole heads."""
+        """Whether decode steps and verify blocks can take _rows' kernels: they know no biases and rotate whole
+        heads."""
         c = self.config
         return not (c.attention_bias or c.mlp_bias) and self.cos.shape[-1] == c.head_dim and c.head_dim % 2 == 0
 
-    def _one_token(self, x, positions, kv_len: int, hidden_ids: tuple[int, ...]):
-        """A decode step in five launches per layer (kernels/norm_gemv.py, kernels/gemv.py, two of attention):
-        norm + q/k/v + RoPE; cache write + attention; output projection + residual; norm + gate/up + SwiGLU; down
-        projection + residual. forward()'s glue path takes ten (bench/target_step.py --profile). The residual adds
-        sit in the projections' epilogues, so x is always the whole residual stream."""
+    def _rows(self, x, positions, kv_len: int, hidden_ids: tuple[int, ...]):
+        """A decode step or a verify block (T <= 16 rows) in five launches per layer (kernels/norm_gemv.py,
+        kernels/gemv.py, two of attention, plus the cache write for T > 1): norm + q/k/v + RoPE; cache write +
+        attention; output projection + residual; norm + gate/up + SwiGLU; down projection + residual.
+        forward()'s glue path takes ten (bench/target_step.py --profile). The residual adds sit in the projections'
+        epilogues, so x is always the whole residual stream.
+
+        Batch-invariant: every kernel computes a row the same way for 1..16 rows (each input row runs the one-row
+        program of the projection kernels; attention sees a block row's earlier tokens as cached columns at the
+        decode step's slice boundaries), so a position's logits are bitwise those of a plain decode step at that
+        position.
+        That is what makes greedy speculative decoding emit exactly plain decoding's tokens on the GPU."""
         c = self.config
+        T = x.shape[0]
         heads, kv_heads, d = c.num_heads, c.num_kv_heads, c.head_dim
         q_rows, k_rows = heads * d, kv_heads * d
-        mask = None if self.kv.block_kernel(1) else causal_mask(positions, kv_len)
+        mask = None if self.kv.block_kernel(T) else causal_mask(positions, kv_len)
         feats = {}
+        eps = c.rms_norm_eps
         for i, layer in enumerate(self.layers):
-            qkv = norm_gemv(x, layer.attn_norm, layer.wqkv, c.rms_norm_eps,
-                            rope=(self.cos, self.sin, positions, q_rows + k_rows))[0]
-            q = qkv[:q_rows].view(heads, 1, d)
-            k = qkv[q_rows:q_rows + k_rows].view(kv_heads, 1, d)
-            v = qkv[q_rows + k_rows:].view(kv_heads, 1, d)
+            qkv = norm_gemv(x, layer.attn_norm, layer.wqkv, eps, rope=(self.cos, self.sin, positions, q_rows + k_rows))
+            q = qkv[:, :q_rows].view(T, heads, d).transpose(0, 1)
+            k = qkv[:, q_rows:q_rows + k_rows].view(T, kv_heads, d).transpose(0, 1)
+            v = qkv[:, q_rows + k_rows:].view(T, kv_heads, d).transpose(0, 1)
             x = gemv(cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, residual=x)
-            h = norm_gemv(x, layer.mlp_norm, layer.w_gate_up, c.rms_norm_eps, swiglu=True)
+            h = norm_gemv(x, layer.mlp_norm, layer.w_gate_up, eps, swiglu=True)
             x = gemv(h, layer.w_down, residual=x)
             if i in hidden_ids:
                 feats[i] = x
         last = c.num_layers - 1
         if last in hidden_ids:  # transformers' last hidden state is after the final norm
             feats[last] = rms_norm(x, self.norm, c.rms_norm_eps)
-            logits = F.linear(feats[last], self.lm_head)
-        else:
-            logits = norm_gemv(x, self.norm, self.lm_head, c.rms_norm_eps)
+        # all rows' logits (a verify needs them; a decode step has one row): the LM head through the row kernel
+        logits = norm_gemv(x, self.norm, self.lm_head, eps)
         return logits, (torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None)
 
     # ---- loading --------------------------------------------------------------------------------------------------
