@@ -34,9 +34,11 @@ system-deps:
 
 demo: setup system-deps
 	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
-	# The embedded model (SmolLM2-135M on the CPU) is small: a short step budget and a time limit keep the demo to minutes.
+	# The smoke persona and its probes (docs/probes.md): no model needed for what a program can check. Then the docs
+	# persona through the embedded model (SmolLM2-135M on the CPU is small: a short step budget and a time limit keep
+	# the demo to minutes).
 	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke --persona docs \
-		--max-steps 4 --timeout 360
+		--max-steps 4 --timeout 420
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format html --output $(DEMO_DIR)/report.html
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
 	@echo "Full report: $(DEMO_DIR)/report.html (JSON: $(DEMO_DIR)/report.json; or $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"

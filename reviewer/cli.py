@@ -80,13 +80,18 @@ def run(
     isolation: Annotated[Optional[str], typer.Option(help="Sandbox: auto, bwrap or none (none is loudly reported).")] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Fail at once if another review holds this machine.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the finished run as JSON instead of tables.")] = False,
+    no_probes: Annotated[bool, typer.Option("--no-probes", help="Skip the smoke persona's deterministic probes "
+                                            "(docs examples, timing claims, scaling, edge inputs).")] = False,
 ) -> None:
     """Review one repository now: each persona installs it from scratch, tests it, tries to break it, and records
     findings and measurements in the database. Reviews on one machine run one at a time; before it starts, a review
-    marks runs whose process is gone interrupted and removes the workspaces and sandbox folders they left."""
+    marks runs whose process is gone interrupted and removes the workspaces and sandbox folders they left. After its
+    install and tests, the smoke persona runs the probes of docs/probes.md: the docs' examples and commands, import
+    and CLI start-up time, scaling and edge inputs of the functions the tests call, each finding with a repro
+    command."""
     settings = settings_or_exit(
         llm=llm, model=model, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
-        personas_dir=personas_dir, isolation=isolation,
+        personas_dir=personas_dir, isolation=isolation, probes=False if no_probes else None,
     )
     from reviewer.review import run_command
 

@@ -159,7 +159,9 @@ def finding_html(f: dict) -> str:
     more = []
     if f.get("details"):
         more.append(f"<pre>{escape(f['details'])}</pre>")
-    if f.get("repro_command"):
+    if f.get("repro_command") and "\n" in f["repro_command"]:  # a probe's script (docs/probes.md): keep its lines
+        more.append(f"<div>Reproduce:</div><pre>{escape(f['repro_command'])}</pre>")
+    elif f.get("repro_command"):
         more.append(f"<div>Reproduce: <code>{escape(f['repro_command'])}</code></div>")
     if f.get("evidence"):
         more.append(f"<div>Evidence:</div><pre>{escape(f['evidence'])}</pre>")

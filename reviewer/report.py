@@ -317,7 +317,10 @@ def render_markdown(runs: list[dict], history: list[dict], *, source: str) -> st
                              f"state: **{f['state'] or '-'}**, {verified}")
                 if f["details"]:
                     lines += ["", *[f"  > {line}" for line in f["details"].strip().splitlines()[:20]], ""]
-                if f["repro_command"]:
+                if f["repro_command"] and "\n" in f["repro_command"]:  # a probe's script: a fenced block
+                    lines += ["  - reproduce:", "", "    ```", *[f"    {ln}" for ln in f["repro_command"].splitlines()],
+                              "    ```", ""]
+                elif f["repro_command"]:
                     lines.append(f"  - reproduce: `{_md(f['repro_command'])}`")
             lines.append("")
         if run["measurements"]:

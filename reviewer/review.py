@@ -536,7 +536,7 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
         ws.on_event = recorder.record_sandbox_event
         if persona.deterministic:
             result = DETERMINISTIC[persona.name](
-                ws, recorder, timeout=settings.timeout,
+                ws, recorder, timeout=settings.timeout, probes=settings.probes,
                 on_step=lambda step, tool, detail: view.step(persona.name, step, tool, detail))
         else:
             from reviewer.agent import run_agent

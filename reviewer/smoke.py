@@ -4,7 +4,8 @@ It looks at the files at the top of the repository to tell what kind of project 
 installs it into the fresh workspace the way its ecosystem expects, runs its test command and, for Python, times the
 import of the top-level package. What it finds (install fails, tests fail — with the failing test ids and a command
 that reproduces them —, no tests) and what it measures (install, test and import times) give every review a baseline
-that does not depend on how good the model is.
+that does not depend on how good the model is. After a Python install it runs the probes (reviewer/probes: the docs
+as executable claims, timing claims, scaling, edge inputs) in the same workspace.
 
 Every command goes through `Workspace.run` (the sandbox), and the transcript is saved after each one in the same
 OpenAI message shape the agent personas use, so one viewer reads both.
@@ -65,6 +66,7 @@ class Smoke:
     messages: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # becomes the summary
     deadline: float = 0.0
+    probes: bool = True  # run reviewer/probes after a Python install (settings.probes)
 
     def sh(self, label: str, command: str, timeout: float | None = None) -> CommandResult:
         """Run one command in the workspace as a step: progress, transcript, saved at once."""
@@ -72,7 +74,8 @@ class Smoke:
         if remaining <= 1:
             raise SmokeTimeout(label)
         self.steps += 1
-        self.on_step(self.steps, "bash", f"{label}: {command}")
+        first = command.splitlines()[0] if command.strip() else command  # a probe's script: its first line on screen
+        self.on_step(self.steps, "bash", f"{label}: {first}" + (" ..." if first != command else ""))
         call_id = f"smoke-{self.steps}"
         self.messages.append({"role": "assistant", "content": label, "tool_calls": [
             {"id": call_id, "type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": command})}}]})
@@ -112,9 +115,10 @@ def detect(root: Path) -> list[tuple[str, str]]:
 
 
 def run_smoke(workspace: Workspace, recorder, *, timeout: float,
-              on_step: Callable[[int, str, str], None] = lambda step, tool, detail: None) -> SmokeResult:
+              on_step: Callable[[int, str, str], None] = lambda step, tool, detail: None,
+              probes: bool = True) -> SmokeResult:
     smoke = Smoke(workspace=workspace, recorder=recorder, timeout=timeout, on_step=on_step,
-                  deadline=time.monotonic() + timeout)
+                  deadline=time.monotonic() + timeout, probes=probes)
     kinds = detect(workspace.root)
     try:
         if not kinds:
@@ -245,14 +249,18 @@ def smoke_python(smoke: Smoke, marker: str) -> None:
                 smoke.finding(title=f"`pip install -r {req}` fails", severity="medium", category="install",
                               details=pip_error(res.output), evidence=tail(res.output, EVIDENCE_CHARS), repro_command=cmd)
     package = import_name(root, dist_name)
-    if package:
-        measure_import(smoke, package)
+    import_ms = measure_import(smoke, package) if package else None
     python_tests(smoke)
+    if smoke.probes:  # docs as executable claims, timing claims, edge inputs, scaling: reviewer/probes/README.md
+        from reviewer.probes.runner import from_smoke, run_probes
+
+        run_probes(from_smoke(smoke, package), import_ms=import_ms)
 
 
-def measure_import(smoke: Smoke, package: str) -> None:
+def measure_import(smoke: Smoke, package: str) -> float | None:
     """Import time of the top-level package from `python -X importtime` (cumulative, interpreter start excluded):
-    one warm-up run (it writes the .pyc files), then IMPORT_REPEATS runs; median and spread."""
+    one warm-up run (it writes the .pyc files), then IMPORT_REPEATS runs; median and spread. Returns the median in
+    ms (None when it could not be measured)."""
     command = f"python -X importtime -c {shlex.quote(f'import {package}')}"
     warm = smoke.sh(f"import {package} (warm-up)", command, timeout=120)
     if warm.exit_code != 0:
@@ -261,18 +269,19 @@ def measure_import(smoke: Smoke, package: str) -> None:
                       details=f"In a fresh virtual environment with the project installed: {error}",
                       evidence=tail(warm.output, EVIDENCE_CHARS), repro_command=f"python -c 'import {package}'")
         smoke.notes.append(f"import {package} failed")
-        return
+        return None
     samples = []
     for i in range(IMPORT_REPEATS):
         res = smoke.sh(f"import {package} ({i + 1}/{IMPORT_REPEATS})", command, timeout=120)
         us = importtime_us(res.output, package)
         if res.exit_code != 0 or us is None:
-            return
+            return None
         samples.append(us / 1000.0)
     median, spread = stats.median(samples), stats.spread(samples)  # the report computes both the same way
     smoke.measure(name=f"import time ({package})", value=round(median, 3), unit="ms", command=command,
                   repeats=len(samples), spread=round(spread, 3) if math.isfinite(spread) else None, samples=[round(s, 3) for s in samples])
     smoke.notes.append(f"import {package}: {median:.1f} ms (median of {len(samples)}, spread {spread:.0%})")
+    return median
 
 
 def importtime_us(output: str, package: str) -> int | None:

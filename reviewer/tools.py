@@ -1,10 +1,11 @@
-"""The six tools a persona agent can call: their JSON schemas (OpenAI function format) and their implementations.
+"""The tools a persona agent can call: their JSON schemas (OpenAI function format) and their implementations.
 
 Names and arguments are a public contract (other programs parse transcripts): bash(command, timeout=120),
 read_file(path, offset=0, limit=400), write_file(path, content), record_finding(title, severity, category, details,
 evidence=None, repro_command=None, file=None, line=None), record_measurement(name, value, unit, command=None,
-repeats=None), finish(summary). Bad arguments never raise out of here: they come back as an error text the model
-can read and correct.
+repeats=None), finish(summary), and the deterministic probes (reviewer/probes): probe_docs(), probe_timing(),
+probe_scaling(function=None), probe_edges(function=None). Bad arguments never raise out of here: they come back as an
+error text the model can read and correct.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from reviewer.db import SEVERITIES
 
-TOOL_NAMES = ("bash", "read_file", "write_file", "record_finding", "record_measurement", "finish")
+TOOL_NAMES = ("bash", "read_file", "write_file", "record_finding", "record_measurement", "finish", "probe_docs",
+              "probe_timing", "probe_scaling", "probe_edges")
 
 
 def function(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -69,6 +71,15 @@ TOOLS: list[dict] = [
     function("finish", "End the review with a short summary of what you checked and found.",
              {"summary": string("a few sentences: what works, what does not, what you could not check")},
              ["summary"]),
+    # The probes (reviewer/probes) record their own findings, with repro commands; install the project first.
+    function("probe_docs", "Run every README/docs example and documented command; record each that fails or gives "
+             "another result than the docs show.", {}, []),
+    function("probe_timing", "Time `import` of the package and each console script's --help; record what is slow.",
+             {}, []),
+    function("probe_scaling", "Time the functions the tests and docs call at growing input sizes; record super-linear "
+             "growth.", {"function": string("only this function (default: all)")}, []),
+    function("probe_edges", "Call the functions and CLIs with empty, zero, negative, non-ASCII and malformed-file "
+             "inputs; record crashes.", {"function": string("only this function (default: all)")}, []),
 ]
 
 
@@ -129,9 +140,18 @@ class FinishArgs(Args):
     summary: str = Field(min_length=1)
 
 
+class ProbeArgs(Args):
+    pass
+
+
+class ProbeFunctionArgs(Args):
+    function: str | None = None
+
+
 ARG_MODELS: dict[str, type[Args]] = {
     "bash": BashArgs, "read_file": ReadFileArgs, "write_file": WriteFileArgs, "record_finding": RecordFindingArgs,
-    "record_measurement": RecordMeasurementArgs, "finish": FinishArgs,
+    "record_measurement": RecordMeasurementArgs, "finish": FinishArgs, "probe_docs": ProbeArgs,
+    "probe_timing": ProbeArgs, "probe_scaling": ProbeFunctionArgs, "probe_edges": ProbeFunctionArgs,
 }
 
 
@@ -256,6 +276,24 @@ class Toolbox:
 
     def finish(self, args: FinishArgs) -> ToolOutcome:
         return ToolOutcome("finished", finished=True, summary=args.summary)
+
+    def probe(self, kind: str, function: str | None = None) -> ToolOutcome:
+        from reviewer.probes.runner import run_tool
+
+        text = run_tool(kind, self.workspace, self.recorder, deadline=self.deadline, function=function)
+        return ToolOutcome(cut_middle(text, self.max_output), ok=not text.startswith("error:"))
+
+    def probe_docs(self, args: ProbeArgs) -> ToolOutcome:
+        return self.probe("docs")
+
+    def probe_timing(self, args: ProbeArgs) -> ToolOutcome:
+        return self.probe("timing")
+
+    def probe_scaling(self, args: ProbeFunctionArgs) -> ToolOutcome:
+        return self.probe("scaling", args.function)
+
+    def probe_edges(self, args: ProbeFunctionArgs) -> ToolOutcome:
+        return self.probe("edges", args.function)
 
 
 def describe_tools_as_text() -> str:

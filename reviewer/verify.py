@@ -70,7 +70,9 @@ def verify_findings(db_path: str, run_id: int, *, persona: str | None = None, se
             save(db_path, finding.id, None, f"not checked: over {MAX_PER_PERSONA} findings of {finding.persona} to verify")
             counts["unchecked"] += 1
             continue
-        on_progress(f"verifying finding {finding.id} ({finding.persona}): {finding.repro_command}")
+        lines = finding.repro_command.strip().splitlines()
+        shown = lines[0] + (" ..." if len(lines) > 1 else "")  # a probe's script: its first line
+        on_progress(f"verifying finding {finding.id} ({finding.persona}): {shown}")
         verified, text = check(finding.repro_command, target, setup, settings)
         save(db_path, finding.id, verified, text)
         counts["unchecked" if verified is None else "reproduced" if verified else "not_reproduced"] += 1
