@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from backend.speculative import choose_verify_length, sample_token, sampling_probs
+from backend.speculative import choose_verify_length, first_token, sampling_probs
 
 
 class ForcedAcceptance:
@@ -111,19 +111,14 @@ def device_speculative_decode(engine, logits, params, budget, rng, cancelled, st
     stats.accepted_per_position = [0] * (B - 1)
     stop = set(params.stop_token_ids)
     greedy = params.temperature == 0
-    forced = getattr(engine, "forced_acceptance", None)
+    forced = engine.forced_acceptance
+    vocab_mask = fd.drafter.target_vocab_mask  # restricted draft vocabulary, or None
 
-    t = time.perf_counter()
-    token = sample_token(logits, params.temperature, params.top_p, rng)
-    if token in stop:
-        stats.finish_reason = "stop"
-        stats.decode_seconds += time.perf_counter() - t
+    token = first_token(logits, params, rng, stop, stats, vocab_mask)
+    if token is None:
         return
-    stats.generated_tokens = 1
-    stats.decode_seconds += time.perf_counter() - t
     yield [token]
     produced = 1
-    stats.finish_reason = "length"
     if produced >= budget:
         return
 
@@ -172,6 +167,8 @@ def device_speculative_decode(engine, logits, params, budget, rng, cancelled, st
             stats.verify_seconds += verify_s
             stats.rollback_seconds += marks.seconds(1, 2)  # the acceptance test on the device
             stats.generated_tokens += len(emit)
+            if vocab_mask is not None:  # committed tokens the restricted draft vocabulary could never propose
+                stats.out_of_draft_vocab += sum(1 for x in emit if not bool(vocab_mask[x]))
             stats.decode_seconds += now - t
             t = now
             if emit:

@@ -312,6 +312,21 @@ def choose_verify_length(confidence: list[float], cost: VerifyCostModel, draft_s
 # ---- the cycle ----------------------------------------------------------------------------------------------------
 
 
+def first_token(logits, params, rng, stop: set[int], stats, vocab_mask=None) -> int | None:
+    """The token after the prompt, sampled from the prefill's logits (both cycles start here); None when it is a stop
+    token. Fills the stats for it."""
+    t = time.perf_counter()
+    token = sample_token(logits, params.temperature, params.top_p, rng)
+    stats.decode_seconds += time.perf_counter() - t
+    if token in stop:
+        stats.finish_reason = "stop"
+        return None
+    stats.generated_tokens = 1
+    stats.out_of_draft_vocab += int(vocab_mask is not None and not bool(vocab_mask[token]))
+    stats.finish_reason = "length"
+    return token
+
+
 def _now(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -328,18 +343,11 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
     greedy = params.temperature == 0
     vocab_mask = getattr(drafter, "target_vocab_mask", None)  # restricted draft vocabulary, or None
 
-    t = time.perf_counter()
-    token = sample_token(logits, params.temperature, params.top_p, rng)
-    if token in stop:
-        stats.finish_reason = "stop"
-        stats.decode_seconds += time.perf_counter() - t
+    token = first_token(logits, params, rng, stop, stats, vocab_mask)
+    if token is None:
         return
-    stats.generated_tokens = 1
-    stats.out_of_draft_vocab += int(vocab_mask is not None and not bool(vocab_mask[token]))
-    stats.decode_seconds += time.perf_counter() - t
     yield [token]
     produced = 1
-    stats.finish_reason = "length"
     while produced < budget:
         if cancelled():
             stats.finish_reason = "cancelled"
