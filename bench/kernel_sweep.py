@@ -14,6 +14,7 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
              weight per call) vs the eager prologue + F.linear
   llama_one_token  kernels/norm_gemv.py's and kernels/gemv.py's tiles at the SmolLM2-135M decode step's five
              projections (one weight per call) vs F.linear alone
+  rows       rows per program of those kernels (and the 35B-A3B output projections) for calls of 1..16 rows
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -285,8 +286,100 @@ def sweep_llama_one_token(inner, reps):
     return rows
 
 
+def sweep_rows(inner, reps):
+    """Rows per program (tiles["rows"]) of kernels/norm_gemv.py and kernels/gemv.py at the SmolLM2-135M step's five
+    projections and the 35B-A3B output projections, for calls of T = 1..16 input rows (a decode step and verify
+    blocks), each call on its own weight. Also whether each row of a T-row call equals the one-row call bit for bit
+    (batch invariance) under that setting."""
+    from backend.models.llama import rope_tables
+    from kernels.gemv import GEMV_TILES, gemv
+    from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES, norm_gemv
+    h, heads, kv_heads, d, inter, vocab = 576, 9, 3, 64, 1536, 49152
+    cos, sin = rope_tables(1.0 / (100000 ** (torch.arange(0, d, 2, device="cuda").float() / d)), 1.0, 2048,
+                           torch.bfloat16)
+    pos = torch.arange(700, 716, device="cuda")
+    nw = (torch.rand(h, device="cuda") + 0.5).bfloat16()
+    nw_q = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    act = lambda k: torch.randn(16, k, device="cuda").bfloat16()  # noqa: E731
+    x, a_o, a_down, x2, z2, r2 = act(h), act(heads * d), act(inter), act(4096), act(4096), act(2048)
+    qkv = (heads + kv_heads) * d
+    cases = {  # name: (N, K, tiles, call(weight, tiles, T))
+        "llama qkv norm+rope": ((heads + 2 * kv_heads) * d, h, NORM_GEMV_TILES, lambda w, t, T: norm_gemv(
+            x[:T], nw, w, 1e-5, rope=(cos, sin, pos, qkv), use_triton=True, tiles=t)),
+        "llama gate_up norm+swiglu": (2 * inter, h, NORM_GEMV_TILES, lambda w, t, T: norm_gemv(
+            x[:T], nw, w, 1e-5, swiglu=True, use_triton=True, tiles=t)),
+        "llama o + residual": (h, heads * d, GEMV_TILES, lambda w, t, T: gemv(a_o[:T], w, residual=x[:T],
+                                                                              use_triton=True, tiles=t)),
+        "llama down + residual": (h, inter, GEMV_TILES, lambda w, t, T: gemv(a_down[:T], w, residual=x[:T],
+                                                                             use_triton=True, tiles=t)),
+        "llama lm_head norm": (vocab, h, LARGE_TILES, lambda w, t, T: norm_gemv(x[:T], nw, w, 1e-5, use_triton=True,
+                                                                                tiles=t)),
+        "35b out gated_norm + residual": (2048, 4096, GEMV_TILES, lambda w, t, T: gemv(
+            x2[:T], w, gate=z2[:T], norm_weight=nw_q, eps=1e-6, residual=r2[:T], use_triton=True, tiles=t)),
+        "35b o sigmoid_gate + residual": (2048, 4096, GEMV_TILES, lambda w, t, T: gemv(
+            x2[:T], w, gate=z2[:T], residual=r2[:T], use_triton=True, tiles=t)),
+    }
+    from kernels.rows_linear import rows_linear
+    mma = {  # the same projections through kernels/rows_linear.py (tensor cores, split-K in a fixed order)
+        "mma qkv norm+rope": ((heads + 2 * kv_heads) * d, h, lambda w, t, T: rows_linear(
+            x[:T], w, nw, 1e-5, rope=(cos, sin, pos, qkv), use_triton=True, tiles=t)),
+        "mma gate_up norm+swiglu": (2 * inter, h, lambda w, t, T: rows_linear(
+            x[:T], w, nw, 1e-5, swiglu=True, use_triton=True, tiles=t)),
+        "mma o + residual": (h, heads * d, lambda w, t, T: rows_linear(a_o[:T], w, residual=x[:T], use_triton=True,
+                                                                       tiles=t)),
+        "mma down + residual": (h, inter, lambda w, t, T: rows_linear(a_down[:T], w, residual=x[:T],
+                                                                      use_triton=True, tiles=t)),
+        "mma lm_head norm": (vocab, h, lambda w, t, T: rows_linear(x[:T], w, nw, 1e-5, use_triton=True, tiles=t)),
+    }
+    out = []
+    for name, (n, k, call) in mma.items():
+        count = 2 if "lm_head" in name else inner
+        ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
+        state = {"n": 0}
+
+        def weight(ws=ws):
+            state["n"] += 1
+            return ws[state["n"] % len(ws)]
+        def split(bk, splits, **kw):  # K in `splits` ranges of whole BK steps
+            return dict(kw, BK=bk, SPLITS=splits, KS=-(-(-(-k // bk)) // splits) * bk)
+        variants = [None]
+        for bn, bk, splits, warps in itertools.product((16, 32), (64, 128, 256), (1, 2), (2, 4)):
+            if "lm_head" in name and splits > 1:
+                continue
+            variants.append(split(bk, splits, BN=bn, warps=warps))
+        if "lm_head" in name:
+            variants += [split(bk, 1, BN=bn, warps=wp) for bn, bk, wp in itertools.product((64, 128), (64, 128),
+                                                                                           (2, 4, 8))]
+        for tiles in variants:
+            invariant = bool(torch.equal(call(ws[0], tiles, 16)[:1], call(ws[0], tiles, 1)))
+            row = dict(kernel="rows", case=name, N=n, K=k, tiles=tiles or "plan()", row0_of_16_equals_alone=invariant)
+            for T in (1, 16):
+                row[f"us_T{T}"] = round(graph_time_us(lambda: call(weight(), tiles, T), inner, reps), 2)
+            out.append(row)
+            print(row, flush=True)
+    for name, (n, k, tiles0, call) in cases.items():
+        count = 2 if "lm_head" in name else inner
+        ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
+        state = {"n": 0}
+
+        def weight(ws=ws):
+            state["n"] += 1
+            return ws[state["n"] % len(ws)]
+        for r in (1,):  # rows 2..16 measured no faster (bench/results/kernel_sweep_20261201_144447.json)
+            tiles = dict(tiles0, rows=r)
+            # row 0 of a 16-row call against the one-row call (the tests check every row at the default tiles)
+            invariant = bool(torch.equal(call(ws[0], tiles, 16)[:1], call(ws[0], tiles, 1)))
+            row = dict(kernel="rows", case=name, N=n, K=k, tiles=tiles, row0_of_16_equals_alone=invariant)
+            for T in (1, 2, 4, 8, 16):
+                row[f"us_T{T}"] = round(graph_time_us(lambda: call(weight(), tiles, T), inner, reps), 2)
+            out.append(row)
+            print(row, flush=True)
+    return out
+
+
 SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv,
-          "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused, "llama_one_token": sweep_llama_one_token}
+          "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused, "llama_one_token": sweep_llama_one_token,
+          "rows": sweep_rows}
 
 
 def main():

@@ -32,8 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.models import load_fast  # noqa: E402
+from backend.models.llama import Llama  # noqa: E402
 from backend.models.qwen3_5_moe import SparseMoE  # noqa: E402
+from kernels.gemv import GEMV_TILES  # noqa: E402
 from kernels.moe_reference import rms_norm_scaled  # noqa: E402
+from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES  # noqa: E402
 
 TAU_SEED = 4.9  # tokens committed per cycle with z-lab's drafter (the seed)
 DRAFT_OVER_VERIFY_SEED = 0.12  # T_d / T_t measured in the seed
@@ -569,9 +572,18 @@ def main() -> None:
                     help="torch.compile decode and verify: the per-layer glue (default when given) or the whole forward")
     ap.add_argument("--profile", action="store_true", help="also list the kernels of a decode step and of a verify "
                     "(torch.profiler over CUDA-graph replays): time and launches per step")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="rows per program of kernels/norm_gemv.py and kernels/gemv.py (default: their tiles')")
+    ap.add_argument("--row-kernels", choices=["mma", "gemv"], default=None,
+                    help="the Llama rows path's projections (backend/models/llama.py Llama.row_kernels)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.row_kernels:
+        Llama.row_kernels = args.row_kernels
+    if args.rows:  # a sweep of the row kernels' setting: the same for decode steps and verifies, as in serving
+        for tiles in (GEMV_TILES, NORM_GEMV_TILES, LARGE_TILES):
+            tiles["rows"] = args.rows
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[args.dtype] or (
@@ -589,8 +601,10 @@ def main() -> None:
         record.update(load_average_1min={"start": load_before, "end": os.getloadavg()[0]},
                       device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
-                      torch=torch.__version__, transformers=__import__("transformers").__version__)
-        tag = f"_compile-{args.compile}" if args.compile else ""
+                      torch=torch.__version__, transformers=__import__("transformers").__version__,
+                      row_kernels=Llama.row_kernels, row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
+        tag = (f"_compile-{args.compile}" if args.compile else "") + (f"_rows{args.rows}" if args.rows else "") + (
+            f"_{args.row_kernels}" if args.row_kernels else "")
         name = f"target_step_{shape}_{device.type}{tag}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
         (Path(args.out) / name).write_text(json.dumps(record, indent=1))
         stock = record.get("stock", {})

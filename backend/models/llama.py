@@ -23,6 +23,7 @@ from kernels.fused_moe import triton_usable
 from kernels.gemv import gemv
 from kernels.norm_gemv import MAX_ROWS as ROW_KERNEL_ROWS
 from kernels.norm_gemv import norm_gemv
+from kernels.rows_linear import rows_linear
 
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
 # them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
@@ -169,6 +170,9 @@ class LlamaLayer(nn.Module):
 
 class Llama(nn.Module):
     family = "llama"
+    # _rows' projections: "mma" (kernels/rows_linear.py, tensor cores, a verify costs about a decode step) or "gemv"
+    # (kernels/norm_gemv.py + kernels/gemv.py, one row per program); bench/target_step.py --row-kernels compares them
+    row_kernels = "mma"
 
     def __init__(self, config: LlamaConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0):
         super().__init__()
@@ -257,21 +261,31 @@ class Llama(nn.Module):
         mask = None if self.kv.block_kernel(T) else causal_mask(positions, kv_len)
         feats = {}
         eps = c.rms_norm_eps
+        rope = (self.cos, self.sin, positions, q_rows + k_rows)
+        mma = self.row_kernels == "mma"
         for i, layer in enumerate(self.layers):
-            qkv = norm_gemv(x, layer.attn_norm, layer.wqkv, eps, rope=(self.cos, self.sin, positions, q_rows + k_rows))
+            if mma:
+                qkv = rows_linear(x, layer.wqkv, layer.attn_norm, eps, rope=rope)
+            else:
+                qkv = norm_gemv(x, layer.attn_norm, layer.wqkv, eps, rope=rope)
             q = qkv[:, :q_rows].view(T, heads, d).transpose(0, 1)
             k = qkv[:, q_rows:q_rows + k_rows].view(T, kv_heads, d).transpose(0, 1)
             v = qkv[:, q_rows + k_rows:].view(T, kv_heads, d).transpose(0, 1)
-            x = gemv(cached_attention(self.kv, i, q, k, v, positions, kv_len, mask), layer.wo, residual=x)
-            h = norm_gemv(x, layer.mlp_norm, layer.w_gate_up, eps, swiglu=True)
-            x = gemv(h, layer.w_down, residual=x)
+            attn = cached_attention(self.kv, i, q, k, v, positions, kv_len, mask)
+            if mma:
+                x = rows_linear(attn, layer.wo, residual=x)
+                x = rows_linear(rows_linear(x, layer.w_gate_up, layer.mlp_norm, eps, swiglu=True), layer.w_down,
+                                residual=x)
+            else:
+                x = gemv(attn, layer.wo, residual=x)
+                x = gemv(norm_gemv(x, layer.mlp_norm, layer.w_gate_up, eps, swiglu=True), layer.w_down, residual=x)
             if i in hidden_ids:
                 feats[i] = x
         last = c.num_layers - 1
         if last in hidden_ids:  # transformers' last hidden state is after the final norm
             feats[last] = rms_norm(x, self.norm, c.rms_norm_eps)
         # all rows' logits (a verify needs them; a decode step has one row): the LM head through the row kernel
-        logits = norm_gemv(x, self.norm, self.lm_head, eps)
+        logits = (rows_linear(x, self.lm_head, self.norm, eps) if mma else norm_gemv(x, self.norm, self.lm_head, eps))
         return logits, (torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None)
 
     # ---- loading --------------------------------------------------------------------------------------------------
