@@ -14,7 +14,8 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
              weight per call) vs the eager prologue + F.linear
   llama_one_token  kernels/norm_gemv.py's and kernels/gemv.py's tiles at the SmolLM2-135M decode step's five
              projections (one weight per call) vs F.linear alone
-  rows       rows per program of those kernels (and the 35B-A3B output projections) for calls of 1..16 rows
+  rows       kernels/rows_linear.py's launch shapes against those kernels, calls of 1..16 rows
+  rows_35b   kernels/rows_linear.py against cuBLAS (and gemv) at the 35B-A3B dense projections
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -287,10 +288,12 @@ def sweep_llama_one_token(inner, reps):
 
 
 def sweep_rows(inner, reps):
-    """Rows per program (tiles["rows"]) of kernels/norm_gemv.py and kernels/gemv.py at the SmolLM2-135M step's five
-    projections and the 35B-A3B output projections, for calls of T = 1..16 input rows (a decode step and verify
-    blocks), each call on its own weight. Also whether each row of a T-row call equals the one-row call bit for bit
-    (batch invariance) under that setting."""
+    """kernels/rows_linear.py (tensor cores, split-K in a fixed order) over launch shapes, against kernels/norm_gemv.py
+    and kernels/gemv.py at their tiles, at the SmolLM2-135M step's five projections (and gemv at the 35B-A3B output
+    projections), for calls of T = 1..16 input rows (a decode step and verify blocks), each call on its own weight;
+    and whether row 0 of a 16-row call equals the one-row call bit for bit (batch invariance). (A first version also
+    swept rows per program of the CUDA-core kernels, 1..16 rows looped inside one program over a tile loaded once:
+    no faster at any T, bench/results/kernel_sweep_20261201_144447.json, and removed.)"""
     from backend.models.llama import rope_tables
     from kernels.gemv import GEMV_TILES, gemv
     from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES, norm_gemv
@@ -365,8 +368,7 @@ def sweep_rows(inner, reps):
         def weight(ws=ws):
             state["n"] += 1
             return ws[state["n"] % len(ws)]
-        for r in (1,):  # rows 2..16 measured no faster (bench/results/kernel_sweep_20261201_144447.json)
-            tiles = dict(tiles0, rows=r)
+        for tiles in (tiles0,):  # the one-row-per-program kernels at their tiles, for comparison
             # row 0 of a 16-row call against the one-row call (the tests check every row at the default tiles)
             invariant = bool(torch.equal(call(ws[0], tiles, 16)[:1], call(ws[0], tiles, 1)))
             row = dict(kernel="rows", case=name, N=n, K=k, tiles=tiles, row0_of_16_equals_alone=invariant)
@@ -377,9 +379,47 @@ def sweep_rows(inner, reps):
     return out
 
 
+def sweep_rows_35b(inner, reps):
+    """kernels/rows_linear.py at the Qwen3.6-35B-A3B dense projections (bandwidth-bound sizes, unlike SmolLM2's)
+    against cuBLAS (F.linear) and kernels/gemv.py, T = 1 and 16, each call on its own weight."""
+    from kernels.gemv import gemv
+    from kernels.rows_linear import rows_linear
+    cases = {  # name: (N, K, norm before it, residual after it)
+        "deltanet in_proj (norm)": (12352, 2048, True, False),
+        "attention q/k/v/gate (norm)": (9216, 2048, True, False),
+        "out_proj + residual": (2048, 4096, False, True),
+        "lm_head (norm)": (248320, 2048, True, False),
+    }
+    out = []
+    for name, (n, k, norm, residual) in cases.items():
+        count = 2 if "lm_head" in name else min(inner, 10)
+        ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
+        state = {"n": 0}
+
+        def weight(ws=ws):
+            state["n"] += 1
+            return ws[state["n"] % len(ws)]
+        x, r = torch.randn(16, k, device="cuda").bfloat16(), torch.randn(16, n, device="cuda").bfloat16()
+        nw = (torch.rand(k, device="cuda") + 0.5).bfloat16()
+        calls = {
+            "F.linear": lambda T: F.linear(x[:T], weight()),
+            "rows_linear plan()": lambda T: rows_linear(x[:T], weight(), nw if norm else None, 1e-6,
+                                                        residual=r[:T] if residual else None, use_triton=True),
+        }
+        if residual:
+            calls["gemv"] = lambda T: gemv(x[:T], weight(), residual=r[:T], use_triton=True)
+        for label, fn in calls.items():
+            row = dict(kernel="rows_35b", case=name, N=n, K=k, weight_MB=round(n * k * 2 / 1e6, 1), variant=label)
+            for T in (1, 2, 4, 16):
+                row[f"us_T{T}"] = round(graph_time_us(lambda: fn(T), min(inner, 10), reps), 2)
+            out.append(row)
+            print(row, flush=True)
+    return out
+
+
 SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv,
           "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused, "llama_one_token": sweep_llama_one_token,
-          "rows": sweep_rows}
+          "rows": sweep_rows, "rows_35b": sweep_rows_35b}
 
 
 def main():

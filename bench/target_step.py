@@ -572,18 +572,14 @@ def main() -> None:
                     help="torch.compile decode and verify: the per-layer glue (default when given) or the whole forward")
     ap.add_argument("--profile", action="store_true", help="also list the kernels of a decode step and of a verify "
                     "(torch.profiler over CUDA-graph replays): time and launches per step")
-    ap.add_argument("--rows", type=int, default=None,
-                    help="rows per program of kernels/norm_gemv.py and kernels/gemv.py (default: their tiles')")
-    ap.add_argument("--row-kernels", choices=["mma", "gemv"], default=None,
-                    help="the Llama rows path's projections (backend/models/llama.py Llama.row_kernels)")
+    ap.add_argument("--mma", default=None, metavar="SET",
+                    help="Llama: the projections that take kernels/rows_linear.py, comma-separated from qkv, o, "
+                    "gate_up, down, lm_head ('none' for none; default: Llama.mma_projections)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     device = torch.device(args.device)
-    if args.row_kernels:
-        Llama.row_kernels = args.row_kernels
-    if args.rows:  # a sweep of the row kernels' setting: the same for decode steps and verifies, as in serving
-        for tiles in (GEMV_TILES, NORM_GEMV_TILES, LARGE_TILES):
-            tiles["rows"] = args.rows
+    if args.mma:
+        Llama.mma_projections = frozenset() if args.mma == "none" else frozenset(args.mma.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[args.dtype] or (
@@ -602,9 +598,9 @@ def main() -> None:
                       device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
                       torch=torch.__version__, transformers=__import__("transformers").__version__,
-                      row_kernels=Llama.row_kernels, row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
-        tag = (f"_compile-{args.compile}" if args.compile else "") + (f"_rows{args.rows}" if args.rows else "") + (
-            f"_{args.row_kernels}" if args.row_kernels else "")
+                      mma_projections=sorted(Llama.mma_projections), row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
+        tag = (f"_compile-{args.compile}" if args.compile else "") + (
+            f"_mma-{args.mma.replace(',', '_')}" if args.mma else "")
         name = f"target_step_{shape}_{device.type}{tag}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
         (Path(args.out) / name).write_text(json.dumps(record, indent=1))
         stock = record.get("stock", {})

@@ -39,12 +39,20 @@ if triton is not None:
     _GATED_NORM, _SIGMOID_GATE = tl.constexpr(GATED_NORM), tl.constexpr(SIGMOID_GATE)  # what a jit'ed function sees
 
     @triton.jit
-    def _gemv_row(t, x_ptr, g_ptr, nw_ptr, res_ptr, y_ptr, w, offs_n, n_ok, N, eps, K: tl.constexpr,
-                  KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr, ROUND_NORMED: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr):
-        """Input row t against the weight tile already in registers: the prologue, the projection, the residual."""
+    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, res_ptr, y_ptr, N, stride_wn, eps,
+                     K: tl.constexpr, KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr,
+                     ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr):
+        """Grid (T, N / BN): y[t, n-tile] = W[n-tile] @ prologue(x[t]), t = program_id(0). The weight tile [BN, K] is
+        loaded in one go, before the prologue's arithmetic, so its DRAM round trip overlaps it. Every row runs the
+        one-row program (row t's bits do not depend on T); a tile's row programs are neighbours in the launch, so
+        the tile is read from DRAM once. GATED_NORM needs D | K, D a power of two."""
+        t = tl.program_id(0)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, KP)
+        n_ok = offs_n < N
         k_ok = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
         if PROLOGUE == _GATED_NORM:
             offs2 = tl.arange(0, KP // D)[:, None] * D + tl.arange(0, D)[None, :]  # [heads, D]
             ok2 = offs2 < K
@@ -68,29 +76,6 @@ if triton is not None:
             res = tl.load(res_ptr + t * N + offs_n, mask=n_ok, other=0.0)
             y = (res.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + t * N + offs_n, y, mask=n_ok)
-
-    # T is never specialised (Triton would compile T == 1 apart): decode steps and verify blocks run one binary
-    @triton.jit(do_not_specialize=["T"])
-    def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, res_ptr, y_ptr, T, N, stride_wn, eps,
-                     K: tl.constexpr, KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr,
-                     ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr):
-        """Grid (ceil(T / ROWS), N / BN): y[t, n-tile] = W[n-tile] @ prologue(x[t]) for rows t = g*ROWS.. (g =
-        program_id(0)). The weight tile [BN, K] is loaded in one go, before the prologue's arithmetic, so its DRAM
-        round trip overlaps it; then each row runs the same per-row code (_gemv_row) in one binary whatever T is, so
-        row t's bits do not depend on T, and a verify reads each tile once per ROWS rows. GATED_NORM needs D | K, D
-        a power of two."""
-        g = tl.program_id(0)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        offs_k = tl.arange(0, KP)
-        n_ok = offs_n < N
-        k_ok = offs_k < K
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        for r in tl.static_range(ROWS):
-            t = g * ROWS + r
-            if t < T:
-                _gemv_row(t, x_ptr, g_ptr, nw_ptr, res_ptr, y_ptr, w, offs_n, n_ok, N, eps, K, KP, PROLOGUE, D,
-                          ROUND_NORMED, HAS_RESIDUAL)
 
 
 def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None):
@@ -140,9 +125,8 @@ def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *,
     nw = norm_weight if norm_weight is not None else x
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     res = residual.contiguous() if residual is not None else y
-    rows = tiles.get("rows", 1)
-    _gemv_kernel[(triton.cdiv(x.shape[0], rows), triton.cdiv(n, tiles["BN"]))](
-        x, g, nw, w, res, y, x.shape[0], n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue,
+    _gemv_kernel[(x.shape[0], triton.cdiv(n, tiles["BN"]))](
+        x, g, nw, w, res, y, n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue,
         D=d, ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype,
-        HAS_RESIDUAL=residual is not None, BN=tiles["BN"], ROWS=rows, num_warps=tiles["warps"])
+        HAS_RESIDUAL=residual is not None, BN=tiles["BN"], num_warps=tiles["warps"])
     return y

@@ -49,12 +49,36 @@ if triton is not None:
     _SWIGLU, _ROPE = tl.constexpr(SWIGLU), tl.constexpr(ROPE)  # what a jit'ed function sees
 
     @triton.jit
-    def _norm_gemv_row(t, x_ptr, nw_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, w_a, w_b, rows_a, rows_b, j, a_ok,
-                       N_OUT, ROTATED, stride_cs, eps, K: tl.constexpr, KP: tl.constexpr, EPILOGUE: tl.constexpr,
-                       HALF: tl.constexpr, ROUND_NORMED: tl.constexpr):
-        """Input row t against the weight tile(s) already in registers: the norm, the projection, the epilogue."""
+    def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, N_OUT, ROTATED, stride_wn,
+                          stride_cs, eps, K: tl.constexpr, KP: tl.constexpr, EPILOGUE: tl.constexpr,
+                          HALF: tl.constexpr, ROUND_NORMED: tl.constexpr, BN: tl.constexpr):
+        """Grid (T, programs): input row t = program_id(0) (x [T, K], positions [T]); PLAIN rows p*BN..; SWIGLU
+        gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first half (HALF = head_dim / 2)
+        with their partners j + HALF. Every input row runs exactly the one-row program, so row t's result does not
+        depend on T (batch invariance); the programs of one weight tile are neighbours in the launch order, so the
+        tile comes from DRAM once and from L2 for the other rows."""
+        t = tl.program_id(0)
+        p = tl.program_id(1)
+        lane = tl.arange(0, BN)
+        if EPILOGUE == _ROPE:
+            per_head = HALF // BN
+            j = (p % per_head) * BN + lane  # position within the head's first half
+            rows_a = (p // per_head) * (2 * HALF) + j
+        else:
+            rows_a = p * BN + lane
+        a_ok = rows_a < N_OUT
         offs_k = tl.arange(0, KP)
         k_ok = offs_k < K
+        w_a = tl.load(w_ptr + rows_a[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                      other=0.0)
+        if EPILOGUE == _SWIGLU:
+            rows_b = rows_a + N_OUT
+        else:
+            rows_b = rows_a + HALF
+        if EPILOGUE != 0:
+            w_b = tl.load(w_ptr + rows_b[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                          other=0.0)
+        # the norm while the weight tiles are on their way
         x = tl.load(x_ptr + t * K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
         a = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * tl.load(nw_ptr + offs_k, mask=k_ok,
@@ -80,45 +104,6 @@ if triton is not None:
             tl.store(y_row + rows_b, out_b.to(y_ptr.dtype.element_ty), mask=a_ok)
         else:
             tl.store(y_row + rows_a, ya.to(y_ptr.dtype.element_ty), mask=a_ok)
-
-    # T is never specialised (Triton would compile T == 1 apart): decode steps and verify blocks run one binary
-    @triton.jit(do_not_specialize=["T"])
-    def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, T, N_OUT, ROTATED, stride_wn,
-                          stride_cs, eps, K: tl.constexpr, KP: tl.constexpr, EPILOGUE: tl.constexpr,
-                          HALF: tl.constexpr, ROUND_NORMED: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr):
-        """Grid (ceil(T / ROWS), programs): input rows g*ROWS.. (g = program_id(0); x [T, K], positions [T]) against
-        one weight tile: PLAIN rows p*BN..; SWIGLU gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of
-        a head's first half (HALF = head_dim / 2) with their partners j + HALF. The tile is loaded once, then each
-        input row runs the same per-row code (_norm_gemv_row) in one binary whatever T is, so row t's bits do not
-        depend on T (batch invariance) and a verify reads each tile once per ROWS rows, not once per row."""
-        g = tl.program_id(0)
-        p = tl.program_id(1)
-        lane = tl.arange(0, BN)
-        j = lane
-        if EPILOGUE == _ROPE:
-            per_head = HALF // BN
-            j = (p % per_head) * BN + lane  # position within the head's first half
-            rows_a = (p // per_head) * (2 * HALF) + j
-        else:
-            rows_a = p * BN + lane
-        a_ok = rows_a < N_OUT
-        offs_k = tl.arange(0, KP)
-        k_ok = offs_k < K
-        w_a = tl.load(w_ptr + rows_a[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
-                      other=0.0)
-        if EPILOGUE == _SWIGLU:
-            rows_b = rows_a + N_OUT
-        else:
-            rows_b = rows_a + HALF
-        w_b = w_a
-        if EPILOGUE != 0:
-            w_b = tl.load(w_ptr + rows_b[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
-                          other=0.0)
-        for r in tl.static_range(ROWS):  # the norm of each row runs while the weight tiles are on their way
-            t = g * ROWS + r
-            if t < T:
-                _norm_gemv_row(t, x_ptr, nw_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, w_a, w_b, rows_a, rows_b, j, a_ok,
-                               N_OUT, ROTATED, stride_cs, eps, K, KP, EPILOGUE, HALF, ROUND_NORMED)
 
 
 def rms_norm_torch(x, weight, eps: float):
@@ -194,9 +179,8 @@ def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None,
         programs = n // (2 * half) * (half // bn)
     else:
         programs = triton.cdiv(n_out, bn)
-    rows = tiles.get("rows", 1)
-    _norm_gemv_kernel[(triton.cdiv(T, rows), programs)](
-        x, norm_weight, w, y, cos, sin, pos, T, n_out, rotated, w.stride(0), stride_cs, eps, K=k,
+    _norm_gemv_kernel[(T, programs)](
+        x, norm_weight, w, y, cos, sin, pos, n_out, rotated, w.stride(0), stride_cs, eps, K=k,
         KP=triton.next_power_of_2(k), EPILOGUE=SWIGLU if swiglu else (ROPE if rope is not None else PLAIN),
-        HALF=half, ROUND_NORMED=norm_weight.dtype == x.dtype, BN=bn, ROWS=rows, num_warps=tiles["warps"])
+        HALF=half, ROUND_NORMED=norm_weight.dtype == x.dtype, BN=bn, num_warps=tiles["warps"])
     return y

@@ -174,6 +174,14 @@ def plan(tiles: int, k: int, bn: int, bk: int = BK) -> dict:
     return {"BN": bn, "SPLITS": -(-chunks // per_split), "KS": per_split * bk, "warps": 4}
 
 
+# Launch shapes measured fastest on the H200 for one row at the SmolLM2-135M projections (bench/kernel_sweep.py
+# --only rows, bench/results/kernel_sweep_20261201_145720.json), keyed by (rows of w, K, epilogue); others take plan().
+TUNED = {
+    (3072, 576, SWIGLU): {"BN": 32, "BK": 256, "SPLITS": 2, "KS": 512, "warps": 4},
+    (576, 576, PLAIN): {"BN": 16, "BK": 256, "SPLITS": 1, "KS": 768, "warps": 4},
+    (49152, 576, PLAIN): {"BN": 64, "BK": 64, "SPLITS": 1, "KS": 576, "warps": 2},
+}
+
 _WORKSPACES: dict = {}  # device -> (partials, sums of squares, counters); grown, never shrunk or freed
 
 
@@ -276,9 +284,10 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
             raise ValueError("rope: contiguous cos / sin tables")
         stride_cs = cos.stride(0)
     else:
+        tiles = tiles or TUNED.get((n, k, SWIGLU if swiglu else PLAIN))
         bn = (tiles or {}).get("BN", bn)
     n_tiles = n // (2 * half) * max(1, half // bn) if rope is not None else triton.cdiv(n_out, bn)
-    bk = (tiles or {}).get("BK", BK)
+    bk = (tiles or {}).get("BK", BK)  # tiles may name BN, BK, SPLITS + KS (together) and warps
     cfg = dict(plan(n_tiles, k, bn, bk), **(tiles or {}))
     splits = cfg["SPLITS"]
     part, ss, count = _workspace(x.device, splits * n_tiles * 2 * 16 * bn if splits > 1 else 0,

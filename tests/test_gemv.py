@@ -30,7 +30,7 @@ from tests.test_gemv import CASES, inputs_for
 from kernels.gemv import gemv, gemv_torch
 for case in CASES:
     x, w, kw = inputs_for(case)
-    y = gemv(x, w, use_triton=True, tiles={"BN": case[5], "warps": 2, "rows": 4}, **kw)
+    y = gemv(x, w, use_triton=True, tiles={"BN": case[5], "warps": 2}, **kw)
     ref = gemv_torch(x, w, **kw)  # same dtype, same rounding points
     d = lambda t: t.double() if t is not None else None
     r64 = gemv_torch(d(x), d(w), **{k: d(v) if torch.is_tensor(v) else v for k, v in kw.items()})
@@ -137,9 +137,8 @@ from tests.test_gemv import CASES, rows_inputs
 from kernels.gemv import gemv
 for i, case in enumerate(CASES):
     x, w, kw, res = rows_inputs(case, 5)
-    tiles = {"BN": case[5], "warps": 2, "rows": 4}  # 5 rows: a full group of 4 and a group of 1
-    block = gemv(x, w, residual=res, use_triton=True, tiles=tiles, **kw)
-    alone = [gemv(x[t:t + 1], w, residual=res[t:t + 1], use_triton=True, tiles=tiles,
+    block = gemv(x, w, residual=res, use_triton=True, tiles={"BN": case[5], "warps": 2}, **kw)
+    alone = [gemv(x[t:t + 1], w, residual=res[t:t + 1], use_triton=True, tiles={"BN": case[5], "warps": 2},
                   **{k: v[t:t + 1] if k == "gate" else v for k, v in kw.items()}) for t in range(5)]
     print(json.dumps({"case": [i], "equal": torch.equal(block, torch.cat(alone))}), flush=True)
 """

@@ -140,7 +140,7 @@ from tests.test_norm_gemv import CASES, rows_inputs
 from kernels.norm_gemv import norm_gemv
 for i, case in enumerate(CASES):
     x, nw, w, kw = rows_inputs(case, 4)
-    tiles = {"BN": case[4], "warps": 2, "rows": 3}  # 4 rows: a full group of 3 and a group of 1
+    tiles = {"BN": case[4], "warps": 2}
     block = norm_gemv(x, nw, w, 1e-5, use_triton=True, tiles=tiles, **kw)
     alone = []
     for t in range(4):

@@ -170,9 +170,12 @@ class LlamaLayer(nn.Module):
 
 class Llama(nn.Module):
     family = "llama"
-    # _rows' projections: "mma" (kernels/rows_linear.py, tensor cores, a verify costs about a decode step) or "gemv"
-    # (kernels/norm_gemv.py + kernels/gemv.py, one row per program); bench/target_step.py --row-kernels compares them
-    row_kernels = "mma"
+    # Which of _rows' projections take kernels/rows_linear.py (tensor cores: 16 rows cost what one does) instead of
+    # kernels/norm_gemv.py / kernels/gemv.py (CUDA cores: cheapest for one row, ~T times that for T rows). A projection
+    # uses its kernel for every row count, so any set keeps batch invariance; it trades plain decoding speed against
+    # verify speed. None by default: on the H200 (SmolLM2 shape, 2026-12-01, bench/target_step.py --mma) every set
+    # costs plain decoding more than 1.15x (none 0.59 ms, qkv+o+lm_head 0.74, all 0.93 with T_t(16) 1.15 ms flat).
+    mma_projections: frozenset = frozenset()
 
     def __init__(self, config: LlamaConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0):
         super().__init__()
@@ -262,30 +265,23 @@ class Llama(nn.Module):
         feats = {}
         eps = c.rms_norm_eps
         rope = (self.cos, self.sin, positions, q_rows + k_rows)
-        mma = self.row_kernels == "mma"
+        mma = self.mma_projections
         for i, layer in enumerate(self.layers):
-            if mma:
-                qkv = rows_linear(x, layer.wqkv, layer.attn_norm, eps, rope=rope)
-            else:
-                qkv = norm_gemv(x, layer.attn_norm, layer.wqkv, eps, rope=rope)
+            qkv = (rows_linear if "qkv" in mma else _norm_gemv)(x, layer.wqkv, layer.attn_norm, eps, rope=rope)
             q = qkv[:, :q_rows].view(T, heads, d).transpose(0, 1)
             k = qkv[:, q_rows:q_rows + k_rows].view(T, kv_heads, d).transpose(0, 1)
             v = qkv[:, q_rows + k_rows:].view(T, kv_heads, d).transpose(0, 1)
             attn = cached_attention(self.kv, i, q, k, v, positions, kv_len, mask)
-            if mma:
-                x = rows_linear(attn, layer.wo, residual=x)
-                x = rows_linear(rows_linear(x, layer.w_gate_up, layer.mlp_norm, eps, swiglu=True), layer.w_down,
-                                residual=x)
-            else:
-                x = gemv(attn, layer.wo, residual=x)
-                x = gemv(norm_gemv(x, layer.mlp_norm, layer.w_gate_up, eps, swiglu=True), layer.w_down, residual=x)
+            x = (rows_linear if "o" in mma else gemv)(attn, layer.wo, residual=x)
+            h = (rows_linear if "gate_up" in mma else _norm_gemv)(x, layer.w_gate_up, layer.mlp_norm, eps, swiglu=True)
+            x = (rows_linear if "down" in mma else gemv)(h, layer.w_down, residual=x)
             if i in hidden_ids:
                 feats[i] = x
         last = c.num_layers - 1
         if last in hidden_ids:  # transformers' last hidden state is after the final norm
             feats[last] = rms_norm(x, self.norm, c.rms_norm_eps)
-        # all rows' logits (a verify needs them; a decode step has one row): the LM head through the row kernel
-        logits = (rows_linear(x, self.lm_head, self.norm, eps) if mma else norm_gemv(x, self.norm, self.lm_head, eps))
+        # all rows' logits (a verify needs them; a decode step has one row): the LM head through a row kernel
+        logits = (rows_linear if "lm_head" in mma else _norm_gemv)(x, self.lm_head, self.norm, eps)
         return logits, (torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None)
 
     # ---- loading --------------------------------------------------------------------------------------------------
@@ -330,6 +326,11 @@ class Llama(nn.Module):
             layer.b_gate_up = _param(torch.cat([m.gate_proj.bias, m.up_proj.bias])) if config.mlp_bias else None
             layer.w_down, layer.b_down = _param(m.down_proj.weight), _param(m.down_proj.bias)
         return self.eval()
+
+
+def _norm_gemv(x, w, norm_weight, eps, **epilogue):
+    """kernels/norm_gemv.py with rows_linear's argument order, so _rows can pick either per projection."""
+    return norm_gemv(x, norm_weight, w, eps, **epilogue)
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
