@@ -499,7 +499,14 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--forced-tau", default="", help="comma-separated tau values: also time speculative runs with "
                     "forced acceptance (random weights; labelled forced in the record), e.g. 4.9,6.4,8.1")
+    ap.add_argument("--invariant-moe", action="store_true",
+                    help="Qwen3.5/3.6-MoE, experimental: decode steps through the verify's kernels "
+                    "(Qwen35Moe.invariant_steps; plain decoding costs more, and the whole model is not yet "
+                    "token-identical: backend/models/README.md)")
     a = ap.parse_args(argv)
+    if a.invariant_moe:
+        from backend.models.qwen3_5_moe import Qwen35Moe
+        Qwen35Moe.invariant_steps = True
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
          forced_tau=a.forced_tau,

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.models import load_fast  # noqa: E402
 from backend.models.llama import Llama  # noqa: E402
-from backend.models.qwen3_5_moe import SparseMoE  # noqa: E402
+from backend.models.qwen3_5_moe import Qwen35Moe, SparseMoE  # noqa: E402
 from kernels.gemv import GEMV_TILES  # noqa: E402
 from kernels.moe_reference import rms_norm_scaled  # noqa: E402
 from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES  # noqa: E402
@@ -572,12 +572,16 @@ def main() -> None:
                     help="torch.compile decode and verify: the per-layer glue (default when given) or the whole forward")
     ap.add_argument("--profile", action="store_true", help="also list the kernels of a decode step and of a verify "
                     "(torch.profiler over CUDA-graph replays): time and launches per step")
+    ap.add_argument("--invariant", action="store_true",
+                    help="Qwen3.5-MoE: decode steps through the verify's kernels (Qwen35Moe.invariant_steps)")
     ap.add_argument("--mma", default=None, metavar="SET",
                     help="Llama: the projections that take kernels/rows_linear.py, comma-separated from qkv, o, "
                     "gate_up, down, lm_head ('none' for none; default: Llama.mma_projections)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.invariant:
+        Qwen35Moe.invariant_steps = True
     if args.mma:
         Llama.mma_projections = frozenset() if args.mma == "none" else frozenset(args.mma.split(","))
     if args.threads:
@@ -598,9 +602,9 @@ def main() -> None:
                       device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
                       torch=torch.__version__, transformers=__import__("transformers").__version__,
-                      mma_projections=sorted(Llama.mma_projections), row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
+                      mma_projections=sorted(Llama.mma_projections), qwen_invariant_steps=Qwen35Moe.invariant_steps, row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
         tag = (f"_compile-{args.compile}" if args.compile else "") + (
-            f"_mma-{args.mma.replace(',', '_')}" if args.mma else "")
+            f"_mma-{args.mma.replace(',', '_')}" if args.mma else "") + ("_invariant" if args.invariant else "")
         name = f"target_step_{shape}_{device.type}{tag}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
         (Path(args.out) / name).write_text(json.dumps(record, indent=1))
         stock = record.get("stock", {})

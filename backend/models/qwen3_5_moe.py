@@ -170,7 +170,8 @@ class GatedAttention(nn.Module):
         q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         attn = cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask)
-        if attn.shape[0] == 1 and triton_usable(attn):  # a decode step: gate, projection and residual, one launch
+        if attn.shape[0] == 1 and triton_usable(attn) and not model.invariant_steps:
+            # a decode step: gate, projection and residual in one launch
             return gemv(attn, self.wo, gate, residual=x), None
         return x, glue(attention_out, compiled)(attn, gate, self.wo)
 
@@ -205,7 +206,8 @@ class GatedDeltaNet(nn.Module):
                 core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.state[i], every_position=False, gates=gates)
             else:
                 core = gdn_chunked(q, k, v, *gdn_gates(a, b, *gates), cache.state[i])
-        if T == 1 and triton_usable(core):  # a decode step: gated norm, projection and residual in one launch
+        if T == 1 and triton_usable(core) and not model.invariant_steps:
+            # a decode step: gated norm, projection and residual in one launch
             return gemv(core.reshape(1, -1), self.w_out, z.reshape(1, -1), self.norm, c.rms_norm_eps, residual=x), None
         return x, glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
 
@@ -229,7 +231,7 @@ class SparseMoE(nn.Module):
         return route_topk_from_hidden(h, self.router, self.top_k, True, rms_norm=rms_norm, normed_out=normed_out)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None, norm: torch.Tensor, eps: float,
-                compiled: bool) -> torch.Tensor:
+                compiled: bool, fixed_config: dict | None = None) -> torch.Tensor:
         """x + y + MoE(norm(x + y)), y the mixer's output: router, then all experts and the shared expert in one fused
         call. y None (a decode step on Triton): the mixer already added its output to x, and the norm runs inside
         the router matmul kernel, which reads x anyway and stores the normed row for the experts (no launch of its
@@ -241,7 +243,7 @@ class SparseMoE(nn.Module):
             return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
         weights, ids = self.route(h)
-        return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
+        return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x, config=fixed_config)
 
 
 class DecoderLayer(nn.Module):
@@ -255,6 +257,12 @@ class DecoderLayer(nn.Module):
 
 class Qwen35Moe(nn.Module):
     family = "qwen3_5_moe"
+    # Decode steps through the verify's kernels, with the experts' tiles fixed for every row count up to 16: a
+    # position's logits are then bitwise the same in a decode step and inside a verify block (bench/qwen_invariance.py
+    # maps which parts differ otherwise: the one-token output projections and experts, and the tiles the grouped
+    # experts pick by row count). Off by default: it costs plain decoding the one-token kernels (measured in
+    # bench/results/*invariant*; bench/target_step.py --invariant, backend/bench.py --invariant-moe).
+    invariant_steps = False
 
     def __init__(self, config: Qwen35MoeConfig, inv_freq: torch.Tensor):
         super().__init__()
@@ -298,10 +306,11 @@ class Qwen35Moe(nn.Module):
             mask = causal_mask(positions, kv_len)
         feats = {}
         last = c.num_layers - 1
+        fixed = self.expert_tiles(x) if self.invariant_steps and tokens.numel() <= 16 else None
         for i, layer in enumerate(self.layers):
             # (x, y): the mixer's output y is added inside the MoE's norm; (x + y, None) when the mixer added it
             x, y = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
-            x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled)
+            x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled, fixed)
             if i in hidden_ids and i != last:
                 feats[i] = x
         x = qwen_rms_norm(x, self.norm, c.rms_norm_eps)
@@ -310,6 +319,22 @@ class Qwen35Moe(nn.Module):
         features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
         logits = F.linear(x if all_logits else x[-1:], self.lm_head)
         return logits, features
+
+    def expert_tiles(self, x: torch.Tensor) -> dict | None:
+        """The grouped experts' tiles for 16 tokens, for every call of 1..16 rows (invariant_steps), or None off
+        Triton."""
+        if not triton_usable(x):
+            return None
+        from kernels.fused_moe import get_config, shape_key
+        c = self.config
+        key = shape_key(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.top_k, True)
+        name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+        return dict(get_config(name, key, 16, c.top_k), decode=False)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether decode steps and verify blocks compute a position the same way (invariant_steps on Triton)."""
+        return self.invariant_steps and triton_usable(self.embed) and self.kv.use_block_kernel
 
     # ---- loading --------------------------------------------------------------------------------------------------
 
