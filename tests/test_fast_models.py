@@ -548,3 +548,29 @@ def test_cuda_compiled_glue_matches_eager(arch):
             compiled.accept(2)
             eager.accept(2)
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2  # fused bf16 rounding differs
+
+
+@cuda
+def test_cuda_invariant_steps_compute_mixer_outputs_and_experts_row_by_row_alike():
+    """Qwen35Moe.invariant_steps (experimental): the glue output projections and the experts with their 16-token
+    tiles give a row the same bits in a 1-row and a 16-row call (bench/qwen_invariance.py at the 35B-A3B shape)."""
+    from backend.models.llama import glue, residual_add
+    from backend.models.qwen3_5_moe import deltanet_out
+    seeded()
+    model = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 300, cuda_graphs=False).model
+    layer = next(layer for layer in model.layers if hasattr(layer.mixer, "w_out"))
+    c, T = model.config, 16
+    x, y = (torch.randn(T, c.hidden_size, device="cuda") * 0.5).bfloat16(), torch.randn_like(x)
+    core = torch.randn(T, c.linear_num_value_heads, c.linear_value_head_dim, device="cuda").bfloat16()
+    z = torch.randn_like(core)
+    out = glue(deltanet_out, True)
+    block = residual_add(x, out(core, z, layer.mixer.norm, layer.mixer.w_out, c.rms_norm_eps))
+    tiles = model.expert_tiles(x)
+    assert tiles is not None and tiles["decode"] is False
+    experts = layer.moe(x, y, layer.norm2, c.rms_norm_eps, True, tiles)
+    for t in range(T):
+        one = residual_add(x[t:t + 1], out(core[t:t + 1], z[t:t + 1], layer.mixer.norm, layer.mixer.w_out,
+                                           c.rms_norm_eps))
+        assert torch.equal(block[t:t + 1], one), t
+        assert torch.equal(experts[t:t + 1], layer.moe(x[t:t + 1], y[t:t + 1], layer.norm2, c.rms_norm_eps, True,
+                                                       tiles)), t
