@@ -53,6 +53,8 @@ def rows_equal(one_row_fn, block_fn, rows: int = 16):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-prefill-first", action="store_true",
+                    help="compile each glue function at 16 and 1 rows first, not at a prefill's length")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("qwen_invariance.py needs a CUDA GPU")
@@ -66,6 +68,24 @@ def main() -> None:
     bf = lambda *s: (torch.randn(*s, device="cuda") * 0.5).bfloat16()  # noqa: E731
     x, y = bf(T, H), bf(T, H)
     results = {}
+    if not args.no_prefill_first:
+        # as served: the engine's first compiled call of each glue function is a prefill chunk (T = 300 here), so
+        # its 16-row calls run torch.compile's dynamic-shape kernels and its one-row calls a T = 1 specialisation
+        P = 300
+        pos_p = torch.arange(P, device="cuda")
+        glue(attention_in, True)(bf(P, H), attn_layer.norm1, attn_layer.mixer.wqkv, attn_layer.mixer.q_norm,
+                                 attn_layer.mixer.k_norm, model.cos[pos_p], model.sin[pos_p], eps, c.num_heads,
+                                 c.num_kv_heads, c.head_dim)
+        glue(attention_out, True)(bf(P, c.num_heads * c.head_dim), bf(P, c.num_heads * c.head_dim),
+                                  attn_layer.mixer.wo)
+        glue(deltanet_in, True)(bf(P, H), dn.norm1, dn.mixer.w_in,
+                                torch.zeros(c.conv_kernel - 1, c.conv_dim, device="cuda", dtype=torch.bfloat16),
+                                dn.mixer.conv_w, eps, c.linear_num_key_heads, c.linear_num_value_heads,
+                                c.linear_key_head_dim, c.linear_value_head_dim)
+        glue(deltanet_out, True)(bf(P, c.linear_num_value_heads, c.linear_value_head_dim),
+                                 bf(P, c.linear_num_value_heads, c.linear_value_head_dim), dn.mixer.norm,
+                                 dn.mixer.w_out, eps)
+        dn.moe(bf(P, H), bf(P, H), dn.norm2, eps, True)
 
     def record(name, ok_diff):
         results[name] = {"equal": ok_diff[0], "max_abs_diff": ok_diff[1]}
@@ -146,6 +166,26 @@ def main() -> None:
     record("MoE verify path, tiles fixed, at 1 row vs 16 (invariant mode)", rows_equal(
         lambda t: moe(x[t:t + 1], y[t:t + 1], dn.norm2, eps, True, fixed),
         lambda: moe(x, y, dn.norm2, eps, True, fixed)))
+    # block attention at the 35B-A3B head shape (16 query heads of 256 over 2 KV heads): a 16-token verify block
+    # against 16 decode steps on a copy of the same cache (a 100-token prefix), each at its own span bucket
+    from kernels.block_attention import block_attention
+    L, start = 1024, 100
+    kc = torch.zeros(c.num_kv_heads, L, c.head_dim, device="cuda", dtype=torch.bfloat16)
+    kc[:, :start] = bf(c.num_kv_heads, start, c.head_dim)
+    vc = torch.zeros_like(kc)
+    vc[:, :start] = bf(c.num_kv_heads, start, c.head_dim)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qb, kb, vb = bf(c.num_heads, T, c.head_dim), bf(c.num_kv_heads, T, c.head_dim), bf(c.num_kv_heads, T, c.head_dim)
+    blk_pos = torch.arange(start, start + T, device="cuda")
+    block_att = block_attention(qb, kb, vb, kc, vc, blk_pos[:1], 128, positions=blk_pos, use_triton=True)
+    steps = []
+    for t in range(T):
+        p1 = blk_pos[t:t + 1]
+        span = 128 if t % 2 else start + t + 1  # two span buckets: the span must not change a row's bits
+        steps.append(block_attention(qb[:, t:t + 1].contiguous(), kb[:, t:t + 1].contiguous(),
+                                     vb[:, t:t + 1].contiguous(), kc2, vc2, p1, span, positions=p1, use_triton=True))
+    record("block attention, head 256, GQA 8 (verify vs decode steps)",
+           (torch.equal(block_att, torch.cat(steps)), float((block_att.float() - torch.cat(steps).float()).abs().max())))
     # the final norm and the LM head (eager norm; cuBLAS)
     record("final norm + LM head", rows_equal(
         lambda t: torch.nn.functional.linear(qwen_rms_norm(x[t:t + 1], model.norm, eps), model.lm_head),
