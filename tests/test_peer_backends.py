@@ -275,6 +275,27 @@ def test_an_old_database_gains_the_estimated_column_and_keeps_its_rows(tmp_path)
     db._engines.clear()
 
 
+# --- 5. `reviewer bench` says which numerics it ran ------------------------------------------------------------------
+
+def test_bench_names_its_numerics_and_the_cpu():
+    torch = pytest.importorskip("torch")
+    from backend.bench import cpu_model, format_table, numerics
+    from backend.loading import cpu_has_bf16_matmul
+
+    amx = cpu_has_bf16_matmul()
+    assert numerics("cpu", torch.float32) == f"fp32, CPU {'with' if amx else 'without'} AMX"
+    assert numerics("cpu", torch.bfloat16) == ("bf16 with AMX" if amx else
+                                               "bf16 without AMX (slow bf16 matmuls on this CPU)")
+    assert numerics("cuda", torch.bfloat16) == "bf16 on CUDA"
+    if Path("/proc/cpuinfo").exists():
+        assert cpu_model() and cpu_model() != "x86_64"
+    record = {"date": "2026-12-01", "machine": {"device": "cpu", "cpu": cpu_model(), "torch_threads": 2},
+              "model": {"name": "m", "class": "C", "layers": 1, "params_m": 1.0, "dtype": "float32"},
+              "drafter": {"source": "none"}, "numerics": numerics("cpu", torch.float32), "prompts": 1,
+              "max_tokens": 4, "runs": {}, "L_target_ms": 1.0}
+    assert f"numerics {numerics('cpu', torch.float32)}" in format_table(record).splitlines()
+
+
 def workspace(tmp_path: Path) -> Workspace:
     root = tmp_path / "repo"
     root.mkdir()
