@@ -275,6 +275,13 @@ def test_an_old_database_gains_the_estimated_column_and_keeps_its_rows(tmp_path)
     db._engines.clear()
 
 
+def test_a_bad_tool_format_is_one_line(tmp_path):
+    (tmp_path / "odd.md").write_text("---\nname: odd\ndescription: x\nmodel:\n  tool_format: xml\n---\nbody\n")
+    result = runner.invoke(app, ["personas", "--personas-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "model.tool_format must be native or text, got 'xml'" in result.output
+    assert "Traceback" not in result.output
+
+
 # --- 5. `reviewer bench` says which numerics it ran ------------------------------------------------------------------
 
 def test_bench_names_its_numerics_and_the_cpu():
