@@ -90,8 +90,8 @@ def estimate_tokens(text: str) -> int:
 
 def estimate_prompt_tokens(messages: list[dict], tools: list[dict] | None) -> int:
     """What the model reads: the messages' text and tool calls, a few tokens of chat-template framing each, and the
-    tool schemas when sent. (The JSON quoting and keys of the request are not prompt tokens: counting them made the
-    estimates of issue 30 1.7x too high.)"""
+    tool schemas when sent (the request's JSON keys and escapes are not prompt tokens). Rough: a server's template
+    adds its own words, and tokenizers differ; the counts it gives are marked estimated."""
     chars = sum(len(m.get("content") or "") + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
                 for m in messages)
     return int(chars / CHARS_PER_TOKEN) + 4 * len(messages) + (estimate_tokens(json.dumps(tools)) if tools else 0)
@@ -298,31 +298,37 @@ class OpenAIChat(LLMClient):
         content: list[str] = []
         parts: dict[int, dict] = {}  # tool call index -> {"id", "name", "arguments": [pieces]}
         finish_reason, usage, seen = None, None, 0
-        with self.sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}) as chunks:
-            for chunk in chunks:
-                seen += 1
-                usage = chunk.usage or usage
-                for choice in chunk.choices:
-                    delta = choice.delta
-                    finish_reason = choice.finish_reason or finish_reason
-                    if delta is None:  # some servers send a bare finish chunk
-                        continue
-                    piece = delta.content or ""
-                    reasoning = getattr(delta, "reasoning_content", None) or ""  # thinking models on vLLM
-                    for tc in delta.tool_calls or []:
-                        slot = parts.setdefault(tc.index if tc.index is not None else len(parts),
-                                                {"id": "", "name": "", "arguments": []})
-                        slot["id"] = tc.id or slot["id"]
-                        if tc.function:
-                            slot["name"] = tc.function.name or slot["name"]
-                            slot["arguments"].append(tc.function.arguments or "")
-                            piece += tc.function.arguments or ""
-                    content.append(delta.content or "")
-                    if on_delta and (piece or reasoning):
-                        on_delta(reasoning + piece)
-        if not seen or finish_reason is None:
-            return self._ask_unstreamed(args, messages, tools, "no chunks" if not seen else
-                                        f"{seen} chunks and no finish reason", start)
+        dropped = None
+        try:
+            with self.sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}) as chunks:
+                for chunk in chunks:
+                    seen += 1
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        delta = choice.delta
+                        finish_reason = choice.finish_reason or finish_reason
+                        if delta is None:  # some servers send a bare finish chunk
+                            continue
+                        piece = delta.content or ""
+                        reasoning = getattr(delta, "reasoning_content", None) or ""  # thinking models on vLLM
+                        for tc in delta.tool_calls or []:
+                            slot = parts.setdefault(tc.index if tc.index is not None else len(parts),
+                                                    {"id": "", "name": "", "arguments": []})
+                            slot["id"] = tc.id or slot["id"]
+                            if tc.function:
+                                slot["name"] = tc.function.name or slot["name"]
+                                slot["arguments"].append(tc.function.arguments or "")
+                                piece += tc.function.arguments or ""
+                        content.append(delta.content or "")
+                        if on_delta and (piece or reasoning):
+                            on_delta(reasoning + piece)
+        except Exception as e:  # noqa: BLE001 - only a connection the server dropped is handled here
+            if not dropped_stream(e):
+                raise
+            dropped = f"a dropped connection after {seen} chunks ({type(e.__cause__ or e).__name__})"
+        if dropped or not seen or finish_reason is None:
+            return self._ask_unstreamed(args, messages, tools, dropped or ("no chunks" if not seen else
+                                        f"{seen} chunks and no finish reason"), start)
         calls = []
         for i in sorted(parts):
             raw = "".join(parts[i]["arguments"])
@@ -334,10 +340,16 @@ class OpenAIChat(LLMClient):
         """A stream that ended early says nothing about why; the same request unstreamed gets the server's words
         (a 400 for a prompt that does not fit, which the agent then trims) or, if the failure was passing, the
         answer itself."""
-        try:
-            return from_completion(self.sdk.chat.completions.create(**args), messages, tools, start)
-        except Exception as e:  # noqa: BLE001 - classified in chat(), with what the stream did
-            raise StreamEnded(what, e) from None
+        for attempt in (1, 2):
+            try:
+                return from_completion(self.sdk.chat.completions.create(**args), messages, tools, start)
+            except Exception as e:  # noqa: BLE001 - classified in chat(), with what the stream did
+                # The connection that carried the broken stream may go back to the pool broken (llama-cpp-python's
+                # next answer on it is a disconnect): once more, on a fresh one.
+                if attempt == 1 and dropped_stream(e):
+                    continue
+                raise StreamEnded(what, e) from None
+        raise AssertionError("unreachable")
 
     def probe(self, timeout: float = 5.0) -> bool:
         """Does the endpoint answer at all (GET /v1/models)? Any HTTP answer counts: only connection errors say no."""
@@ -355,6 +367,16 @@ class OpenAIChat(LLMClient):
 
 OPENAI_PARAMS = {"temperature", "top_p", "max_tokens", "seed", "stop", "presence_penalty", "frequency_penalty",
                  "logit_bias", "reasoning_effort", "tool_choice"}
+
+
+def dropped_stream(e: Exception) -> bool:
+    """Did the server drop a streamed request it had taken? llama-cpp-python does that when the prompt does not fit
+    (with recent sse-starlette; older ones answer 200 and no chunk). A refused connection or a timeout is not that:
+    those are the endpoint's own trouble and handled as such."""
+    if not isinstance(e, sdk_errors()[1]):
+        return False
+    names = {type(x).__name__ for x in (e, e.__cause__, e.__context__) if x is not None}
+    return not any("Timeout" in n or n == "ConnectError" for n in names)
 
 
 def from_completion(resp, messages, tools, start: float) -> ChatResponse:
