@@ -36,6 +36,7 @@ from reviewer.workspace import Workspace
 from tests.scripted_llm import scripted_llm, text, tool  # noqa: F401  (scripted_llm is a fixture)
 
 N_CTX = 4096  # what the peer server is started with; the reviewer is not told
+DEFAULT_N_CTX = 2048  # llama-cpp-python's own default, when started without --n_ctx
 HELLO = [{"role": "user", "content": "Say hello in five words."}]
 PROSE = [{"role": "user", "content": "Summarise: " + "The quick brown fox jumps over the lazy dog near the river. " * 30}]
 # Digits cost SmolLM2's tokenizer about one token for two characters, the reviewer's estimate one for 3.5: a task that
@@ -55,19 +56,32 @@ class Peer:
 
 @pytest.fixture(scope="module")
 def peer(tmp_path_factory):
-    """llama-cpp-python's server on the embedded SmolLM2 GGUF, as a user starts it."""
+    """llama-cpp-python's server on the embedded SmolLM2 GGUF, as a user starts it, with a 4096-token window."""
+    yield from serve_peer(tmp_path_factory, ["--n_ctx", str(N_CTX)])
+
+
+@pytest.fixture(scope="module")
+def default_peer(tmp_path_factory):
+    """The same server with its default window (2048): small prompts keep the slow tests short."""
+    yield from serve_peer(tmp_path_factory, [])
+
+
+def serve_peer(tmp_path_factory, options: list[str]):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: `make peer-server` builds it "
                                             "(`make test` does)")
     from backend.loading import embedded_gguf_path
 
     port = free_port()
     log = tmp_path_factory.mktemp("peer") / "llama_cpp_server.log"
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(embedded_gguf_path()), "--n_ctx", str(N_CTX),
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(embedded_gguf_path()), *options,
                "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(min(2, os.cpu_count() or 1)),
                "--seed", "0"]
+    # On a CPU shared with other jobs llama.cpp's OpenMP threads spin-wait for each other: measured here, 32 tokens
+    # after an 815-token prompt took 126 s with 2 threads, 23 s with 1, 13.6 s with 2 and a passive wait policy.
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 180
@@ -121,9 +135,10 @@ def test_an_overflowing_stream_is_a_context_overflow_in_the_servers_words(peer):
                          "conversations are trimmed to it from now on"]
 
 
-def test_the_agent_trims_the_conversation_to_the_window_the_server_names(peer, tmp_path):
-    # A task that fits the assumed 8192 tokens but not the server's 4096: the first request overflows, the agent
-    # learns the window from the server's 400 and trims the task to fit, and the persona goes on.
+def test_the_agent_trims_the_conversation_to_the_window_the_server_names(default_peer, tmp_path):
+    # A task that fits the assumed 8192 tokens but not the server's default 2048: the first request overflows, the
+    # agent learns the window from the server's 400 and trims the task to fit, and the persona goes on.
+    peer = default_peer
     task = "Review the repository in your working directory.\n" + DIGITS
     persona = Persona(name="tester", description="test", system_prompt="You are a careful tester.", max_steps=1,
                       model_settings=dict(TERSE))
@@ -142,7 +157,7 @@ def test_the_agent_trims_the_conversation_to_the_window_the_server_names(peer, t
     with opened(peer) as llm:
         result = run_agent(persona, workspace(tmp_path), llm, Recorder(), max_steps=1, timeout=300, task=task,
                            on_note=notes.append)
-        assert llm.context_window == N_CTX
+        assert llm.context_window == DEFAULT_N_CTX
     assert result.status == "step_budget", result.error  # one reply came: the conversation was made to fit
     assert result.steps == 1 and result.completion_tokens > 0
     assert len(saves[-1]["messages"][1]["content"]) == len(task)  # the transcript keeps the whole task
