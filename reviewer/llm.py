@@ -217,7 +217,7 @@ class LLMClient:
                 error, retryable, requested = classify(e, self.name, bool(tools))
                 if isinstance(error, ContextOverflow) and error.window and error.window < self.context_window:
                     self.note(f"the LLM at {self.name} says its context window is {error.window} tokens "
-                              f"(assumed {self.context_window}): conversations are trimmed to it from now on")
+                              f"(not {self.context_window}): conversations are trimmed to it from now on")
                     self.context_window = error.window
                 limit = self.retry.connect_attempts if isinstance(error, EndpointDown) else self.retry.attempts
                 attempt += 1

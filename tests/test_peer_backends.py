@@ -131,7 +131,7 @@ def test_an_overflowing_stream_is_a_context_overflow_in_the_servers_words(peer):
         assert ("its streamed answer had ended with no chunks" if got == [] else
                 "its streamed answer had ended with a dropped connection after 0 chunks") in str(caught.value)
         assert caught.value.window == N_CTX and llm.context_window == N_CTX
-        assert notes == [f"the LLM at {peer.url} says its context window is {N_CTX} tokens (assumed 8192): "
+        assert notes == [f"the LLM at {peer.url} says its context window is {N_CTX} tokens (not 8192): "
                          "conversations are trimmed to it from now on"]
 
 
