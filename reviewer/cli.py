@@ -50,6 +50,12 @@ LlmOption = Annotated[
     ),
 ]
 ModelOption = Annotated[Optional[str], typer.Option("--model", help="Model name to ask the LLM for.")]
+ContextWindowOption = Annotated[
+    Optional[int],
+    typer.Option("--context-window", help="The model's context window in tokens, for a server that does not say it "
+                 "(llama-cpp-python's server; docs/backends.md); at least 512. Default: what the server reports in "
+                 "/v1/models, /props or /slots, else 8192 with a warning (config key: context_window)."),
+]
 PersonaOption = Annotated[
     Optional[list[str]],
     typer.Option("--persona", "-p", help="Persona to run (repeatable). [default: smoke, performance, correctness, docs]"),
@@ -73,6 +79,7 @@ def run(
     ref: Annotated[Optional[str], typer.Option(help="Branch, tag or commit to review [default: the default branch].")] = None,
     llm: LlmOption = None,
     model: ModelOption = None,
+    context_window: ContextWindowOption = None,
     db: DbOption = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Step budget per persona (overrides the persona's own).")] = None,
     timeout: Annotated[Optional[float], typer.Option(help="Wall-clock limit per persona, seconds.")] = None,
@@ -90,7 +97,7 @@ def run(
     and CLI start-up time, scaling and edge inputs of the functions the tests call, each finding with a repro
     command."""
     settings = settings_or_exit(
-        llm=llm, model=model, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
+        llm=llm, model=model, context_window=context_window, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
         personas_dir=personas_dir, isolation=isolation, probes=False if no_probes else None,
     )
     from reviewer.review import run_command
@@ -108,6 +115,7 @@ def loop(
     persona: PersonaOption = None,
     llm: LlmOption = None,
     model: ModelOption = None,
+    context_window: ContextWindowOption = None,
     db: DbOption = None,
     personas_dir: PersonasDirOption = None,
     worker: Annotated[Optional[str], typer.Option(help="This worker's name in a shared queue [default: host name].")] = None,
@@ -117,8 +125,8 @@ def loop(
 ) -> None:
     """Review continuously: watch repositories for new commits and review each new commit once, one at a time.
     Several loops (on one or many machines) can share one database queue: `--db postgresql://...`."""
-    settings = settings_or_exit(llm=llm, model=model, db=db, personas=persona, personas_dir=personas_dir,
-                                worker=worker, lease_seconds=lease)
+    settings = settings_or_exit(llm=llm, model=model, context_window=context_window, db=db, personas=persona,
+                                personas_dir=personas_dir, worker=worker, lease_seconds=lease)
     from reviewer.loop import LoopError, loop_command
 
     try:

@@ -16,7 +16,7 @@ from sqlalchemy import Index, event, inspect, text
 from sqlalchemy.engine import Engine, make_url
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 RUN_STATUSES = ("queued", "running", "completed", "failed", "interrupted")
 PERSONA_STATUSES = ("running", "completed", "failed", "interrupted", "step_budget", "token_budget", "timeout")
@@ -65,6 +65,9 @@ class PersonaRun(SQLModel, table=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     llm_seconds: float = 0.0
+    # True: the server reported no usage, so the token counts (and a tok/s made from them) are estimates; None in
+    # rows written before v4, which did not say.
+    tokens_estimated: bool | None = None
     started_at: datetime = Field(default_factory=utcnow)
     finished_at: datetime | None = None
     summary: str | None = None
@@ -176,6 +179,15 @@ def _v3_shared_queue(conn) -> None:
 
 
 MIGRATIONS[3] = _v3_shared_queue
+
+
+def _v4_estimated_tokens(conn) -> None:
+    # v4 (peer backends): whether a persona run's token counts are the server's or estimates. Old rows stay NULL:
+    # nobody knows any more.
+    add_column(conn, "personarun", "tokens_estimated", "BOOLEAN")
+
+
+MIGRATIONS[4] = _v4_estimated_tokens
 
 
 def add_column(conn, table: str, column: str, ddl_type: str) -> None:

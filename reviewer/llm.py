@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from reviewer.serverinfo import discover_context, tools_reach_model, window_in_error
+
 try:  # the openai SDK's own HTTP library: httpx2 in recent releases, httpx before
     import httpx2 as sdk_httpx
 except ImportError:  # pragma: no cover - older SDKs
@@ -30,8 +32,6 @@ DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
 # Context windows when neither the server nor the config says: hosted APIs are large, unknown local servers are not.
 DEFAULT_CONTEXT = {"openai": 128_000, "anthropic": 200_000, "local": 8192}
-# Keys an OpenAI-compatible /v1/models entry may use for the context window (ours, llama.cpp/LM Studio, vLLM).
-CONTEXT_KEYS = ("max_context", "context_length", "max_model_len", "context_window", "max_context_length")
 CHARS_PER_TOKEN = 3.5  # rough, for estimates when a server reports no usage
 
 
@@ -44,11 +44,25 @@ class EndpointDown(LLMError):
 
 
 class ContextOverflow(LLMError):
-    """The server says the prompt does not fit its context window."""
+    """The server says the prompt does not fit its context window; `window` is the size it names, if it does."""
+
+    def __init__(self, message: str, window: int | None = None):
+        super().__init__(message)
+        self.window = window or window_in_error(message)
 
 
 class ToolsUnsupported(LLMError):
-    """The server rejects the `tools` parameter: the agent falls back to tool calls written in text."""
+    """The server rejects the `tools` parameter, or drops it before the model: the agent falls back to tool calls
+    written in text."""
+
+
+class StreamEnded(Exception):
+    """A streamed reply ended with no chunks or no finish reason (llama-cpp-python answers an overflowing streamed
+    request with HTTP 200 and nothing). `cause` is what the same request gave unstreamed: the server's own words."""
+
+    def __init__(self, what: str, cause: Exception):
+        super().__init__(what)
+        self.what, self.cause = what, cause
 
 
 @dataclass
@@ -72,6 +86,15 @@ class ChatResponse:
 
 def estimate_tokens(text: str) -> int:
     return int(len(text) / CHARS_PER_TOKEN) + 1
+
+
+def estimate_prompt_tokens(messages: list[dict], tools: list[dict] | None) -> int:
+    """What the model reads: the messages' text and tool calls, a few tokens of chat-template framing each, and the
+    tool schemas when sent (the request's JSON keys and escapes are not prompt tokens). Rough: a server's template
+    adds its own words, and tokenizers differ; the counts it gives are marked estimated."""
+    chars = sum(len(m.get("content") or "") + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
+                for m in messages)
+    return int(chars / CHARS_PER_TOKEN) + 4 * len(messages) + (estimate_tokens(json.dumps(tools)) if tools else 0)
 
 
 def parse_arguments(raw: str | None) -> dict | None:
@@ -118,6 +141,13 @@ def error_message(e: Exception) -> str:
 
 def classify(e: Exception, where: str, sent_tools: bool) -> tuple[LLMError, bool, float | None]:
     """(error to raise, retryable?, server-requested delay) for an SDK exception."""
+    if isinstance(e, StreamEnded):
+        error, retryable, delay = classify(e.cause, where, sent_tools)
+        window = getattr(error, "window", None)
+        note = f"{error} (its streamed answer had ended with {e.what})"
+        return (type(error)(note, window) if window else type(error)(note)), retryable, delay
+    if isinstance(e, LLMError):
+        return e, False, None
     status_errors, connection_errors = sdk_errors()
     if isinstance(e, connection_errors):
         cause = e.__cause__ or e.__context__ or e
@@ -137,7 +167,8 @@ def classify(e: Exception, where: str, sent_tools: bool) -> tuple[LLMError, bool
         return LLMError(f"the LLM at {where} kept failing (HTTP {status}): {msg}"), True, retry_after
     lowered = msg.lower()
     if "context" in lowered or ("token" in lowered and ("maximum" in lowered or "too long" in lowered)):
-        return ContextOverflow(f"the prompt does not fit the LLM's context at {where}: {msg}"), False, None
+        return (ContextOverflow(f"the prompt does not fit the LLM's context at {where}: {msg}",
+                                window_in_error(msg, getattr(e, "body", None))), False, None)
     if sent_tools and "tool" in lowered:
         return ToolsUnsupported(f"the LLM at {where} does not take tools: {msg}"), False, None
     return LLMError(f"the LLM at {where} rejected the request (HTTP {status}): {msg}"), False, None
@@ -165,10 +196,13 @@ class LLMClient:
     model: str
     context_window: int
     kind: str = "local"  # "openai", "anthropic" or "local": decides defaults and parameter names
+    context_source: str = "default"  # where context_window came from: configured, a server field, assumed
 
     def __init__(self, name: str, model: str, context_window: int, retry: RetryPolicy | None = None):
         self.name, self.model, self.context_window = name, model, context_window
         self.retry = retry or RetryPolicy()
+        self.notes: list[str] = []
+        self.on_note: Callable[[str], None] | None = None
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, *,
              on_delta: Callable[[str], None] | None = None, request_timeout: float | None = None,
@@ -181,6 +215,10 @@ class LLMClient:
                 return self._chat_once(messages, tools, on_delta, request_timeout, params)
             except Exception as e:  # noqa: BLE001 - every SDK error is classified below
                 error, retryable, requested = classify(e, self.name, bool(tools))
+                if isinstance(error, ContextOverflow) and error.window and error.window < self.context_window:
+                    self.note(f"the LLM at {self.name} says its context window is {error.window} tokens "
+                              f"(not {self.context_window}): conversations are trimmed to it from now on")
+                    self.context_window = error.window
                 limit = self.retry.connect_attempts if isinstance(error, EndpointDown) else self.retry.attempts
                 attempt += 1
                 if not retryable or attempt >= limit:
@@ -189,6 +227,12 @@ class LLMClient:
 
     def _chat_once(self, messages, tools, on_delta, request_timeout, params) -> ChatResponse:
         raise NotImplementedError
+
+    def note(self, message: str) -> None:
+        """Something the run's log must say (a guessed context window, tools the server drops)."""
+        self.notes.append(message)
+        if self.on_note is not None:
+            self.on_note(message)
 
     def route(self) -> LLMClient:
         """The client for one persona run: itself for one endpoint; FailoverClient picks a healthy endpoint."""
@@ -205,6 +249,29 @@ class OpenAIChat(LLMClient):
                  stream: bool = True, retry: RetryPolicy | None = None):
         super().__init__(name, model, context_window, retry)
         self.sdk, self.kind, self.stream = sdk, kind, stream
+        self.tools = "untested"  # "untested" | "seen" | "dropped" | "unknown": does the model see `tools`?
+        self.tools_evidence = ""
+
+    def chat(self, messages, tools=None, **kwargs) -> ChatResponse:
+        """As LLMClient.chat, plus the tools probe: the first tools request of this endpoint that comes back without
+        a tool call asks whether the model saw the tools at all (serverinfo.tools_reach_model). If it did not, this
+        endpoint raises ToolsUnsupported for every tools request from then on, so each persona's agent switches to
+        tool calls written as text (and its log says why)."""
+        if tools and self.tools == "dropped":
+            raise ToolsUnsupported(self.dropped_message())
+        response = super().chat(messages, tools, **kwargs)
+        if tools and response.tool_calls:
+            self.tools = "seen"
+        elif tools and self.tools == "untested":
+            seen, self.tools_evidence = tools_reach_model(self.sdk, self.model, tools)
+            self.tools = {True: "seen", False: "dropped", None: "unknown"}[seen]
+            if self.tools == "dropped":
+                raise ToolsUnsupported(self.dropped_message())
+        return response
+
+    def dropped_message(self) -> str:
+        return (f"the LLM at {self.name} does not show the model the `tools` it is sent ({self.tools_evidence}): "
+                "tool calls are written as text from now on")
 
     def _request_args(self, messages, tools, params, request_timeout) -> dict:
         params = dict(params)
@@ -224,46 +291,65 @@ class OpenAIChat(LLMClient):
         args = self._request_args(messages, tools, params, request_timeout)
         start = time.perf_counter()
         if not self.stream:
-            resp = self.sdk.chat.completions.create(**args)
-            choice = resp.choices[0]
-            msg = choice.message
-            calls = [ToolCall(tc.id or f"call_{i}", tc.function.name, parse_arguments(tc.function.arguments),
-                              tc.function.arguments or "") for i, tc in enumerate(msg.tool_calls or [])]
-            content = msg.content or ""
-            if on_delta and content:
-                on_delta(content)
-            return finish_response(content, calls, choice.finish_reason, resp.usage, messages, tools,
-                                   time.perf_counter() - start)
+            reply = from_completion(self.sdk.chat.completions.create(**args), messages, tools, start)
+            if on_delta and reply.content:
+                on_delta(reply.content)
+            return reply
         content: list[str] = []
         parts: dict[int, dict] = {}  # tool call index -> {"id", "name", "arguments": [pieces]}
-        finish_reason, usage = "stop", None
-        with self.sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}) as chunks:
-            for chunk in chunks:
-                usage = chunk.usage or usage
-                for choice in chunk.choices:
-                    delta = choice.delta
-                    finish_reason = choice.finish_reason or finish_reason
-                    if delta is None:  # some servers send a bare finish chunk
-                        continue
-                    piece = delta.content or ""
-                    reasoning = getattr(delta, "reasoning_content", None) or ""  # thinking models on vLLM
-                    for tc in delta.tool_calls or []:
-                        slot = parts.setdefault(tc.index if tc.index is not None else len(parts),
-                                                {"id": "", "name": "", "arguments": []})
-                        slot["id"] = tc.id or slot["id"]
-                        if tc.function:
-                            slot["name"] = tc.function.name or slot["name"]
-                            slot["arguments"].append(tc.function.arguments or "")
-                            piece += tc.function.arguments or ""
-                    content.append(delta.content or "")
-                    if on_delta and (piece or reasoning):
-                        on_delta(reasoning + piece)
+        finish_reason, usage, seen = None, None, 0
+        dropped = None
+        try:
+            with self.sdk.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}) as chunks:
+                for chunk in chunks:
+                    seen += 1
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        delta = choice.delta
+                        finish_reason = choice.finish_reason or finish_reason
+                        if delta is None:  # some servers send a bare finish chunk
+                            continue
+                        piece = delta.content or ""
+                        reasoning = getattr(delta, "reasoning_content", None) or ""  # thinking models on vLLM
+                        for tc in delta.tool_calls or []:
+                            slot = parts.setdefault(tc.index if tc.index is not None else len(parts),
+                                                    {"id": "", "name": "", "arguments": []})
+                            slot["id"] = tc.id or slot["id"]
+                            if tc.function:
+                                slot["name"] = tc.function.name or slot["name"]
+                                slot["arguments"].append(tc.function.arguments or "")
+                                piece += tc.function.arguments or ""
+                        content.append(delta.content or "")
+                        if on_delta and (piece or reasoning):
+                            on_delta(reasoning + piece)
+        except Exception as e:  # noqa: BLE001 - only a connection the server dropped is handled here
+            if not dropped_stream(e):
+                raise
+            dropped = f"a dropped connection after {seen} chunks ({type(e.__cause__ or e).__name__})"
+        if dropped or not seen or finish_reason is None:
+            return self._ask_unstreamed(args, messages, tools, dropped or ("no chunks" if not seen else
+                                        f"{seen} chunks and no finish reason"), start)
         calls = []
         for i in sorted(parts):
             raw = "".join(parts[i]["arguments"])
             calls.append(ToolCall(parts[i]["id"] or f"call_{i}", parts[i]["name"], parse_arguments(raw), raw))
         return finish_response("".join(content), calls, finish_reason, usage, messages, tools,
                                time.perf_counter() - start)
+
+    def _ask_unstreamed(self, args, messages, tools, what: str, start: float) -> ChatResponse:
+        """A stream that ended early says nothing about why; the same request unstreamed gets the server's words
+        (a 400 for a prompt that does not fit, which the agent then trims) or, if the failure was passing, the
+        answer itself."""
+        for attempt in (1, 2):
+            try:
+                return from_completion(self.sdk.chat.completions.create(**args), messages, tools, start)
+            except Exception as e:  # noqa: BLE001 - classified in chat(), with what the stream did
+                # The connection that carried the broken stream may go back to the pool broken (llama-cpp-python's
+                # next answer on it is a disconnect): once more, on a fresh one.
+                if attempt == 1 and dropped_stream(e):
+                    continue
+                raise StreamEnded(what, e) from None
+        raise AssertionError("unreachable")
 
     def probe(self, timeout: float = 5.0) -> bool:
         """Does the endpoint answer at all (GET /v1/models)? Any HTTP answer counts: only connection errors say no."""
@@ -283,11 +369,31 @@ OPENAI_PARAMS = {"temperature", "top_p", "max_tokens", "seed", "stop", "presence
                  "logit_bias", "reasoning_effort", "tool_choice"}
 
 
+def dropped_stream(e: Exception) -> bool:
+    """Did the server drop a streamed request it had taken? llama-cpp-python does that when the prompt does not fit
+    (with recent sse-starlette; older ones answer 200 and no chunk). A refused connection or a timeout is not that:
+    those are the endpoint's own trouble and handled as such."""
+    if not isinstance(e, sdk_errors()[1]):
+        return False
+    names = {type(x).__name__ for x in (e, e.__cause__, e.__context__) if x is not None}
+    return not any("Timeout" in n or n == "ConnectError" for n in names)
+
+
+def from_completion(resp, messages, tools, start: float) -> ChatResponse:
+    """An unstreamed chat completion as a ChatResponse."""
+    choice = resp.choices[0]
+    msg = choice.message
+    calls = [ToolCall(tc.id or f"call_{i}", tc.function.name, parse_arguments(tc.function.arguments),
+                      tc.function.arguments or "") for i, tc in enumerate(msg.tool_calls or [])]
+    return finish_response(msg.content or "", calls, choice.finish_reason, resp.usage, messages, tools,
+                           time.perf_counter() - start)
+
+
 def finish_response(content, calls, finish_reason, usage, messages, tools, seconds) -> ChatResponse:
     if usage is not None and usage.prompt_tokens:
         return ChatResponse(content, calls, usage.prompt_tokens, usage.completion_tokens or 0, seconds,
                             finish_reason or "stop")
-    prompt = estimate_tokens(json.dumps(messages) + (json.dumps(tools) if tools else ""))
+    prompt = estimate_prompt_tokens(messages, tools)
     completion = estimate_tokens(content + "".join(c.raw_arguments for c in calls))
     return ChatResponse(content, calls, prompt, completion, seconds, finish_reason or "stop", usage_estimated=True)
 
@@ -460,15 +566,6 @@ def server_models(sdk: openai.OpenAI, where: str) -> list[dict]:
         raise classify(e, where, False)[0] from None
 
 
-def context_from(entry: dict) -> int | None:
-    for key in CONTEXT_KEYS:
-        with contextlib.suppress(TypeError, ValueError):
-            value = int(entry.get(key))
-            if value > 0:
-                return value
-    return None
-
-
 def openai_endpoint(name: str, base_url: str, api_key: str, settings, *, kind: str = "local",
                     http_client=None, stream: bool = True, retry: RetryPolicy | None = None) -> OpenAIChat:
     """An OpenAI-compatible client, after asking the server which model it serves and how large its context is."""
@@ -478,8 +575,15 @@ def openai_endpoint(name: str, base_url: str, api_key: str, settings, *, kind: s
     entry = next((m for m in models if m.get("id") == wanted), None) or (models[0] if models and kind == "local" else {})
     model = wanted or entry.get("id") or (DEFAULT_OPENAI_MODEL if kind == "openai" else "default")
     configured = getattr(settings, "context_window", None)
-    window = configured or context_from(entry) or DEFAULT_CONTEXT[kind]
-    return OpenAIChat(name, sdk, model, window, kind=kind, stream=stream, retry=retry)
+    found = None if configured else discover_context(sdk, entry, local=kind == "local")
+    window = configured or (found[0] if found else DEFAULT_CONTEXT[kind])
+    client = OpenAIChat(name, sdk, model, window, kind=kind, stream=stream, retry=retry)
+    client.context_source = "configured" if configured else (found[1] if found else "assumed")
+    if client.context_source == "assumed" and kind == "local":
+        client.notes.append(f"the LLM at {name} does not say its context window (not in /v1/models, /props or "
+                            f"/slots): assuming {window} tokens until an overflow error names it; set "
+                            "--context-window N or context_window in reviewer.toml")
+    return client
 
 
 def normalize_base_url(url: str) -> str:
@@ -534,6 +638,20 @@ def open_endpoint(spec: str, settings, console=None, **launcher) -> Iterator[LLM
         client.close()
 
 
+def log_notes(client: LLMClient, console) -> None:
+    """The client's notes go to the run's log: those it has now, and those it makes later."""
+    if console is None:
+        return
+    from rich.markup import escape
+
+    def say(message: str) -> None:
+        console.print(f"[yellow]note:[/yellow] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
+
+    for message in client.notes:
+        say(message)
+    client.on_note = say
+
+
 @contextlib.contextmanager
 def open_llm(settings, console=None, **launcher) -> Iterator[LLMClient]:
     """The client for `settings.llm`: one endpoint, or a failover list of those that answered. Raises LLMError with
@@ -544,6 +662,7 @@ def open_llm(settings, console=None, **launcher) -> Iterator[LLMClient]:
         for spec in specs:
             try:
                 clients.append(stack.enter_context(open_endpoint(spec, settings, console, **launcher)))
+                log_notes(clients[-1], console)
             except LLMError as e:
                 if len(specs) == 1:
                     raise

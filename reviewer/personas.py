@@ -56,13 +56,18 @@ def parse_persona(path: Path) -> Persona:
     if not isinstance(max_steps, int) or max_steps < 1:
         raise PersonaError(f"{path}: max_steps must be a positive integer")
     focus = meta.get("focus", [])
+    model = meta.get("model") or {}
+    if not isinstance(model, dict):
+        raise PersonaError(f"{path}: 'model' must be a mapping of settings (temperature, tool_format, ...)")
+    if model.get("tool_format", "native") not in ("native", "text"):
+        raise PersonaError(f"{path}: model.tool_format must be native or text, got {model['tool_format']!r}")
     return Persona(
         name=str(meta["name"]),
         description=str(meta.get("description", "")),
         system_prompt=body.strip(),
         focus=[focus] if isinstance(focus, str) else list(focus),
         max_steps=max_steps,
-        model_settings=dict(meta.get("model") or {}),
+        model_settings=dict(model),
         deterministic=bool(meta.get("deterministic", False)),
         source=path,
     )

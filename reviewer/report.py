@@ -105,6 +105,8 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
                 "steps": p.steps,
                 "prompt_tokens": p.prompt_tokens,
                 "completion_tokens": p.completion_tokens,
+                # true: the server reported no usage and the counts are estimates; null: not recorded (before v4)
+                "tokens_estimated": p.tokens_estimated,
                 "llm_seconds": round(p.llm_seconds, 3),
                 "summary": p.summary,
                 "error": p.error,
@@ -214,6 +216,20 @@ def _changes_for_run(history: list[dict] | None, run: dict) -> dict[tuple, dict]
     return out
 
 
+def token_cell(p: dict) -> str:
+    """Token counts, marked when they are estimates (the server reported no usage)."""
+    counts = f"{p['prompt_tokens']}/{p['completion_tokens']}"
+    return f"~{counts} (estimated)" if p.get("tokens_estimated") else counts
+
+
+def rate_cell(p: dict) -> str:
+    """Decoding speed over the persona's LLM time: from the server's counts, or marked as an estimate."""
+    if not p.get("llm_seconds") or not p.get("completion_tokens"):
+        return "-"
+    rate = f"{p['completion_tokens'] / p['llm_seconds']:.1f}"
+    return f"~{rate} (estimated)" if p.get("tokens_estimated") else rate
+
+
 def print_run_summary(run: dict, console: Console, history: list[dict] | None = None) -> None:
     """The end-of-run view: personas, findings grouped by severity with state and verification, measurements."""
     console.print(
@@ -224,12 +240,10 @@ def print_run_summary(run: dict, console: Console, history: list[dict] | None = 
     if run.get("error"):
         console.print(f"[red]error:[/red] {escape(run['error'])}")
     personas = Table(title="Personas", show_lines=False)
-    for col in ("persona", "status", "steps", "tokens (prompt/completion)", "LLM s"):
+    for col in ("persona", "status", "steps", "tokens (prompt/completion)", "LLM s", "tok/s"):
         personas.add_column(col)
     for p in run["personas"]:
-        personas.add_row(
-            p["name"], p["status"], str(p["steps"]), f"{p['prompt_tokens']}/{p['completion_tokens']}", f"{p['llm_seconds']:.1f}"
-        )
+        personas.add_row(p["name"], p["status"], str(p["steps"]), token_cell(p), f"{p['llm_seconds']:.1f}", rate_cell(p))
     console.print(personas)
     table = Table(title=f"Findings ({len(run['findings'])})")
     for col in ("severity", "persona", "title", "where", "state", "verified"):
@@ -294,8 +308,8 @@ def render_markdown(runs: list[dict], history: list[dict], *, source: str) -> st
             lines.append(f"Error: {_md(run['error'])}")
         lines.append("")
         if run["personas"]:
-            lines += ["| persona | status | steps | tokens (prompt/completion) |", "|---|---|---|---|"]
-            lines += [f"| {p['name']} | {p['status']} | {p['steps']} | {p['prompt_tokens']}/{p['completion_tokens']} |"
+            lines += ["| persona | status | steps | tokens (prompt/completion) | tok/s |", "|---|---|---|---|---|"]
+            lines += [f"| {p['name']} | {p['status']} | {p['steps']} | {token_cell(p)} | {rate_cell(p)} |"
                       for p in run["personas"]]
             lines.append("")
         if run.get("sandbox_events"):

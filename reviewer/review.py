@@ -118,12 +118,12 @@ class DbRecorder:
         return row.id
 
     def save_transcript(self, messages: list[dict], *, steps: int, prompt_tokens: int, completion_tokens: int,
-                        llm_seconds: float) -> None:
+                        llm_seconds: float, tokens_estimated: bool = False) -> None:
         with db.session(self.db) as s:
             row = s.get(PersonaRun, self.persona_run_id)
             row.transcript = json.dumps(messages, default=str)
             row.steps, row.prompt_tokens, row.completion_tokens = steps, prompt_tokens, completion_tokens
-            row.llm_seconds = llm_seconds
+            row.llm_seconds, row.tokens_estimated = llm_seconds, tokens_estimated
             s.add(row)
             s.commit()
 
@@ -223,6 +223,7 @@ class PersonaState:
     measurements: int = 0
     note: str = ""
     streamed: int = 0  # characters of the reply being generated
+    estimated: bool = False  # the token counts are estimates (the server reported none)
 
 
 STATUS_MARK = {"waiting": " ", "running": "▶", "completed": "✓", "step_budget": "◼", "token_budget": "◼",
@@ -268,12 +269,13 @@ class LiveView:
             self.say(f"▶ {name}: fresh clone and virtual environment ...")
 
     def step(self, name: str, step: int, tool: str | None, detail: str = "", *, prompt_tokens: int = 0,
-             completion_tokens: int = 0, llm_seconds: float = 0.0) -> None:
+             completion_tokens: int = 0, llm_seconds: float = 0.0, estimated: bool = False) -> None:
         p = self.state(name)
         p.step, p.tool, p.note, p.streamed = step, tool or "", detail, 0
         p.prompt_tokens, p.completion_tokens, p.llm_seconds = prompt_tokens, completion_tokens, llm_seconds
+        p.estimated = estimated
         if not self.live:
-            tokens = f"  {p.prompt_tokens + p.completion_tokens} tok  {tokens_per_s(p)}" if p.llm_seconds else ""
+            tokens = f"  {token_count(p)} tok  {tokens_per_s(p)}" if p.llm_seconds else ""
             self.say(f"  {name} step {step}: {tool or '-'}{' ' + detail if detail else ''}{tokens}")
 
     def delta(self, name: str, text: str) -> None:
@@ -310,7 +312,7 @@ class LiveView:
             step = f"{p.step}/{p.max_steps}" if p.max_steps and p.status == "running" else (str(p.step) if p.step else "")
             table.add_row(
                 STATUS_MARK.get(p.status, "?"), Text(p.name, style="bold"), Text(p.status, style=style), step,
-                p.tool, str(p.prompt_tokens + p.completion_tokens) if p.llm_seconds else "",
+                p.tool, token_count(p) if p.llm_seconds else "",
                 tokens_per_s(p) if p.llm_seconds else "", elapsed(p) if p.started else "",
                 str(p.findings) if p.started else "", str(p.measurements) if p.started else "",
                 Text(p.note[:70], style="dim"),
@@ -318,8 +320,16 @@ class LiveView:
         return Group(Text.from_markup(self.header), table)
 
 
+def token_count(p: PersonaState) -> str:
+    return f"~{p.prompt_tokens + p.completion_tokens}" if p.estimated else str(p.prompt_tokens + p.completion_tokens)
+
+
 def tokens_per_s(p: PersonaState) -> str:
-    return f"{p.completion_tokens / p.llm_seconds:.1f} tok/s" if p.llm_seconds > 0 else "-"
+    """From the server's own counts; from estimates only marked as such (`~`, "estimated")."""
+    if p.llm_seconds <= 0:
+        return "-"
+    rate = f"{p.completion_tokens / p.llm_seconds:.1f} tok/s"
+    return f"~{rate} (estimated)" if p.estimated else rate
 
 
 def elapsed(p: PersonaState) -> str:
@@ -543,15 +553,16 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
 
             def on_step(e) -> None:
                 view.step(persona.name, e.step, e.tool, prompt_tokens=e.prompt_tokens,
-                          completion_tokens=e.completion_tokens, llm_seconds=e.llm_seconds)
+                          completion_tokens=e.completion_tokens, llm_seconds=e.llm_seconds, estimated=e.tokens_estimated)
 
             result = run_agent(persona, ws, llm, recorder, max_steps=max_steps, timeout=settings.timeout,
                                task=build_task(persona, ws, tgt, max_steps=max_steps, baseline=baseline),
                                on_step=on_step, command_timeout=settings.command_timeout,
-                               on_delta=(lambda text: view.delta(persona.name, text)) if view.live else None)
+                               on_delta=(lambda text: view.delta(persona.name, text)) if view.live else None,
+                               on_note=lambda message: view.say(f"  {persona.name} note: {message}"))
         status, error, summary = result.status, result.error, result.summary
         values = dict(steps=result.steps, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                      llm_seconds=result.llm_seconds)
+                      llm_seconds=result.llm_seconds, tokens_estimated=getattr(result, "tokens_estimated", False))
         update_row(settings.db, PersonaRun, persona_run_id, status=status, error=error, summary=summary,
                    finished_at=db.utcnow(), **values)
         if summary and persona.deterministic:
@@ -564,7 +575,8 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
                         on_progress=lambda msg: view.step(persona.name, result.steps, "verify", msg,
                                                           prompt_tokens=result.prompt_tokens,
                                                           completion_tokens=result.completion_tokens,
-                                                          llm_seconds=result.llm_seconds))
+                                                          llm_seconds=result.llm_seconds,
+                                                          estimated=values["tokens_estimated"]))
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
         update_row(settings.db, PersonaRun, persona_run_id, status=status, error=error, finished_at=db.utcnow())

@@ -32,6 +32,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from reviewer.serverinfo import TOOLS_PROBE_MESSAGES
+
 
 @dataclass
 class Reply:
@@ -84,6 +86,7 @@ class ScriptedLLM:
         self.paths: list[str] = []  # every request path, in order
         self.headers: list[dict] = []
         self.errors: list[str] = []  # turns that raised
+        self.probes: list[dict] = []  # the client's tools probes (reviewer.serverinfo): answered, never scripted
         self.uds, self.health_delay, self.started_at = uds, health_delay, time.monotonic()
         self.app = self._make_app()
         self._server: uvicorn.Server | None = None
@@ -138,6 +141,9 @@ class ScriptedLLM:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             body = await request.json()
+            if body.get("messages") == TOOLS_PROBE_MESSAGES:
+                self.probes.append(body)
+                return self._openai_response(body, text("OK"))
             self.requests.append(body)
             reply = self.next_reply(body)
             if reply.delay:

@@ -37,7 +37,8 @@ class ListRecorder:
         self.measurements.append(kwargs)
         return len(self.measurements)
 
-    def save_transcript(self, messages, *, steps, prompt_tokens, completion_tokens, llm_seconds) -> None:
+    def save_transcript(self, messages, *, steps, prompt_tokens, completion_tokens, llm_seconds,
+                        tokens_estimated=False) -> None:
         self.saves.append({"messages": json.loads(json.dumps(messages)), "steps": steps,
                            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens})
 

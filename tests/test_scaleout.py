@@ -58,11 +58,12 @@ def utc(dt):
 # --- schema ---------------------------------------------------------------------------------------------------------
 
 def downgrade_to_v2(url: str) -> None:
-    """Make a current database look like one written by schema v2: no v3 columns, no unique index, version 2."""
+    """Make a current database look like one written by schema v2: no v3 or v4 columns, no unique index, version 2."""
     with db.get_engine(url).begin() as conn:
         conn.execute(text("DROP INDEX uq_reviewqueue_repo_commit"))
         for table, column in [("reviewqueue", "worker"), ("reviewqueue", "lease_expires_at"),
-                              ("reviewqueue", "heartbeat_at"), ("reviewrun", "worker")]:
+                              ("reviewqueue", "heartbeat_at"), ("reviewrun", "worker"),
+                              ("personarun", "tokens_estimated")]:
             conn.execute(text(f'ALTER TABLE "{table}" DROP COLUMN "{column}"'))
         conn.execute(text("UPDATE meta SET value = '2' WHERE key = 'schema_version'"))
         conn.execute(text("INSERT INTO repository (url, created_at) VALUES ('file:///r', '2026-01-01')"))
@@ -80,7 +81,8 @@ def test_schema_is_created_and_upgraded_in_place(backend, tmp_path, request):
     downgrade_to_v2(url)
     engine = db.get_engine(url)  # opens the v2 database and upgrades it
     with engine.connect() as conn:
-        assert db.stored_version(conn) == db.SCHEMA_VERSION == 3
+        assert db.stored_version(conn) == db.SCHEMA_VERSION == 4
+        assert "tokens_estimated" in {c["name"] for c in inspect(conn).get_columns("personarun")}  # v4
         columns = {c["name"] for c in inspect(conn).get_columns("reviewqueue")}
         assert {"worker", "lease_expires_at", "heartbeat_at"} <= columns
         assert "worker" in {c["name"] for c in inspect(conn).get_columns("reviewrun")}
