@@ -245,8 +245,14 @@ def test_sigterm_ends_streams_with_a_final_event_and_drains_in_seconds(tmp_path,
     assert started.wait(60)
     for t in threads[1:]:
         t.start()
-    time.sleep(0.5)
-    assert process.poll() is None
+
+    def waiting() -> float:  # requests queued behind the stream, from the server's own gauge
+        with httpx.Client(base_url=url, timeout=20) as http:
+            line = next(ln for ln in http.get("/metrics").text.splitlines() if ln.startswith("reviewer_queue_depth "))
+            return float(line.split()[1])
+
+    assert wait_for(lambda: waiting() == 2, timeout=30)  # both are in the queue before the signal (a busy machine
+    assert process.poll() is None                          # took over 0.5 s to connect a thread: refused, not queued)
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
     for t in threads:
