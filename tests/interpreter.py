@@ -1,6 +1,6 @@
 """Scripts that run Triton kernels under Triton's CPU interpreter, for the kernel tests (test_fused_moe, test_gemv,
-test_norm_gemv, test_block_attention, test_fast_models). TRITON_INTERPRET=1 must be set before triton is imported and must not leak into
-other tests, so each script is a subprocess; `run(script)` returns its CompletedProcess.
+test_norm_gemv, test_block_attention, test_fast_models). TRITON_INTERPRET=1 must be set before triton is imported and
+must not leak into other tests, so each script is a subprocess; `run(script)` returns its CompletedProcess.
 
 The interpreter is slow (minutes of single-threaded CPU per module on 2 cores: about a quarter of the suite's time)
 while most other tests leave a core idle (servers, sandboxes, git, pip). So conftest.py queues the scripts of the

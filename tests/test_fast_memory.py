@@ -15,7 +15,8 @@ def test_fused_projections_are_the_only_copy_and_transformers_reads_them_unchang
     with torch.no_grad():
         before = hf(tokens).logits
     originals = [{n: getattr(layer.self_attn, n).weight.clone() for n in ("q_proj", "k_proj", "v_proj")} |
-                 {n: getattr(layer.mlp, n).weight.clone() for n in ("gate_proj", "up_proj")} for layer in hf.model.layers]
+                 {n: getattr(layer.mlp, n).weight.clone() for n in ("gate_proj", "up_proj")}
+                 for layer in hf.model.layers]
     first, second = load_fast(hf, max_context=64), load_fast(hf, max_context=64)  # two engines over one model
     for layer, fused, again, orig in zip(hf.model.layers, first.model.layers, second.model.layers, originals):
         a, m = layer.self_attn, layer.mlp
@@ -51,7 +52,7 @@ def test_a_growing_cpu_kv_cache_gives_the_logits_of_a_whole_one():
         b, _ = whole.decode(token)
         assert torch.equal(a, b), growing.length
         token = int(a.argmax())
-    for _ in range(65):  # verified blocks across 1024 (600 + 65 x 7 = 1055), partly accepted, as the speculative cycle runs them
+    for _ in range(65):  # verified blocks across 1024 (600 + 65 x 7), partly accepted, as speculation does
         block = [token] + torch.randint(0, 320, (15,)).tolist()
         la, _ = growing.verify(block)
         lb, _ = whole.verify(block)
