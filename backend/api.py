@@ -103,6 +103,9 @@ async def start_job(state: ServerState, request: Request, prompt_ids: list[int],
             job.cancelled = True
             raise APIError(503, f"the server is busy: this request waited {state.queue_timeout:g} s for the engine, "
                                 "which serves one request at a time; retry later", code="queue_timeout")
+    if state.stopping.is_set():  # the engine took it up just as the server began to stop: a 503 all the same, not a
+        job.cancelled = True     # short answer that wins the race against the shutdown
+        raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutdown")
     return job
 
 

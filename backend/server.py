@@ -51,6 +51,23 @@ def release_freed_memory() -> None:
 
 # ---- server state ----------------------------------------------------------------------------------------------------
 
+class StopFlag:
+    """A set-once flag that takes no lock, so a signal handler may set it. The stop flag used to be a
+    threading.Event, set from uvicorn's SIGTERM handler; Event.set() holds a non-reentrant lock, and a second SIGTERM
+    landing while the first handler held it ran the handler again on the same (event-loop) thread, which then waited
+    on that lock forever: no final event, no close, no exit (issue 29; a burst of SIGTERMs hit it 1 run in 6).
+    Readers poll it (api.py); nobody waits on it."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class ServerState:
     """What the routes need: settings, metrics, and (once loading finished) the model and the engine worker."""
 
@@ -62,7 +79,7 @@ class ServerState:
         self.max_body_arg, self.body_timeout = max_body_bytes, body_timeout
         # Set on SIGTERM/Ctrl-C (serve) or when the app stops: streams send their final event, waiting and running
         # non-streamed requests are answered 503, so the server drains in seconds.
-        self.stopping = threading.Event()
+        self.stopping = StopFlag()
         self.prompt_slot: asyncio.Semaphore | None = None  # one prompt rendered/tokenized at a time (api.py)
         self.metrics = Metrics()
         self.loaded: LoadedModel | None = None
@@ -352,6 +369,7 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
                       flush=True)
 
         def handle_exit(self, sig, frame):
+            # Runs as a signal handler, which the next signal can interrupt: nothing here may take a lock (StopFlag).
             state.stopping.set()  # before uvicorn stops: requests in flight end now, with a final word
             super().handle_exit(sig, frame)
 

@@ -1,8 +1,11 @@
 """Preallocated caches for the fast models (backend/models/): fixed shapes and addresses, so a decode step or a block
 verify can be captured once in a CUDA graph and replayed.
 
-KVCache           attention keys/values [layers, kv_heads, max_context, head_dim]. Rolling back is free: positions
-                  past the accepted length are masked out and overwritten by the next forward.
+KVCache           attention keys/values [layers, kv_heads, capacity, head_dim]. Rolling back is free: positions
+                  past the accepted length are masked out and overwritten by the next forward. On CUDA the capacity
+                  is the whole window from the start (CUDA graphs bake in the addresses); elsewhere it grows with use
+                  (reserve), so an idle server does not hold a window it has not used (the embedded model's 8192
+                  tokens were 361 MB in fp32).
 LinearStateCache  Gated DeltaNet layers: the causal-conv window (the last K-1 conv inputs) and the recurrent state
                   (fp32). A *recorded* forward (a speculative verify) leaves both untouched and writes instead the
                   conv window of the whole block and the recurrent state after every block token (kernels/gdn_state);
@@ -21,14 +24,40 @@ from kernels.fused_moe import triton
 
 
 class KVCache:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_context: int, device, dtype):
-        self.k = torch.zeros(layers, kv_heads, max_context, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+    INITIAL_COLUMNS = 256  # a growable cache's first capacity: a short chat turn fits without growing
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_context: int, device, dtype,
+                 growable: bool | None = None):
         self.max_context = max_context
+        self.growable = torch.device(device).type != "cuda" if growable is None else growable
+        capacity = min(max_context, self.INITIAL_COLUMNS) if self.growable else max_context
+        self.k = torch.zeros(layers, kv_heads, capacity, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
         # kernels/block_attention (cache write + attention in one or two launches) for blocks of up to 16 tokens on
         # CUDA; FastModel turns it off in exact mode, whose numerics must not depend on how a position was computed
         self.block_kernel_available = triton is not None and self.k.is_cuda and supports(head_dim)
         self.use_block_kernel = self.block_kernel_available
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, columns: int) -> None:
+        """Make room for `columns` positions (a forward about to attend over them): a growable cache doubles (at
+        least) up to max_context, copying what it holds. New columns are zeros, as a preallocated cache's unwritten
+        ones are: masked columns then add exact zeros, so results do not depend on the capacity. Each layer's keys
+        keep the same layout ([kv_heads, positions, head_dim], head_dim contiguous); only the distance between
+        heads changes, which attention reads per head."""
+        if columns <= self.capacity:
+            return
+        if not self.growable or columns > self.max_context:
+            raise ValueError(f"{columns} cache positions requested; this cache holds {self.capacity}")
+        capacity = min(max(columns, 2 * self.capacity), self.max_context)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :old.shape[2]] = old
+            setattr(self, name, new)
 
     def block_kernel(self, tokens: int) -> bool:
         """Whether a forward of `tokens` new tokens attends through kernels/block_attention (else write + SDPA)."""

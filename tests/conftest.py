@@ -169,6 +169,37 @@ def _scripted_model(tokenizer, template: str, script: list[str]):
     return model
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The kernel tests' Triton-interpreter scripts (tests/interpreter.py) start in the background now, at the lowest
+    CPU priority, and their modules move to the end of the session, so that the interpreter's minutes overlap the
+    rest of the suite instead of adding to it. Order within each group is kept; tests do not depend on order."""
+    import importlib.util
+
+    from tests import interpreter
+
+    def uses_interpreter(module) -> bool:  # it imports tests/interpreter.py or test_fused_moe's helpers
+        return getattr(module, "interpreter", None) is interpreter or hasattr(module, "interpreted_by_case")
+
+    if config.option.collectonly or importlib.util.find_spec("triton") is None:
+        return
+    kernel_modules = []
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and uses_interpreter(module) and module not in kernel_modules:
+            kernel_modules.append(module)
+    for module in kernel_modules:  # every interpreter script a module holds: its module-level *SCRIPT strings
+        for name, value in vars(module).items():
+            if name.endswith("SCRIPT") and isinstance(value, str):
+                interpreter.prestart(value)
+    items.sort(key=lambda item: getattr(item, "module", None) in kernel_modules)  # stable: False first
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import interpreter
+
+    interpreter.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Factory: tiny_model(kind="llama"|"qwen3"|"qwen3_5_moe", template="chatml"|"hermes"|"qwen35", script=None)

@@ -15,10 +15,7 @@ What is claimed and checked here:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +25,8 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen
 from backend.models import FastModel, load_fast
 from backend.models.qwen3_5_moe import CHUNKED_FROM
 from kernels.gdn_state import gdn_chunked, gdn_recurrent
+from tests import interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-5, atol=2e-5)
 
 
@@ -180,9 +177,7 @@ TRITON_SCRIPT = textwrap.dedent("""
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = interpreter.run(TRITON_SCRIPT, timeout=300)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -259,9 +254,7 @@ def test_llama_decode_step_through_triton_kernels_under_interpreter():
     and the LM head through kernels/norm_gemv.py, the output and down projections with their residual add through
     kernels/gemv.py; logits and features are transformers' (fp32)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", LLAMA_TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = interpreter.run(LLAMA_TRITON_SCRIPT, timeout=600)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -346,9 +339,7 @@ def test_qwen_decode_step_through_triton_kernels_under_interpreter():
     or gate in one launch (kernels/gemv.py) and the one-token MoE path (kernels/moe_decode.py) are the ones taken,
     and the logits are transformers' (fp32)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", QWEN_TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = interpreter.run(QWEN_TRITON_SCRIPT, timeout=600)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import SharedExpert, fused_moe, fused_moe_torch, moe_reference
-
-REPO = Path(__file__).resolve().parents[1]
+from tests import interpreter
 
 
 def random_moe(num_tokens, num_experts, hidden, inter, top_k, dtype, shared="gated", seed=None, device="cpu"):
@@ -113,9 +109,9 @@ for case in INTERPRETER_CASES:
 
 
 def run_interpreted(script, *args, timeout=600):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", script, str(REPO), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    """The script's JSON lines, run under TRITON_INTERPRET=1 in a subprocess (tests/interpreter.py: usually already
+    computed in the background while the rest of the suite ran)."""
+    proc = interpreter.run(script, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

@@ -196,6 +196,8 @@ class FastModel:
             end = self.length + T
             if self.span_multiple:
                 end = min(-(-end // self.span_multiple) * self.span_multiple, self.max_context)
+            if self.model.kv is not None:
+                self.model.kv.reserve(end)  # a CPU cache grows with use (static_cache.KVCache); CUDA's is whole
             out = self._run(ids, positions, end, record, all_logits, hidden_ids, compiled)
         else:
             out = self._replay(ids, record, all_logits, hidden_ids, compiled)

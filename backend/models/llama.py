@@ -3,7 +3,8 @@
 Same math and rounding points as transformers' LlamaForCausalLM (RMSNorm in fp32 then cast, RoPE tables in fp32 cast
 to the model dtype, SDPA attention with grouped KV heads); weights come from a loaded transformers model, so every
 format transformers reads (safetensors, GGUF through backend/loading.py) works. q/k/v and gate/up projections are
-fused into one matrix each (fewer, larger matmuls). Keys/values live in a static KVCache.
+fused into one matrix each (fewer, larger matmuls); the transformers modules keep working on row views of the fused
+matrices, so the weights are held once (fuse_rows). Keys/values live in a KVCache.
 
     model = Llama.from_hf(hf_model, max_context=8192)
     logits, features = model(tokens, positions, kv_len, all_logits=False, hidden_ids=(3, 7))
@@ -11,6 +12,10 @@ fused into one matrix each (fewer, larger matmuls). Keys/values live in a static
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -302,8 +307,9 @@ class Llama(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model) -> Llama:
-        """Build from a loaded transformers LlamaForCausalLM, on its device and dtype. Big tensors are shared (the
-        embedding and LM head); the fused projections are new copies."""
+        """Build from a loaded transformers LlamaForCausalLM, on its device and dtype. Every tensor is shared with it:
+        the embedding and LM head as they are, the fused projections by turning the modules' weights into views of
+        them (fuse_rows)."""
         reason = cls.supports(hf_model.config)
         if reason:
             raise ValueError(f"not supported by the fast Llama: {reason}")
@@ -317,13 +323,12 @@ class Llama(nn.Module):
         for layer, hf_layer in zip(self.layers, base.layers):
             a, m = hf_layer.self_attn, hf_layer.mlp
             layer.attn_norm = _param(hf_layer.input_layernorm.weight)
-            layer.wqkv = _param(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-            layer.bqkv = _param(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])) if config.attention_bias \
-                else None
+            layer.wqkv = _param(fuse_rows([a.q_proj, a.k_proj, a.v_proj], "weight"))
+            layer.bqkv = _param(fuse_rows([a.q_proj, a.k_proj, a.v_proj], "bias")) if config.attention_bias else None
             layer.wo, layer.bo = _param(a.o_proj.weight), _param(a.o_proj.bias)
             layer.mlp_norm = _param(hf_layer.post_attention_layernorm.weight)
-            layer.w_gate_up = _param(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            layer.b_gate_up = _param(torch.cat([m.gate_proj.bias, m.up_proj.bias])) if config.mlp_bias else None
+            layer.w_gate_up = _param(fuse_rows([m.gate_proj, m.up_proj], "weight"))
+            layer.b_gate_up = _param(fuse_rows([m.gate_proj, m.up_proj], "bias")) if config.mlp_bias else None
             layer.w_down, layer.b_down = _param(m.down_proj.weight), _param(m.down_proj.bias)
         return self.eval()
 
@@ -331,6 +336,53 @@ class Llama(nn.Module):
 def _norm_gemv(x, w, norm_weight, eps, **epilogue):
     """kernels/norm_gemv.py with rows_linear's argument order, so _rows can pick either per projection."""
     return norm_gemv(x, norm_weight, w, eps, **epilogue)
+
+
+def fuse_rows(modules: list[nn.Module], name: str) -> torch.Tensor:
+    """The modules' `name` tensors stacked along dim 0 as one contiguous tensor, and each module's own tensor replaced
+    by its rows of it (a view), so the weights are held once: the separate copies cost the embedded model 266 MB
+    (issue 29). The fused tensor is the one the fast path always used (a fresh torch.cat), so its kernels, CUDA
+    included, compute exactly as before; the transformers modules read the same values through views. Modules already
+    made views by an earlier call (a second engine over the same model) give back the same storage: no new copy."""
+    parts = [getattr(mod, name).detach() for mod in modules]
+    first, storage = parts[0], parts[0].untyped_storage()
+    rows = sum(p.shape[0] for p in parts)
+    # reused only when the storage is exactly these rows, as a torch.cat makes it (not, say, a file mapping that
+    # happens to hold them in order: its alignment could differ from a fresh allocation's)
+    if first.storage_offset() == 0 and storage.nbytes() == sum(p.nbytes for p in parts) and all(
+            p.is_contiguous() and p.untyped_storage().data_ptr() == storage.data_ptr() for p in parts) and all(
+            b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(parts, parts[1:])):
+        return first.new_empty(0).set_(storage, 0, (rows, *first.shape[1:]))
+    fused = torch.cat(parts)
+    for part in parts:
+        _page_out(part)
+    start = 0
+    for mod, part in zip(modules, parts):
+        setattr(mod, name, nn.Parameter(fused[start:start + part.shape[0]], requires_grad=False))
+        start += part.shape[0]
+    return fused
+
+
+def _page_out(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the resident pages of a CPU tensor nobody reads any more. The transformers copies of
+    the fused projections are pages of the mapped safetensors file, which stays mapped for the other weights: read
+    once by torch.cat, they stayed resident (266 MB of RSS for the embedded model). MADV_PAGEOUT only reclaims (file
+    pages are dropped and would be read again, anonymous ones swapped out or left), contents never change, so it is
+    safe whatever memory the tensor is in; where the kernel lacks it (before Linux 5.4) the call fails, harmlessly."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    first = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
+    end = (t.data_ptr() + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_PAGEOUT)
+
+
+MADV_PAGEOUT = 21
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
