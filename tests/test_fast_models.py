@@ -551,7 +551,8 @@ def test_cuda_invariant_steps_compute_mixer_outputs_and_experts_row_by_row_alike
     model = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 300, cuda_graphs=False).model
     layer = next(layer for layer in model.layers if hasattr(layer.mixer, "w_out"))
     c, T = model.config, 16
-    x, y = (torch.randn(T, c.hidden_size, device="cuda") * 0.5).bfloat16(), torch.randn_like(x)
+    x = (torch.randn(T, c.hidden_size, device="cuda") * 0.5).bfloat16()
+    y = torch.randn_like(x)
     core = torch.randn(T, c.linear_num_value_heads, c.linear_value_head_dim, device="cuda").bfloat16()
     z = torch.randn_like(core)
     out = glue(deltanet_out, True)
