@@ -33,6 +33,7 @@ from torch import nn
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
+from kernels.fused_moe import get_config, shape_key
 from kernels.gemv import gemv
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
 
@@ -257,11 +258,12 @@ class DecoderLayer(nn.Module):
 
 class Qwen35Moe(nn.Module):
     family = "qwen3_5_moe"
-    # Decode steps through the verify's kernels, with the experts' tiles fixed for every row count up to 16: a
-    # position's logits are then bitwise the same in a decode step and inside a verify block (bench/qwen_invariance.py
-    # maps which parts differ otherwise: the one-token output projections and experts, and the tiles the grouped
-    # experts pick by row count). Off by default: it costs plain decoding the one-token kernels (measured in
-    # bench/results/*invariant*; bench/target_step.py --invariant, backend/bench.py --invariant-moe).
+    # Experimental: decode steps through the verify's kernels, with the experts' tiles fixed for every row count up
+    # to 16. Every part of a layer then computes a row the same in a decode step and in a verify block
+    # (bench/qwen_invariance.py), but the whole model is not yet token-identical to plain decoding (4 of 16 prompts
+    # on the H200: kernels/README.md "The Qwen3.5/3.6-MoE path"), so nothing claims lossless for it, and it costs
+    # plain decoding the one-token kernels (3.52 ms a step against 2.74). bench/target_step.py --invariant,
+    # backend/bench.py --invariant-moe.
     invariant_steps = False
 
     def __init__(self, config: Qwen35MoeConfig, inv_freq: torch.Tensor):
@@ -325,16 +327,10 @@ class Qwen35Moe(nn.Module):
         Triton."""
         if not triton_usable(x):
             return None
-        from kernels.fused_moe import get_config, shape_key
         c = self.config
         key = shape_key(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.top_k, True)
         name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
         return dict(get_config(name, key, 16, c.top_k), decode=False)
-
-    @property
-    def batch_invariant(self) -> bool:
-        """Whether decode steps and verify blocks compute a position the same way (invariant_steps on Triton)."""
-        return self.invariant_steps and triton_usable(self.embed) and self.kv.use_block_kernel
 
     # ---- loading --------------------------------------------------------------------------------------------------
 
