@@ -65,6 +65,16 @@ def graph_time_us(fn, inner: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def cycling(ws: list) -> callable:
+    """A function returning the next of ws on each call: every call of a sweep reads its own weight (not from L2)."""
+    state = {"n": 0}
+
+    def weight():
+        state["n"] += 1
+        return ws[state["n"] % len(ws)]
+    return weight
+
+
 def sweep_gdn(inner, reps):
     rows = []
     hk, hv, dk, dv = 16, 32, 128, 128
@@ -213,11 +223,7 @@ def sweep_gemv_fused(inner, reps):
     ws = [torch.randn(n, kdim, device="cuda").bfloat16() / kdim ** 0.5 for _ in range(inner)]
     x, z = torch.randn(1, kdim, device="cuda").bfloat16(), torch.randn(1, kdim, device="cuda").bfloat16()
     nw = (torch.rand(d, device="cuda") + 0.5).bfloat16()
-    state = {"n": 0}
-
-    def weight():
-        state["n"] += 1
-        return ws[state["n"] % inner]
+    weight = cycling(ws)
     rows = []
     base = dict(kernel="gemv_fused", N=n, K=kdim, weight_MB=round(n * kdim * 2 / 1e6, 1))
     baselines = {
@@ -267,11 +273,7 @@ def sweep_llama_one_token(inner, reps):
     for name, (n, k, call, inp) in cases.items():
         count = 2 if name == "lm_head norm" else inner  # the LM head: one per step, 57 MB, never in L2
         ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
-        state = {"n": 0}
-
-        def weight(ws=ws):
-            state["n"] += 1
-            return ws[state["n"] % len(ws)]
+        weight = cycling(ws)
         base = dict(kernel="llama_one_token", case=name, N=n, K=k, weight_MB=round(n * k * 2 / 1e6, 2))
         rows.append(dict(base, variant="F.linear alone", us=round(graph_time_us(
             lambda: F.linear(inp, weight()), inner, reps), 2)))
@@ -338,11 +340,8 @@ def sweep_rows(inner, reps):
     for name, (n, k, call) in mma.items():
         count = 2 if "lm_head" in name else inner
         ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
-        state = {"n": 0}
+        weight = cycling(ws)
 
-        def weight(ws=ws):
-            state["n"] += 1
-            return ws[state["n"] % len(ws)]
         def split(bk, splits, **kw):  # K in `splits` ranges of whole BK steps
             return dict(kw, BK=bk, SPLITS=splits, KS=-(-(-(-k // bk)) // splits) * bk)
         variants = [None]
@@ -363,11 +362,7 @@ def sweep_rows(inner, reps):
     for name, (n, k, tiles0, call) in cases.items():
         count = 2 if "lm_head" in name else inner
         ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
-        state = {"n": 0}
-
-        def weight(ws=ws):
-            state["n"] += 1
-            return ws[state["n"] % len(ws)]
+        weight = cycling(ws)
         for tiles in (tiles0,):  # the one-row-per-program kernels at their tiles, for comparison
             # row 0 of a 16-row call against the one-row call (the tests check every row at the default tiles)
             invariant = bool(torch.equal(call(ws[0], tiles, 16)[:1], call(ws[0], tiles, 1)))
@@ -394,11 +389,7 @@ def sweep_rows_35b(inner, reps):
     for name, (n, k, norm, residual) in cases.items():
         count = 2 if "lm_head" in name else min(inner, 10)
         ws = [torch.randn(n, k, device="cuda").bfloat16() / k ** 0.5 for _ in range(count)]
-        state = {"n": 0}
-
-        def weight(ws=ws):
-            state["n"] += 1
-            return ws[state["n"] % len(ws)]
+        weight = cycling(ws)
         x, r = torch.randn(16, k, device="cuda").bfloat16(), torch.randn(16, n, device="cuda").bfloat16()
         nw = (torch.rand(k, device="cuda") + 0.5).bfloat16()
         calls = {

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from backend.bench import cpu_model  # noqa: E402
 from backend.models import load_fast  # noqa: E402
 from backend.models.llama import Llama  # noqa: E402
 from backend.models.qwen3_5_moe import Qwen35Moe, SparseMoE  # noqa: E402
@@ -139,13 +140,7 @@ def _has(module: str) -> bool:
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    return cpu_model() or platform.processor() or "cpu"
 
 
 def _dt(dtype) -> str:

@@ -119,16 +119,22 @@ def norm_gemv_torch(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope
         gate, up = y.float().chunk(2, dim=-1)
         return (F.silu(gate) * up).to(y.dtype)
     if rope is not None:
-        cos, sin, pos, rotated = rope
-        d = cos.shape[-1]
-        T = y.shape[0]
-        c, s = cos[pos.reshape(-1)[:T]].float()[:, None], sin[pos.reshape(-1)[:T]].float()[:, None]  # [T, 1, D]
-        heads = y[:, :rotated].float().reshape(T, -1, d)
-        half = d // 2
-        turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
-        qk = (heads * c + turned * s).reshape(T, rotated).to(y.dtype)
-        return torch.cat((qk, y[:, rotated:]), dim=-1)
+        return rope_rows_torch(y, rope)
     return y
+
+
+def rope_rows_torch(y, rope):
+    """RoPE on the first `rotated` columns of y [T, N] (whole heads), row t at positions[t]; the rest passes through.
+    rope = (cos, sin, positions, rotated). Computed in fp32 from y, cast once (the kernels' epilogue)."""
+    cos, sin, pos, rotated = rope
+    d = cos.shape[-1]
+    T = y.shape[0]
+    c, s = cos[pos.reshape(-1)[:T]].float()[:, None], sin[pos.reshape(-1)[:T]].float()[:, None]  # [T, 1, D]
+    heads = y[:, :rotated].float().reshape(T, -1, d)
+    half = d // 2
+    turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+    qk = (heads * c + turned * s).reshape(T, rotated).to(y.dtype)
+    return torch.cat((qk, y[:, rotated:]), dim=-1)
 
 
 def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None, use_triton: bool | None = None,

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.norm_gemv import rope_rows_torch
+
 try:
     import triton
     import triton.language as tl
@@ -223,15 +225,7 @@ def rows_linear_torch(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool
         gate, up = y.float().chunk(2, dim=-1)
         return (F.silu(gate) * up).to(y.dtype)
     if rope is not None:
-        cos, sin, pos, rotated = rope
-        d = cos.shape[-1]
-        T = y.shape[0]
-        c, s = cos[pos.reshape(-1)[:T]].float()[:, None], sin[pos.reshape(-1)[:T]].float()[:, None]
-        heads = y[:, :rotated].float().reshape(T, -1, d)
-        half = d // 2
-        turned = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
-        qk = (heads * c + turned * s).reshape(T, rotated).to(y.dtype)
-        return torch.cat((qk, y[:, rotated:]), dim=-1)
+        return rope_rows_torch(y, rope)
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 
