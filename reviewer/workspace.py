@@ -208,10 +208,19 @@ def resolve_target(target: str, ref: str | None = None) -> Target:
 def remove_tree(path: Path) -> None:
     """rmtree that also removes read-only files (Go's module cache makes them)."""
 
+    root = os.path.abspath(path)
+
+    def inside(p: str) -> bool:
+        return os.path.commonpath([root, os.path.abspath(p)]) == root
+
     def make_writable_and_retry(func, p, _exc):
+        # Only folders inside the tree are touched: when the tree's own root cannot be removed, its parent
+        # (often /tmp itself) must keep its mode. An earlier version made /tmp 0700 that way.
         try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            if not os.path.islink(p):  # chmod follows symlinks: one planted by the sandbox would reach a host file
+            parent = os.path.dirname(p)
+            if inside(parent):
+                os.chmod(parent, stat.S_IRWXU)
+            if inside(p) and not os.path.islink(p):  # chmod follows symlinks: a planted one would reach a host file
                 os.chmod(p, stat.S_IRWXU)
             func(p)
         except OSError:

@@ -266,3 +266,32 @@ def test_ctrl_c_while_a_command_runs_kills_it(tmp_path, command):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
+
+
+def test_removing_a_tree_whose_root_cannot_go_keeps_the_parent_mode(tmp_path):
+    """A workspace left mounted (a busy diskcap mount) cannot be removed itself; removing what is inside must not
+    change its parent's mode. An earlier remove_tree made the parent 0700, and the parent was /tmp."""
+    import shutil
+    import subprocess
+
+    from reviewer.workspace import remove_tree
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to mount a tmpfs")
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    parent.chmod(0o1777)
+    root = parent / "workspace"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("this machine cannot mount a tmpfs")
+    try:
+        (root / "sub").mkdir()
+        (root / "sub" / "read-only.txt").write_text("x")
+        (root / "sub" / "read-only.txt").chmod(0o400)
+        (root / "sub").chmod(0o500)
+        remove_tree(root)
+        assert list(root.iterdir()) == []  # everything inside went; the mount point itself stays
+        assert (parent.stat().st_mode & 0o7777) == 0o1777
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
