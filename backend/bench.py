@@ -364,25 +364,30 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     if compare_hf:
         run_hf_generate(target, warm, 4, stops, device)
         runs["hf_generate"] = run_hf_generate(target, prompt_ids, max_tokens, stops, device)
-    # the reference speculative output must equal: on the CPU the engine with a drafter runs in exact mode
-    plain = Engine(target, max_context=max_context, exact=torch.device(device).type == "cpu")
+    # the reference speculative output must equal: plain decoding in the speculative engine's numerics (on the CPU
+    # exact mode; on CUDA the fast model's invariant verify path: Engine's defaults with a drafter)
+    cuda = torch.device(device).type == "cuda"
+    plain = Engine(target, max_context=max_context, exact=not cuda, invariant_verify=cuda and draft_model is not None)
     result["engine"] = {"path": "fast" if plain.fast else "transformers",
-                        "exact": bool(plain.fast and plain.target.exact)}
+                        "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
     run_engine(plain, warm, warm_tokens, stops)
     runs["plain"] = run_engine(plain, prompt_ids, max_tokens, stops)
     baseline = runs["plain"]
-    if result["engine"]["exact"]:
-        # exact mode pads every plain step to a 16-token block (what makes speculative output identical); a plain
-        # engine without a drafter does not, so speed ratios use the faster of the two plain runs
-        unpadded = Engine(target, max_context=max_context, exact=False)
-        run_engine(unpadded, warm, warm_tokens, stops)
-        runs["plain_unpadded"] = run_engine(unpadded, prompt_ids, max_tokens, stops)
-        runs["plain_unpadded"]["identical_to_plain"] = runs["plain_unpadded"]["outputs"] == runs["plain"]["outputs"]
-        if runs["plain_unpadded"]["decode_tok_s"] > baseline["decode_tok_s"]:
-            baseline = runs["plain_unpadded"]
-    result["baseline"] = "plain_unpadded" if baseline is not runs["plain"] else "plain"
+    if result["engine"]["exact"] or plain.invariant_verify:
+        # those numerics cost plain decoding (exact mode pads every step to a 16-token block; the invariant path
+        # gives up the one-token kernels); a plain engine without a drafter uses neither, so speed ratios use the
+        # faster of the two plain runs
+        default = Engine(target, max_context=max_context, exact=False, invariant_verify=False)
+        run_engine(default, warm, warm_tokens, stops)
+        runs["plain_default"] = run_engine(default, prompt_ids, max_tokens, stops)
+        runs["plain_default"]["identical_to_plain"] = runs["plain_default"]["outputs"] == runs["plain"]["outputs"]
+        if runs["plain_default"]["decode_tok_s"] > baseline["decode_tok_s"]:
+            baseline = runs["plain_default"]
+    result["baseline"] = "plain_default" if baseline is not runs["plain"] else "plain"
     l_target = baseline["decode_s"] / max(baseline["tokens"], 1)
     result["L_target_ms"] = 1e3 * l_target
+    # plain decoding in the speculative engines' numerics (the output they must equal), when that is not the baseline
+    result["L_reference_ms"] = 1e3 * runs["plain"]["decode_s"] / max(runs["plain"]["tokens"], 1)
     if draft_model is not None:
         result["drafter"].update({"block_size": draft_model.block_size,
                                   "layers": len(draft_model.layers) if hasattr(draft_model, "layers") else None,
@@ -475,7 +480,7 @@ def format_table(res: dict) -> str:
              f"{res['prompts']} prompts x up to {res['max_tokens']} tokens, greedy", "",
              f"{'run':<28}{'tokens':>7}{'tok/s':>9}{'decode tok/s':>14}  identical"]
     labels = {"hf_generate": "transformers generate", "plain": "engine, plain",
-              "plain_unpadded": "engine, plain unpadded",
+              "plain_default": "engine, plain (default kernels)",
               "speculative": "engine, speculative", "speculative_adaptive": "engine, spec + adaptive k"}
     labels.update({k: f"engine, forced tau {k.removeprefix('forced_tau_')}" for k in runs if k.startswith("forced_")})
     for key, r in runs.items():
@@ -485,8 +490,9 @@ def format_table(res: dict) -> str:
                      f"{(r['decode_tok_s'] if 'decode_tok_s' in r else r['tok_s']):>14.1f}  "
                      f"{'-' if same is None else ('yes' if same else 'NO')}{ref}")
     eng = res.get("engine", {})
-    lines.append(f"\nengine path: {eng.get('path')}{', exact (batch-invariant) mode' if eng.get('exact') else ''}; "
-                 f"speed ratios against {labels[res.get('baseline', 'plain')]}")
+    mode = ", exact (batch-invariant) mode" if eng.get("exact") else (
+        ", invariant verify path (plain = its plain decoding)" if eng.get("invariant_verify") else "")
+    lines.append(f"\nengine path: {eng.get('path')}{mode}; speed ratios against {labels[res.get('baseline', 'plain')]}")
     lines.append(f"L_target (plain decode time per token) {res['L_target_ms']:.2f} ms")
     for key in [k for k in runs if k.startswith(("speculative", "forced_"))]:
         r = runs.get(key)
@@ -527,14 +533,13 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--forced-tau", default="", help="comma-separated tau values: also time speculative runs with "
                     "forced acceptance (random weights; labelled forced in the record), e.g. 4.9,6.4,8.1")
-    ap.add_argument("--invariant-moe", action="store_true",
-                    help="Qwen3.5/3.6-MoE, experimental: decode steps through the verify's kernels "
-                    "(Qwen35Moe.invariant_steps; plain decoding costs more, and the whole model is not yet "
-                    "token-identical: backend/models/README.md)")
+    ap.add_argument("--llama-steps", choices=["rows", "glue"], default=None,
+                    help="Llama: decode steps and verifies through our row kernels or the compiled glue + cuBLAS "
+                    "(Llama.step_path; glue only where cuBLAS is row-invariant on this device)")
     a = ap.parse_args(argv)
-    if a.invariant_moe:
-        from backend.models.qwen3_5_moe import Qwen35Moe
-        Qwen35Moe.invariant_steps = True
+    if a.llama_steps:
+        from backend.models.llama import Llama
+        Llama.step_path = a.llama_steps
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
          forced_tau=a.forced_tau,

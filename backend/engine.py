@@ -72,11 +72,17 @@ class Engine:
     launch each; the first step of each shape compiles, ~tens of seconds). device_cycle: the speculative cycle on the
     device (backend/device_cycle.py, backend/fast_drafter.py: drafter in CUDA graphs over static caches,
     acceptance on the device, one host sync per cycle; None: on CUDA whenever the fast path runs outside exact
-    mode; True elsewhere too, for tests)."""
+    mode; True elsewhere too, for tests). invariant_verify: the fast model's decode steps and verifies in numerics
+    where a verify is cheap and a position's logits do not depend on how it was reached (the model file's
+    use_invariant_verify: Qwen3.5/3.6-MoE's padded rows, Llama's glue over a row-invariant cuBLAS), so greedy
+    speculative output is token-identical to this engine's plain decoding (None: on for a CUDA engine with a
+    drafter outside exact mode; a plain engine that serves as its reference needs invariant_verify=True). Plain
+    engines keep the fastest one-token kernels, whose rounding can differ at near-ties."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
                  adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None,
-                 compile: bool | None = None, device_cycle: bool | None = None):
+                 compile: bool | None = None, device_cycle: bool | None = None,
+                 invariant_verify: bool | None = None):
         self.model = model
         self.drafter = drafter
         self.device = next(model.parameters()).device
@@ -90,6 +96,11 @@ class Engine:
         if compile is None:
             compile = self.device.type == "cuda"
         self.target = self._make_target(model, features, prefill_chunk, fast, exact, compile)
+        if invariant_verify is None:
+            invariant_verify = drafter is not None and self.device.type == "cuda" and self.fast and not self.target.exact
+        self.invariant_verify = bool(invariant_verify) and self.fast
+        if self.invariant_verify:
+            self.target.fast.model.use_invariant_verify()
         self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
         self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
@@ -133,9 +144,9 @@ class Engine:
     def lossless(self) -> bool:
         """Whether greedy output is token-identical to plain decoding of this engine: always without a drafter;
         with one, when a position's logits do not depend on how it was reached (a one-token step or any verify
-        block): exact mode, or a fast-path target whose kernels are batch-invariant on this device (the Llama rows
-        path on CUDA). The transformers path and the Qwen3.5/3.6-MoE verify are not (yet): at near-ties their
-        speculative output can differ from plain decoding."""
+        block): exact mode, or a fast-path target whose kernels are batch-invariant on this device (on CUDA: the
+        Llama rows or glue path, Qwen3.5/3.6-MoE's padded rows under invariant_verify). The transformers path is
+        not: at near-ties its speculative output can differ from plain decoding."""
         if self.drafter is None:
             return True
         if not self.fast:
@@ -149,8 +160,10 @@ class Engine:
         how = "on the device, CUDA graphs" if self.fast_drafter is not None else "eager"
         if self.lossless:
             why = "exact mode" if self.target.exact else "batch-invariant kernels"
+            if self.invariant_verify and getattr(self.target.fast.model, "glue_steps", True):
+                why += "; without a drafter the engine decodes with faster one-token kernels, whose rounding can differ"
             return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), lossless: greedy output "
-                    f"is token-identical to plain decoding ({why})")
+                    f"is token-identical to plain decoding in the same numerics ({why})")
         return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), NOT lossless on this path: "
                 "greedy output can differ from plain decoding at near-ties (use --drafter none for plain decoding)")
 

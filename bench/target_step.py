@@ -572,8 +572,13 @@ def main() -> None:
     ap.add_argument("--mma", default=None, metavar="SET",
                     help="Llama: the projections that take kernels/rows_linear.py, comma-separated from qkv, o, "
                     "gate_up, down, lm_head ('none' for none; default: Llama.mma_projections)")
+    ap.add_argument("--llama-steps", choices=["rows", "glue"], default=None,
+                    help="Llama: decode steps and verifies through our row kernels or the compiled glue + cuBLAS "
+                    "(Llama.step_path)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
+    if args.llama_steps:
+        Llama.step_path = args.llama_steps
     device = torch.device(args.device)
     if args.invariant:
         Qwen35Moe.invariant_steps = True
@@ -597,9 +602,12 @@ def main() -> None:
                       device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
                       torch=torch.__version__, transformers=__import__("transformers").__version__,
-                      mma_projections=sorted(Llama.mma_projections), qwen_invariant_steps=Qwen35Moe.invariant_steps, row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
+                      mma_projections=sorted(Llama.mma_projections), llama_step_path=Llama.step_path,
+                      qwen_invariant_steps=Qwen35Moe.invariant_steps,
+                      row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
         tag = (f"_compile-{args.compile}" if args.compile else "") + (
-            f"_mma-{args.mma.replace(',', '_')}" if args.mma else "") + ("_invariant" if args.invariant else "")
+            f"_mma-{args.mma.replace(',', '_')}" if args.mma else "") + ("_invariant" if args.invariant else "") + (
+            f"_steps-{args.llama_steps}" if args.llama_steps else "")
         name = f"target_step_{shape}_{device.type}{tag}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
         (Path(args.out) / name).write_text(json.dumps(record, indent=1))
         stock = record.get("stock", {})

@@ -173,13 +173,15 @@ def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | 
 
 
 def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, positions=None,
-                    use_triton: bool | None = None):
+                    use_triton: bool | None = None, out: torch.Tensor | None = None):
     """See the module docstring. span >= start + T (a host number; the caller's attention span). positions: the
-    block's positions as a device tensor (start, start + 1, ...) if the caller has them (saves two launches)."""
+    block's positions as a device tensor (start, start + 1, ...) if the caller has them (saves two launches).
+    out: a [T, H * D] tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one."""
     if use_triton is None:
         use_triton = triton_usable(q)
     if not use_triton:
-        return block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span)
+        result = block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span)
+        return result if out is None else out.copy_(result)
     _check(q, k_new, v_new, k_cache, v_cache, start)
     H, T, D = q.shape
     hkv = k_new.shape[0]
@@ -202,7 +204,10 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, posi
         pos = positions if positions is not None else start.reshape(1).long() + torch.arange(T, device=q.device)
         k_cache.index_copy_(1, pos[:T], k_new)
         v_cache.index_copy_(1, pos[:T], v_new)
-    out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
+    elif out.shape != (T, H * D) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{T}, {H * D}] {q.dtype} with contiguous rows, got {tuple(out.shape)}")
     part_rows = hkv * (n_splits + 1) * n_chunks * block_m
     po = torch.empty(part_rows, D, device=q.device, dtype=torch.float32)
     pm = torch.empty(part_rows, device=q.device, dtype=torch.float32)

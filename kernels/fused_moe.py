@@ -63,6 +63,7 @@ def fused_moe(
     use_triton: bool | None = None,
     config: dict | None = None,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MoE experts (+ optional shared expert) for hidden_states [M, H]; returns [M, H] in its dtype.
 
@@ -72,22 +73,28 @@ def fused_moe(
     tiles for one token (None: DECODE_TILES; False: the grouped path at one token too, for comparisons).
     residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
     the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
+    out [M, H]: write the result there (e.g. rows of a larger tensor) instead of a new tensor.
     """
     _check_shapes(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
     if residual is not None and residual.shape != hidden_states.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must have the shape of hidden_states, "
                          f"{tuple(hidden_states.shape)}")
+    if out is not None and (out.shape != hidden_states.shape or out.stride(-1) != 1):
+        raise ValueError(f"out must be [{hidden_states.shape[0]}, {hidden_states.shape[1]}] with contiguous rows")
     if use_triton is None:
         use_triton = triton_usable(hidden_states)
     if not use_triton:
-        out = fused_moe_torch(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
-        return out if residual is None else residual + out
-    if shared is not None and shared.gate_proj.shape[0] != down_proj.shape[-1]:
+        result = fused_moe_torch(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
+        result = result if residual is None else residual + result
+    elif shared is not None and shared.gate_proj.shape[0] != down_proj.shape[-1]:
         # The kernels treat the shared expert as expert E, which needs the same intermediate size.
         routed = fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, None, config)
-        out = (routed.float() + shared_expert_torch(hidden_states.to(gate_up_proj.dtype), shared)).to(routed.dtype)
-        return out if residual is None else residual + out
-    return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config, residual)
+        result = (routed.float() + shared_expert_torch(hidden_states.to(gate_up_proj.dtype), shared)).to(routed.dtype)
+        result = result if residual is None else residual + result
+    else:
+        return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config,
+                                residual, out)
+    return result if out is None else out.copy_(result)
 
 
 def _check_shapes(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared):
@@ -419,7 +426,7 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
 
 
 def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None,
-                     residual=None):
+                     residual=None, out=None):
     """The Triton path (see the module docstring). Inputs as for `fused_moe`; no host synchronisation."""
     if triton is None:
         raise RuntimeError("triton is not installed; use fused_moe(), which falls back to PyTorch")
@@ -438,9 +445,10 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
     cfg = config or get_config(_device_name(x), shape_key(num_experts, hidden, inter, top_k, has_shared),
                                num_tokens, top_k)
     if num_tokens == 1 and cfg.get("decode") is not False:  # a decode step: two GEMV-shaped launches
-        return decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
-                          None if residual is None else residual.contiguous(), cfg.get("decode"),
-                          hidden_states.dtype)
+        result = decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
+                            None if residual is None else residual.contiguous(), cfg.get("decode"),
+                            hidden_states.dtype)
+        return result if out is None else out.copy_(result)
     direct = cfg["direct"] and num_tokens <= cfg["BM"]
     block_m = cfg["BM"]
     ids = topk_ids.contiguous()
@@ -484,7 +492,8 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         HAS_SHARED_GATE=has_gate, DIRECT=direct, GATE_UP_SPLIT=split, EVEN_K=inter % dn["BK"] == 0,
         EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
         num_warps=dn["warps"], num_stages=dn["stages"])
-    out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
     block_h = min(256, triton.next_power_of_2(hidden))
     res = residual if residual is not None else out  # unused without a residual
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](

@@ -138,8 +138,8 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: to
 
 def gdn_recurrent(q, k, v, g, beta, state_in: torch.Tensor, states_out: torch.Tensor, every_position: bool,
                   *, gates: tuple[torch.Tensor, torch.Tensor] | None = None, use_triton: bool | None = None,
-                  block_v: int | None = None, num_warps: int | None = None, prefetch: bool | None = None
-                  ) -> torch.Tensor:
+                  block_v: int | None = None, num_warps: int | None = None, prefetch: bool | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Run T tokens through the recurrence from `state_in`; returns the outputs [T, Hv, Dv] (v's dtype).
 
     every_position=False: the final state goes to `states_out` [Hv, Dk, Dv] (may be `state_in` itself: decode
@@ -147,7 +147,8 @@ def gdn_recurrent(q, k, v, g, beta, state_in: torch.Tensor, states_out: torch.Te
     ([T, Hv, Dk, Dv]; a view of the first T rows of a larger snapshot buffer is fine), `state_in` is only read.
     gates=(neg_A, dt_bias): g and beta are the raw projections a and b, turned into gates by the kernel itself
     (gdn_gates' math; two elementwise launches fewer per layer).
-    block_v / num_warps / prefetch override the launch shape (bench/kernel_sweep.py).
+    block_v / num_warps / prefetch override the launch shape (bench/kernel_sweep.py). out: a tensor like v to write
+    the outputs into (e.g. rows of a larger one).
     """
     _check(q, k, v, g, beta, state_in, states_out, every_position)
     if use_triton is None:
@@ -155,13 +156,17 @@ def gdn_recurrent(q, k, v, g, beta, state_in: torch.Tensor, states_out: torch.Te
     if not use_triton:
         if gates is not None:
             g, beta = gdn_gates(g, beta, *gates)
-        return gdn_recurrent_torch(q, k, v, g, beta, state_in, states_out, every_position)
+        result = gdn_recurrent_torch(q, k, v, g, beta, state_in, states_out, every_position)
+        return result if out is None else out.copy_(result)
     T, hk, dk = q.shape
     _, hv, dv = v.shape
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
     neg_a, dt_bias = gates if gates is not None else (g, g)  # unused without gates
-    out = torch.empty_like(v)
+    if out is None:
+        out = torch.empty_like(v)
+    elif out.shape != v.shape or out.dtype != v.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be like v {tuple(v.shape)} {v.dtype}, got {tuple(out.shape)} {out.dtype}")
     if block_v is None:
         block_v = min(BLOCK_V, triton.next_power_of_2(dv))  # Dv / BLOCK_V programs per head
     grid = (hv, triton.cdiv(dv, block_v))

@@ -324,6 +324,48 @@ QWEN_TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
+QWEN_PADDED_SCRIPT = textwrap.dedent("""
+    import torch
+    from backend.models import load_fast
+    from tests.test_fast_models import seeded, tiny_qwen
+    seeded()
+    hf = tiny_qwen()
+    ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128)
+    fast.model.use_invariant_verify()
+    fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
+    calls = {"n": 0}
+    padded = fast.model._padded_rows
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return padded(*args, **kwargs)
+    fast.model._padded_rows = counted
+    prompt = torch.randint(0, 320, (12,))
+    for model in (ref, fast):
+        model.prefill(prompt)
+    tokens = torch.randint(0, 320, (6,)).tolist()
+    for t in tokens[:2]:  # decode steps
+        a, b = ref.decode(t)[0], fast.decode(t)[0]
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    a, b = ref.verify(tokens[2:])[0], fast.verify(tokens[2:])[0]  # a verify, cut short
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    ref.accept(2)
+    fast.accept(2)
+    torch.testing.assert_close(fast.decode(7)[0], ref.decode(7)[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast.model.linear.state, ref.model.linear.state, rtol=1e-4, atol=1e-5)
+    assert calls["n"] == 5, calls  # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step
+    print("ok")
+""")
+
+
+def test_qwen_padded_rows_compute_what_the_model_does_under_interpreter():
+    """use_invariant_verify's path (_padded_rows: glue on 16 padded rows, attention, recurrence and experts on the
+    real ones, written into the padded buffers) gives the regular forward's logits and states (fp32, every kernel
+    interpreted) for decode steps, a verify and the accept after it."""
+    pytest.importorskip("triton")
+    done = interpreter.run(QWEN_PADDED_SCRIPT, timeout=600)  # usually computed in the background already
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def tiny_qwen_same_shared():
     """tiny_qwen with the shared expert as wide as the routed ones (the 35B-A3B case: fused into the MoE kernels)."""
     seeded()
@@ -542,27 +584,32 @@ def test_cuda_compiled_glue_matches_eager(arch):
 
 
 @cuda
-def test_cuda_invariant_steps_compute_mixer_outputs_and_experts_row_by_row_alike():
-    """Qwen35Moe.invariant_steps (experimental): the glue output projections and the experts with their 16-token
-    tiles give a row the same bits in a 1-row and a 16-row call (bench/qwen_invariance.py at the 35B-A3B shape)."""
-    from backend.models.llama import glue, residual_add
-    from backend.models.qwen3_5_moe import deltanet_out
+def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant():
+    """A speculative engine's Qwen3.5-MoE numerics (use_invariant_verify: _padded_rows), with CUDA graphs and the
+    compiled glue as the engine runs them: a position's logits are bitwise the same from a plain decode step and from
+    inside a verify block of every size 2..16, from a restored prompt checkpoint and after an accept cut a block
+    short (the conv window and recurrent states handed over)."""
     seeded()
-    model = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 300, cuda_graphs=False).model
-    layer = next(layer for layer in model.layers if hasattr(layer.mixer, "w_out"))
-    c, T = model.config, 16
-    x = (torch.randn(T, c.hidden_size, device="cuda") * 0.5).bfloat16()
-    y = torch.randn_like(x)
-    core = torch.randn(T, c.linear_num_value_heads, c.linear_value_head_dim, device="cuda").bfloat16()
-    z = torch.randn_like(core)
-    out = glue(deltanet_out, True)
-    block = residual_add(x, out(core, z, layer.mixer.norm, layer.mixer.w_out, c.rms_norm_eps))
-    tiles = model.expert_tiles(x)
-    assert tiles is not None and tiles["decode"] is False
-    experts = layer.moe(x, y, layer.norm2, c.rms_norm_eps, True, tiles)
-    for t in range(T):
-        one = residual_add(x[t:t + 1], out(core[t:t + 1], z[t:t + 1], layer.mixer.norm, layer.mixer.w_out,
-                                           c.rms_norm_eps))
-        assert torch.equal(block[t:t + 1], one), t
-        assert torch.equal(experts[t:t + 1], layer.moe(x[t:t + 1], y[t:t + 1], layer.norm2, c.rms_norm_eps, True,
-                                                       tiles)), t
+    fm = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 600, compile=True)
+    fm.model.use_invariant_verify()
+    assert fm.model.batch_invariant
+    prompt = torch.randint(0, 320, (CHUNKED_FROM,)).tolist()  # the chunked prefill, as real prompts take
+    logits, _ = fm.prefill(prompt)
+    snap = fm.snapshot()
+    tokens, steps = [], []
+    for _ in range(16):
+        tokens.append(int(logits.argmax()))
+        logits, _ = fm.decode(tokens[-1])
+        steps.append(logits)
+    for size in range(2, 17):
+        fm.restore(snap)
+        block, _ = fm.verify(tokens[:size])
+        fm.accept(size)
+        for j in range(size):
+            assert torch.equal(block[j], steps[j]), (size, j)
+    fm.restore(snap)
+    fm.verify(tokens[:9])
+    fm.accept(4)  # keep 4 of 9, then decode on
+    for j in range(4, 16):
+        logits, _ = fm.decode(tokens[j])
+        assert torch.equal(logits, steps[j]), j

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.models.cublas_rows import linear_rows_invariant
 from backend.static_cache import KVCache
 from kernels.block_attention import block_attention
 from kernels.fused_moe import triton_usable
@@ -181,6 +182,12 @@ class Llama(nn.Module):
     # verify speed. None by default: on the H200 (SmolLM2 shape, 2026-12-01, bench/target_step.py --mma) every set
     # costs plain decoding more than 1.15x (none 0.59 ms, qkv+o+lm_head 0.74, all 0.93 with T_t(16) 1.15 ms flat).
     mma_projections: frozenset = frozenset()
+    # How decode steps and verify blocks (T <= 16) run on CUDA:
+    #   "rows": _rows' kernels, batch-invariant by construction; a 16-row verify costs ~3x a decode step
+    #   "glue": forward()'s compiled glue with cuBLAS projections, as a prefill runs; batch-invariant only where cuBLAS
+    #           computes a row the same for 1..16 rows, which setup_caches checks on this device
+    #           (backend/models/cublas_rows.py; where it fails, steps take "rows"). A verify then costs about a step.
+    step_path: str = "rows"
 
     def __init__(self, config: LlamaConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0):
         super().__init__()
@@ -193,6 +200,7 @@ class Llama(nn.Module):
         self.rope_scaling = rope_scaling
         self.kv: KVCache | None = None
         self.linear = None  # no Gated DeltaNet state: any cache prefix is a valid rollback point
+        self.glue_invariant = False  # step_path "glue" verified on this device (setup_caches)
 
     # ---- caches ---------------------------------------------------------------------------------------------------
 
@@ -200,6 +208,25 @@ class Llama(nn.Module):
         c, w = self.config, self.embed
         self.kv = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_context, w.device, w.dtype)
         self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scaling, max_context, w.dtype)
+        self.set_step_path(self.step_path)
+
+    def set_step_path(self, path: str) -> None:
+        """Choose how decode steps and verifies run (see step_path), before any CUDA graph is captured: "glue" is
+        checked on this device first (the check synchronises) and falls back to "rows" where cuBLAS is not
+        row-invariant."""
+        if path not in ("rows", "glue"):
+            raise ValueError(f"step_path must be 'rows' or 'glue', got {path!r}")
+        self.step_path = path
+        first = self.layers[0]  # every layer has layer 0's shapes
+        self.glue_invariant = path == "glue" and triton_usable(self.embed) and self.kv.use_block_kernel and (
+            linear_rows_invariant([first.wqkv, first.wo, first.w_gate_up, first.w_down, self.lm_head]))
+
+    def use_invariant_verify(self) -> None:
+        """For a speculative engine: decode steps and verifies through the compiled glue and cuBLAS, where cuBLAS is
+        row-invariant on this device (a 16-token verify then costs ~1.2 decode steps, against ~3.3 on _rows; a
+        plain step ~1.6x _rows' on the H200: bench/results/spec_e2e_embedded_steps-*_h200_20261201.json).
+        Elsewhere _rows, which is batch-invariant too."""
+        self.set_step_path("glue")
 
     # ---- forward --------------------------------------------------------------------------------------------------
 
@@ -215,7 +242,7 @@ class Llama(nn.Module):
         x, y = F.embedding(tokens, self.embed), None  # residual stream, and the MLP output not yet added to it
         T = tokens.numel()
         if T <= ROW_KERNEL_ROWS and self.one_token_kernels and triton_usable(x) and (
-                T == 1 or self.kv.block_kernel(T)):
+                T == 1 or self.kv.block_kernel(T)) and not self.glue_steps:
             return self._rows(x, positions, kv_len, hidden_ids)
         attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         cos, sin = self.cos[positions], self.sin[positions]
@@ -238,10 +265,18 @@ class Llama(nn.Module):
         return logits, features
 
     @property
+    def glue_steps(self) -> bool:
+        """Decode steps and verify blocks through forward()'s glue and cuBLAS (step_path "glue", verified)."""
+        return self.step_path == "glue" and self.glue_invariant and self.kv.use_block_kernel
+
+    @property
     def batch_invariant(self) -> bool:
-        """Whether decode steps and verify blocks take _rows (kernels that compute a row the same way for 1..16
-        rows): then a position's logits are bitwise the same however the engine reached it."""
-        return self.one_token_kernels and triton_usable(self.embed) and self.kv.use_block_kernel
+        """Whether decode steps and verify blocks take kernels that compute a row the same way for 1..16 rows (_rows,
+        or the glue over a cuBLAS that does, with block attention): then a position's logits are bitwise the same
+        however the engine reached it."""
+        if not (triton_usable(self.embed) and self.kv.use_block_kernel):
+            return False
+        return self.glue_steps or self.one_token_kernels
 
     @property
     def one_token_kernels(self) -> bool:

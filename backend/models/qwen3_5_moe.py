@@ -33,12 +33,14 @@ from torch import nn
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
 from backend.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
+from kernels.block_attention import block_attention
 from kernels.fused_moe import get_config, shape_key
 from kernels.gemv import gemv
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 CHUNKED_FROM = 64  # prefill pieces this long or longer run the chunked recurrence; shorter ones the token loop
+PADDED_ROWS = 16  # invariant_steps: the rows every glue call of a decode step or verify block sees
 
 
 @dataclass
@@ -171,10 +173,22 @@ class GatedAttention(nn.Module):
         q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         attn = cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask)
-        if attn.shape[0] == 1 and triton_usable(attn) and not model.invariant_steps:
+        if attn.shape[0] == 1 and triton_usable(attn):
             # a decode step: gate, projection and residual in one launch
             return gemv(attn, self.wo, gate, residual=x), None
         return x, glue(attention_out, compiled)(attn, gate, self.wo)
+
+
+    def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled):
+        """invariant_steps: x, cos, sin have PADDED_ROWS rows, of which the first T are the block's; returns the
+        mixer's output for all of them (rows past T are never read)."""
+        c = model.config
+        q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
+                                                      c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
+        attn = x.new_empty(x.shape[0], c.num_heads * c.head_dim)
+        block_attention(q[:, :T], k[:, :T], v[:, :T], model.kv.k[self.slot], model.kv.v[self.slot], positions[:1],
+                        kv_len, positions=positions, use_triton=True, out=attn[:T])
+        return glue(attention_out, compiled)(attn, gate, self.wo)
 
 
 class GatedDeltaNet(nn.Module):
@@ -207,10 +221,30 @@ class GatedDeltaNet(nn.Module):
                 core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.state[i], every_position=False, gates=gates)
             else:
                 core = gdn_chunked(q, k, v, *gdn_gates(a, b, *gates), cache.state[i])
-        if T == 1 and triton_usable(core) and not model.invariant_steps:
+        if T == 1 and triton_usable(core):
             # a decode step: gated norm, projection and residual in one launch
             return gemv(core.reshape(1, -1), self.w_out, z.reshape(1, -1), self.norm, c.rms_norm_eps, residual=x), None
         return x, glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
+
+    def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled, record: bool):
+        """invariant_steps: as GatedAttention.padded. The convolution runs over all padded rows (it is causal: the
+        first T see only real inputs); the caches keep what the first T rows leave."""
+        c, cache, i = model.config, model.linear, self.slot
+        window, q, k, v, z, a, b = glue(deltanet_in, compiled)(
+            x, norm, self.w_in, cache.conv[i], self.conv_w, c.rms_norm_eps, c.linear_num_key_heads,
+            c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        core = v.new_empty(v.shape)
+        gates = (self.neg_A, self.dt_bias)
+        width = cache.width
+        if record:
+            cache.conv_window[i, :width + T].copy_(window[:width + T])
+            gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.snapshots[i, :T],
+                          every_position=True, gates=gates, out=core[:T])
+        else:
+            cache.conv[i].copy_(window[T:T + width])  # the last width real inputs
+            gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.state[i], every_position=False,
+                          gates=gates, out=core[:T])
+        return glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
 
 
 class SparseMoE(nn.Module):
@@ -232,7 +266,7 @@ class SparseMoE(nn.Module):
         return route_topk_from_hidden(h, self.router, self.top_k, True, rms_norm=rms_norm, normed_out=normed_out)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None, norm: torch.Tensor, eps: float,
-                compiled: bool, fixed_config: dict | None = None) -> torch.Tensor:
+                compiled: bool) -> torch.Tensor:
         """x + y + MoE(norm(x + y)), y the mixer's output: router, then all experts and the shared expert in one fused
         call. y None (a decode step on Triton): the mixer already added its output to x, and the norm runs inside
         the router matmul kernel, which reads x anyway and stores the normed row for the experts (no launch of its
@@ -244,7 +278,19 @@ class SparseMoE(nn.Module):
             return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
         weights, ids = self.route(h)
-        return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x, config=fixed_config)
+        return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
+
+
+    def padded(self, x, y, norm, eps: float, T: int, compiled, fixed_config: dict) -> torch.Tensor:
+        """invariant_steps: x + y + MoE(norm(x + y)) over PADDED_ROWS rows, the experts for the first T only (the
+        rest of the result is left unwritten: never read)."""
+        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+        x, h = glue(moe_in, compiled)(x, y, norm, eps)
+        weights, ids = self.route(h[:T])
+        out = torch.empty_like(x)
+        fused_moe(h[:T], self.gate_up, self.down, weights, ids, shared, residual=x[:T], config=fixed_config,
+                  out=out[:T])
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -258,12 +304,9 @@ class DecoderLayer(nn.Module):
 
 class Qwen35Moe(nn.Module):
     family = "qwen3_5_moe"
-    # Experimental: decode steps through the verify's kernels, with the experts' tiles fixed for every row count up
-    # to 16. Every part of a layer then computes a row the same in a decode step and in a verify block
-    # (bench/qwen_invariance.py), but the whole model is not yet token-identical to plain decoding (4 of 16 prompts
-    # on the H200: kernels/README.md "The Qwen3.5/3.6-MoE path"), so nothing claims lossless for it, and it costs
-    # plain decoding the one-token kernels (3.52 ms a step against 2.74). bench/target_step.py --invariant,
-    # backend/bench.py --invariant-moe.
+    # Decode steps and verify blocks through _padded_rows: batch-invariant, so a speculative engine turns it on
+    # (use_invariant_verify) and its greedy output equals its plain decoding token for token. Off for plain engines:
+    # it costs a plain step ~1.3x the one-token kernels. bench/target_step.py --invariant.
     invariant_steps = False
 
     def __init__(self, config: Qwen35MoeConfig, inv_freq: torch.Tensor):
@@ -301,6 +344,10 @@ class Qwen35Moe(nn.Module):
         Returns (logits [T or 1, V], features [T, len(hidden_ids) * H] or None) as in backend/models/llama.py.
         compiled: run the per-layer glue through torch.compile (llama.glue)."""
         c = self.config
+        T = tokens.numel()
+        if self.invariant_steps and T <= PADDED_ROWS and triton_usable(self.embed) and (
+                not self.num_attention_layers or self.kv.block_kernel(T)):
+            return self._padded_rows(tokens, positions, kv_len, record, all_logits, hidden_ids, compiled)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         mask = None  # none needed without attention layers, or with kernels/block_attention (see KVCache)
@@ -308,11 +355,10 @@ class Qwen35Moe(nn.Module):
             mask = causal_mask(positions, kv_len)
         feats = {}
         last = c.num_layers - 1
-        fixed = self.expert_tiles(x) if self.invariant_steps and tokens.numel() <= 16 else None
         for i, layer in enumerate(self.layers):
             # (x, y): the mixer's output y is added inside the MoE's norm; (x + y, None) when the mixer added it
             x, y = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
-            x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled, fixed)
+            x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled)
             if i in hidden_ids and i != last:
                 feats[i] = x
         x = qwen_rms_norm(x, self.norm, c.rms_norm_eps)
@@ -322,8 +368,54 @@ class Qwen35Moe(nn.Module):
         logits = F.linear(x if all_logits else x[-1:], self.lm_head)
         return logits, features
 
+    def use_invariant_verify(self) -> None:
+        """For a speculative engine: decode steps and verifies through _padded_rows (invariant_steps), so greedy
+        speculative output is token-identical to this model's plain decoding. A plain step then costs ~1.3x the
+        one-token kernels' (3.62 ms against 2.74 at the 35B-A3B shape on the H200)."""
+        self.invariant_steps = True
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether decode steps and verify blocks take _padded_rows, whose every kernel computes a row the same way
+        for 1..16 rows (checked end to end by bench/layer_diff.py and the CUDA tests)."""
+        return bool(self.invariant_steps) and triton_usable(self.embed) and (
+            not self.num_attention_layers or self.kv.use_block_kernel)
+
+    def _padded_rows(self, tokens, positions, kv_len: int, record: bool, all_logits: bool, hidden_ids, compiled):
+        """invariant_steps: a decode step or verify block (T <= 16) whose every glue function (norms, projections
+        through cuBLAS, RoPE, gates, the convolution) runs on PADDED_ROWS rows, the first T of them the block's.
+        Only the parts that must see T rows (attention, the recurrence, routing and experts) take the first T. So
+        a decode step and every verify size call the same compiled kernels with the same shapes (one torch.compile
+        specialisation, one autotuned reduction order, one cuBLAS algorithm): a row's bits cannot depend on T.
+        Compiled separately for 1 and 16 rows, the glue's RMSNorms rounded a few elements differently in some rows
+        (bench/layer_diff.py). Padded rows hold token 0 at position 0 first and whatever the kernels leave after;
+        nothing reads them."""
+        c, eps = self.config, self.config.rms_norm_eps
+        T, pad = tokens.numel(), PADDED_ROWS - tokens.numel()
+        x = F.embedding(F.pad(tokens, (0, pad)), self.embed)
+        padded_positions = F.pad(positions, (0, pad))
+        cos, sin = self.cos[padded_positions], self.sin[padded_positions]
+        fixed = self.expert_tiles(x)
+        feats = {}
+        last = c.num_layers - 1
+        for i, layer in enumerate(self.layers):
+            m = layer.mixer
+            if isinstance(m, GatedAttention):
+                y = m.padded(self, x, layer.norm1, positions, kv_len, cos, sin, T, compiled)
+            else:
+                y = m.padded(self, x, layer.norm1, positions, kv_len, cos, sin, T, compiled, record)
+            x = layer.moe.padded(x, y, layer.norm2, eps, T, compiled, fixed)
+            if i in hidden_ids and i != last:
+                feats[i] = x[:T]
+        x = glue(qwen_rms_norm, compiled)(x, self.norm, eps)
+        if last in hidden_ids:
+            feats[last] = x[:T]
+        features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
+        logits = F.linear(x, self.lm_head)  # all padded rows: cuBLAS at 16 rows costs what one row does
+        return (logits[:T] if all_logits else logits[T - 1:T]), features
+
     def expert_tiles(self, x: torch.Tensor) -> dict | None:
-        """The grouped experts' tiles for 16 tokens, for every call of 1..16 rows (invariant_steps), or None off
+        """The grouped experts' tiles for 16 tokens, for every call of 1..16 rows (_padded_rows), or None off
         Triton."""
         if not triton_usable(x):
             return None
