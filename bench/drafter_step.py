@@ -1,4 +1,4 @@
-"""What one GPU draft costs (backend/fast_drafter.py): the CUDA-graph replay of absorb + block forward + head, timed
+"""What one GPU draft costs (backend/dflash/fast.py): the CUDA-graph replay of absorb + block forward + head, timed
 with CUDA events, and where its time goes (torch.profiler over replays), for the embedded model's shipped drafter
 (on a random target of SmolLM2-135M's shape: only the shapes matter here) and the released Qwen3.6 drafter's shape.
 
@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.bench import machine_info  # noqa: E402
-from backend.dflash import DRAFTERS_DIR, load_drafter  # noqa: E402
-from backend.fast_drafter import FastDrafter  # noqa: E402
+from backend.bench.run import machine_info  # noqa: E402
+from backend.dflash.model import DRAFTERS_DIR, load_drafter  # noqa: E402
+from backend.dflash.fast import FastDrafter  # noqa: E402
 
 
 def build(shape: str):
@@ -32,7 +32,7 @@ def build(shape: str):
         target, _, _ = target_step.build("smollm2-135m", "cuda", torch.bfloat16)
         drafter = load_drafter(DRAFTERS_DIR / "SmolLM2-135M-Instruct-DFlash")
     else:
-        from backend.bench_shapes import released_shape_drafter, shape_model
+        from backend.bench.shapes import released_shape_drafter, shape_model
 
         target = shape_model("qwen3.6-35b-a3b-shape", "cuda")
         drafter = released_shape_drafter(target)

@@ -1,6 +1,6 @@
 """Benchmark (not a test) of one Qwen3.6-35B-A3B MoE layer: router + routed experts + shared expert, bf16.
 
-Compares, in one run: ours (backend.moe_patch.fused_block_forward: router linear + kernels.route_topk + the
+Compares, in one run: ours (backend.decoding.moe_patch.fused_block_forward: router linear + kernels.route_topk + the
 fused experts kernel, shared expert included), and the stock block with transformers' `eager` loop,
 `grouped_mm` and `batched_mm` experts, on the same Qwen3_5MoeSparseMoeBlock layers.
 
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from transformers import Qwen3_5MoeTextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock  # noqa: E402
 
-from backend.moe_patch import _shared_expert, fused_block_forward  # noqa: E402
+from backend.decoding.moe_patch import _shared_expert, fused_block_forward  # noqa: E402
 from kernels import SharedExpert, fused_moe_torch, route_topk  # noqa: E402
 
 fm = importlib.import_module("kernels.fused_moe")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import backend.models.llama as llama_mod  # noqa: E402
 import backend.models.qwen3_5_moe as qwen_mod  # noqa: E402
-from backend.bench import load_target  # noqa: E402
+from backend.bench.run import load_target  # noqa: E402
 from backend.models import load_fast  # noqa: E402
 
 ROWS = 16

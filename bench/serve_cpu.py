@@ -3,7 +3,7 @@ the engine called directly, on the same prompts in one run (greedy, batch 1, CPU
 
     .venv/bin/python bench/serve_cpu.py [--max-tokens 128] [--prompts 4] [--out bench/results/serve_cpu.json]
 
-Modes: `hf_generate` (model.generate, do_sample=False), `engine` (backend.engine.Engine in this process), `http` (the
+Modes: `hf_generate` (model.generate, do_sample=False), `engine` (backend.decoding.engine.Engine in this process), `http` (the
 server as a separate `serve` process, OpenAI SDK, non-streamed) and `http_stream` (same, streamed; also time to first
 token). tok/s = generated tokens / wall seconds of the request (prefill included, as a client sees it). Each prompt goes
 through every mode in turn, so other load on the machine hits all modes alike. The answers of all modes are compared
@@ -36,7 +36,7 @@ PROMPTS = [  # /work/shared/probes/prompts.json, the CPU anchor's prompts
 def start_server(threads: int) -> tuple[subprocess.Popen, str]:
     args = dict(model="embedded", drafter="none", host="127.0.0.1", port=0, uds=None, device="cpu", dtype="auto",
                 max_context=None)
-    code = (f"import torch, json, sys; torch.set_num_threads({threads}); from backend.server import serve; "
+    code = (f"import torch, json, sys; torch.set_num_threads({threads}); from backend.server.app import serve; "
             "serve(**json.loads(sys.argv[1]))")
     process = subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
@@ -58,7 +58,7 @@ def main() -> None:
     import transformers
 
     from backend import chat
-    from backend.engine import Engine, SamplingParams
+    from backend.decoding.engine import Engine, SamplingParams
     from backend.loading import load_model
 
     transformers.logging.set_verbosity_error()

@@ -71,7 +71,7 @@ def start_server(code_root: Path, max_body_mb: float | None, drafter: str = "non
                 max_context=None)
     if max_body_mb:
         args["max_body_bytes"] = int(max_body_mb * 2**20)
-    code = "import json, sys; from backend.server import serve; serve(**json.loads(sys.argv[1]))"
+    code = "import json, sys; from backend.server.app import serve; serve(**json.loads(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(code_root)}
     process = subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], cwd=code_root, stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True, env=env)
@@ -206,10 +206,10 @@ def idle_breakdown() -> dict:
     import transformers  # noqa: F401
 
     steps["import transformers"] = rss_bytes()
-    from backend.engine import Engine, SamplingParams
+    from backend.decoding.engine import Engine, SamplingParams
     from backend.loading import load_model
 
-    steps["import backend.engine"] = rss_bytes()
+    steps["import backend.decoding.engine"] = rss_bytes()
     loaded = load_model("embedded", "cpu", "auto", None)
     steps["weights loaded"] = rss_bytes()
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())

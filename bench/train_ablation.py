@@ -69,7 +69,7 @@ def train_cmd(a, out: Path, extra: dict) -> list[str]:
              "gen-batch": a.gen_batch, "log-every": a.log_every, "save-every": 100000,
              "samples-per-prompt": a.samples_per_prompt, "sample-temperature": a.sample_temperature}
     knobs.update(extra)
-    cmd = [sys.executable, "-m", "backend.train"]
+    cmd = [sys.executable, "-m", "backend.train.run"]
     for k, v in knobs.items():
         if v is True:
             cmd.append(f"--{k}")
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--max-heldout", type=int, default=96)
     ap.add_argument("--gen-batch", type=int, default=384)
     ap.add_argument("--samples-per-prompt", type=int, default=0, help="sampled responses per training prompt "
-                    "beside the greedy one (backend.train --samples-per-prompt)")
+                    "beside the greedy one (backend.train.run --samples-per-prompt)")
     ap.add_argument("--sample-temperature", type=float, default=0.8)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--intermediate-size", type=int, default=1536)
@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--arm-time-limit", type=float, default=None, help="seconds of training per arm, a safety net "
                     "so that the call ends inside its limit (default with --skip-long: what the deadline leaves "
                     "per wave of --parallel runs after data, model loads and evaluation; else none)")
-    ap.add_argument("--long-extra", default="", help="extra backend.train options for the long run only, e.g. "
+    ap.add_argument("--long-extra", default="", help="extra backend.train.run options for the long run only, e.g. "
                     "'--layers 2 --block-size 8' for a drafter shaped for the CPU")
     a = ap.parse_args()
     if a.long_arm and a.long_arm != "best" and a.long_arm not in ARMS:

@@ -18,7 +18,7 @@ conversations, README questions and coding tasks to it (bench/train_extra_prompt
 the same, so responses generated for them earlier are reused by id.
 
 Every record: {"id", "category", "split": "train" | "heldout", "messages": [...], "tools": "agent" | null}.
-"agent" refers to backend/prompts/agent_tools.json (a copy of reviewer.tools.TOOLS, checked by tests/test_train.py).
+"agent" refers to backend/prompts/agent_tools.json (a copy of reviewer.tools.TOOLS, checked by tests/backend/train/test_train.py).
 Deterministic: the same machine and seed give the same file.
 
     .venv/bin/python bench/train_build_prompts.py            # writes backend/prompts/builtin.jsonl
@@ -327,7 +327,7 @@ def agent_records(rng: random.Random, docs: list[tuple[str, str]], n: int) -> li
 
 def build(seed: int = 0, n_review: int = 560, n_debug: int = 420, n_perf: int = 260, n_readme: int = 300,
           n_agent: int = 100) -> list[dict]:
-    from backend.bench import PROMPTS as BENCH_PROMPTS
+    from backend.bench.run import PROMPTS as BENCH_PROMPTS
 
     rng = random.Random(seed)
     funcs = stdlib_functions(rng)
@@ -392,7 +392,7 @@ def build_extra(n: int, seed: int = 1, n_agent: int = 0, n_readme: int = 0, n_co
     """n training-only prompts (code review, debugging, performance in the main set's proportions) on functions
     the main set does not use, then n_agent / n_readme / n_coding workload-shaped ones (bench/train_extra_prompts.py)
     from its own rng, so that adding them leaves the first n records (and their responses' ids) as they were."""
-    from backend.bench import PROMPTS as BENCH_PROMPTS
+    from backend.bench.run import PROMPTS as BENCH_PROMPTS
 
     rng = random.Random(seed)
     funcs = extra_functions(rng, {code for _, code in stdlib_functions(random.Random(0))})

@@ -3,8 +3,8 @@ figures `reviewer train` prints after training, for drafters made elsewhere (an 
 
 The held-out prompts are the ones `reviewer train` holds out (the same order and --max-heldout); their greedy responses
 come from a responses file of an earlier run (`--responses`), so nothing is generated: the target only computes the
-features (fp32), and each drafter is scored on the same blocks (`backend.train.estimate_acceptance`, full corruption)
-and walked through the responses as greedy decoding would go (`backend.train.walk_acceptance`: the blocks decoding
+features (fp32), and each drafter is scored on the same blocks (`backend.train.run.estimate_acceptance`, full corruption)
+and walked through the responses as greedy decoding would go (`backend.train.run.walk_acceptance`: the blocks decoding
 visits; `--walk-prompts 48 --walk-max-tokens 128` walks the prompts `bench/train_eval_heldout.py --prompts 48
 --max-tokens 128` decodes). `--seen N` also walks N training prompts (a seeded sample of the main + extra sets), the
 responses a drafter trained on: tau_walk there against tau_walk held out is the generalization gap, and tau_walk there
@@ -42,9 +42,9 @@ def main() -> None:
                     help="also walk N training prompts (seeded sample): tau_walk on responses the drafter trained on")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    from backend import train as T
-    from backend import train_data as td
-    from backend.dflash import load_drafter
+    from backend.train import run as T
+    from backend.train import data as td
+    from backend.dflash.model import load_drafter
     from backend.loading import load_model
 
     loaded = load_model(a.model, device="cpu", dtype="float32")

@@ -1,6 +1,6 @@
 """Where `reviewer train`'s data preparation spends its time: response generation and feature extraction (GPU).
 
-A random-weight model of the SmolLM2-135M shape (no weights needed) runs backend/train_data.py's own
+A random-weight model of the SmolLM2-135M shape (no weights needed) runs backend/train/data.py's own
 generate_responses on random prompts with the length spread of the built-in prompt set: the KV cache dynamic or
 static (generate_responses(cache=...)), torch's own SDPA kernel or the memory-efficient one, fp32 and bf16
 (`reviewer train --dtype`); --profile adds a torch.profiler table of one generation batch.
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.train_data import generate_responses  # noqa: E402
+from backend.train.data import generate_responses  # noqa: E402
 
 
 def smollm2_shape(dtype, device):

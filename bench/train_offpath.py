@@ -49,7 +49,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from backend import train_data as td
+    from backend.train import data as td
     from backend.loading import load_model
 
     loaded = load_model(a.model, device="cpu")

@@ -30,8 +30,8 @@ SHIPPED = Path(__file__).resolve().parents[1] / "backend/drafters/SmolLM2-135M-I
 
 def training_lengths(responses: str, max_prompt_tokens: int, extra: bool, model: str) -> list[tuple[int, int]]:
     """(sequence length, prompt length) of every training sequence `reviewer train` would make from these responses."""
-    from backend import train as T
-    from backend import train_data as td
+    from backend.train import run as T
+    from backend.train import data as td
     from backend.loading import load_model
 
     loaded = load_model(model, device="cpu", dtype="float32")
@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile one more step per configuration and print where its time went")
     a = ap.parse_args()
-    from backend import train as T
-    from backend.dflash import load_drafter
+    from backend.train import run as T
+    from backend.dflash.model import load_drafter
 
     groups = [int(g) for g in a.groups.split(",")]
     lengths = training_lengths(a.responses, a.max_prompt_tokens, not a.no_extra, a.model)

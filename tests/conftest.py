@@ -279,7 +279,7 @@ class LiveServer:
 def live_server(tmp_path_factory):
     """Factory: live_server(model_path_or_spec, uds=False, wait=True, **create_app_kwargs) -> LiveServer (stopped
     at the end of the test module, so a module can share one server between tests)."""
-    from backend.server import create_app
+    from backend.server.app import create_app
 
     servers = []
     folder = tmp_path_factory.mktemp("sockets")

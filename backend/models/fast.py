@@ -65,7 +65,7 @@ class FastModel:
 
     @property
     def span_multiple(self) -> int:
-        """> 0 (exact mode, backend/target.py): every eager call attends over a multiple of this many cache columns
+        """> 0 (exact mode, backend/decoding/target.py): every eager call attends over a multiple of this many cache columns
         (the masked ones add exact zeros), so a position's logits do not depend on how far the cache happened to
         reach. It also turns off kernels/block_attention, whose block tokens take another path than cached ones."""
         return self._span_multiple
@@ -108,7 +108,7 @@ class FastModel:
 
     def restore(self, snap: Snapshot) -> None:
         """Back to a snapshot. The attention KV of its first snap.length tokens must be unchanged since it was taken
-        (the caller restores only onto a common prefix, as backend/engine.py does for prompt checkpoints)."""
+        (the caller restores only onto a common prefix, as backend/decoding/engine.py does for prompt checkpoints)."""
         self._check_idle()
         if snap.length > self.length:
             raise ValueError("the snapshot lies past the cached tokens")

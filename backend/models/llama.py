@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.models.cublas_rows import linear_rows_invariant
-from backend.static_cache import KVCache
+from backend.models.static_cache import KVCache
 from kernels.block_attention import block_attention
 from kernels.fused_moe import triton_usable
 from kernels.gemv import gemv

@@ -30,13 +30,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
-from backend.static_cache import KVCache, LinearStateCache
+from backend.models.llama import (
+    _param,
+    apply_rope,
+    cached_attention,
+    causal_mask,
+    glue,
+    residual_add,
+    rope_tables,
+)
+from backend.models.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
 from kernels.block_attention import block_attention
 from kernels.fused_moe import get_config, shape_key
-from kernels.gemv import gemv
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
+from kernels.gemv import gemv
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 CHUNKED_FROM = 64  # prefill pieces this long or longer run the chunked recurrence; shorter ones the token loop

@@ -1,0 +1,569 @@
+"""`reviewer bench`: plain vs speculative decoding on one target, side by side in one run.
+
+Prints the seed's table (tau, per-position acceptance, T_d, T_t, L_target, eta predicted vs measured, tok/s with and
+without the drafter, transformers' own generate for reference, identical-output checks, and for MoE targets the
+distinct experts a verify block wakes per layer) as text, and writes it as JSON with the command, date and machine.
+
+    python -m backend.bench --model tiny-hybrid --drafter random --device cpu --prompts 4 --max-tokens 64
+    backend.bench.run.main(model="embedded", drafter="auto", device="cpu", prompts=4, max_tokens=128, json_out=Path(...))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from backend.bench.shapes import (
+    RELEASED_DRAFTER,
+    SHAPE_MODELS,
+    released_shape_drafter,
+    shape_model,
+)
+from backend.chat import stop_token_ids
+from backend.decoding.device_cycle import ForcedAcceptance
+from backend.decoding.engine import Engine, SamplingParams
+from backend.dflash.model import find_shipped_drafter, load_drafter, random_drafter
+
+TINY_MODELS = ("tiny-hybrid", "tiny-moe", "tiny-llama")  # tiny-moe: another name for tiny-hybrid
+PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)
+    "Write a Python function that reverses the words in a sentence.",
+    "Explain what a virtual environment is in Python and why it is useful.",
+    "Review this code for bugs:\n\ndef first(xs):\n    return xs[1]\n",
+    "How do I run only one test with pytest?",
+    "Write a shell command that counts the lines of every .py file in a folder.",
+    "What does `git rebase -i` do? Give a short example.",
+    "Write a unit test for a function add(a, b) that returns a + b.",
+    "Explain the difference between a list and a tuple in Python.",
+    # 9-16: so that 16 prompts are 16 different ones
+    "My script raises `KeyError: 'HOME'` when run from cron. Why, and how do I fix it?",
+    "Write a Python generator that yields the running maximum of a list of numbers.",
+    "What is the difference between `pip install -e .` and `pip install .`?",
+    "Review this function:\n\ndef mean(xs):\n    return sum(xs) / len(xs)\n",
+    "How can I time a Python function more reliably than with time.time()?",
+    "Write a pytest test that checks a function raises ValueError on negative input.",
+    "Explain what a race condition is, with a short example in Python threads.",
+    "How do I read a large CSV file in chunks with pandas?",
+]
+
+
+class BenchError(Exception):
+    """A user mistake (unknown model, missing drafter): reported as one line, no traceback."""
+
+
+# ---- targets ------------------------------------------------------------------------------------------------------
+
+
+def tiny_model(kind: str, *, vocab: int = 128, hidden: int = 64, layers: int = 4, experts: int = 16, seed: int = 0):
+    """Tiny random targets built from transformers' own classes (tests and CPU benchmarks of the machinery).
+    tiny-hybrid: Qwen3.5/3.6-MoE layout, Gated DeltaNet layers + one gated full-attention layer every 4, `experts`
+    routed experts (top-2) + a shared expert. tiny-llama: a dense Llama."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+    )
+
+    torch.manual_seed(seed)
+    if kind in ("tiny-hybrid", "tiny-moe"):
+        config = Qwen3_5MoeTextConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+            shared_expert_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=hidden // 4, linear_value_head_dim=hidden // 4, linear_conv_kernel_dim=4,
+            num_experts=experts, num_experts_per_tok=2,
+            layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+            initializer_range=0.1, max_position_embeddings=4096,
+        )
+        return Qwen3_5MoeForCausalLM(config).eval()
+    if kind == "tiny-llama":
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             initializer_range=0.1, max_position_embeddings=4096)
+        return LlamaForCausalLM(config).eval()
+    raise ValueError(f"unknown tiny model {kind!r}; choose from {TINY_MODELS}")
+
+
+def load_target(spec: str, device: str):
+    """(model, tokenizer or None, name, max_context) for a tiny config, `embedded`, a HF folder or a .gguf file."""
+    if spec in TINY_MODELS:
+        model = tiny_model(spec).to(device)
+        return model, None, spec, 4096
+    if spec in SHAPE_MODELS:
+        if torch.device(device).type != "cuda":
+            raise BenchError(f"{spec} is a GPU shape (tens of GB of random weights): use --device cuda")
+        return shape_model(spec, device), None, spec, 4096
+    from backend.loading import load_model
+
+    loaded = load_model(spec, device=device)
+    return loaded.model, loaded.tokenizer, loaded.name, loaded.max_context
+
+
+def make_prompts(tokenizer, n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    if tokenizer is None:  # random targets: random prompts
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, vocab, (64,), generator=gen).tolist() for _ in range(n)]
+    out = []
+    for i in range(n):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+def stop_ids(model, tokenizer) -> tuple[int, ...]:
+    """The server's end-of-turn ids (chat.stop_token_ids), so a benchmark stops where a served reply would; none
+    for random targets (no tokenizer)."""
+    return stop_token_ids(tokenizer, getattr(model, "generation_config", None)) if tokenizer is not None else ()
+
+
+def make_drafter(spec: str, model, name: str, block_size: int | None):
+    if spec == "none":
+        return None, "none"
+    if spec == "random":
+        return random_drafter(model, block_size=block_size or 8), "random (untrained, 1 layer)"
+    if spec == RELEASED_DRAFTER:
+        return released_shape_drafter(model), "random, the released Qwen3.6-35B-A3B drafter's shape (6 layers)"
+    path = find_shipped_drafter(name) if spec == "auto" else Path(spec)
+    if path is None:  # like `reviewer serve --drafter auto`: plain decoding only
+        print(f"reviewer bench: no drafter is shipped for {name}; measuring plain decoding only "
+              "(--drafter random measures the machinery with an untrained drafter)", file=sys.stderr)
+        return None, "none (auto: none shipped for this model)"
+    drafter = load_drafter(path)
+    if block_size:
+        drafter.block_size = block_size
+    return drafter, str(path)
+
+
+# ---- measurement --------------------------------------------------------------------------------------------------
+
+
+class ExpertCounter:
+    """Counts the distinct routed experts each MoE layer wakes per forward, split by tokens in the forward: through
+    forward hooks on transformers' routers, and (watch(engine)) on the fast path's SparseMoE.route."""
+
+    def __init__(self, model):
+        self.by_size: dict[int, list[int]] = {}
+        self.num_experts = None
+        self.handles = []
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k"):
+                self.num_experts = getattr(module, "num_experts", None)
+                self.handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, module, args, output):
+        self._count(output[-1])
+
+    def _count(self, indices: torch.Tensor) -> None:
+        self.by_size.setdefault(indices.shape[0], []).append(int(indices.unique().numel()))
+
+    def watch(self, engine) -> None:
+        """Also count the MoE layers of an engine on the fast path (its own model instance). Not under CUDA graphs:
+        counting reads the ids on the host, which a capture forbids, and a replay would not run it anyway."""
+        if not engine.fast or engine.target.fast.cuda_graphs:
+            return
+        for layer in engine.target.fast.model.layers:
+            moe = getattr(layer, "moe", None)
+            if moe is not None:
+                moe.route = self._counting(moe.route)  # an instance attribute: this engine's model only
+
+    def _counting(self, route):
+        def counted(h, **kw):
+            weights, ids = route(h, **kw)
+            self._count(ids)
+            return weights, ids
+        return counted
+
+    def mean(self, tokens: int) -> float | None:
+        seen = self.by_size.get(tokens)
+        return sum(seen) / len(seen) if seen else None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf_generate(model, prompts, max_tokens, stops, device):
+    outs, tokens, t0 = [], 0, time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            x = torch.tensor([p], device=device)
+            kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=stops[0] if stops else 0)
+            kw["eos_token_id"] = list(stops) if stops else None
+            if not stops:
+                kw["min_new_tokens"] = max_tokens
+            # an explicit mask: otherwise generate masks every prompt token equal to pad_token_id
+            o = model.generate(x, attention_mask=torch.ones_like(x), **kw)[0, len(p):].tolist()
+            if o and o[-1] in stops:
+                o = o[:-1]  # the engine does not emit the stop token
+            outs.append(o)
+            tokens += len(o)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    return {"outputs": outs, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+
+
+def run_engine(engine, prompts, max_tokens, stops, force=None):
+    """Each prompt once, greedy. force(i): a device_cycle.ForcedAcceptance for prompt i (benchmarks of random
+    weights), or None."""
+    outs, stats_list = [], []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        if force is not None:
+            engine.forced_acceptance = force(i)
+        out = [t for b in engine.generate(p, SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)) for t in b]
+        outs.append(out)
+        stats_list.append(engine.last_stats)
+    wall = time.perf_counter() - t0
+    tokens = sum(s.generated_tokens for s in stats_list)
+    decode = sum(s.decode_seconds for s in stats_list)
+    res = {"outputs": outs, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+           "decode_s": decode, "decode_tok_s": tokens / decode if decode else 0.0,
+           "prefill_s": sum(s.prefill_seconds for s in stats_list)}
+    cycles = sum(s.cycles for s in stats_list)
+    if cycles:
+        width = max(len(s.accepted_per_position) for s in stats_list)
+        per_pos = [sum(s.accepted_per_position[k] for s in stats_list if k < len(s.accepted_per_position))
+                   for k in range(width)]
+        sizes: dict[int, int] = {}
+        for s in stats_list:
+            for n, c in s.verify_sizes.items():
+                sizes[n] = sizes.get(n, 0) + c
+        accepted = sum(s.accepted_tokens for s in stats_list)
+        res.update({
+            "cycles": cycles, "draft_tokens": sum(s.draft_tokens for s in stats_list), "accepted_tokens": accepted,
+            "tau": (accepted + cycles) / cycles,
+            "acceptance_per_position": [c / cycles for c in per_pos],
+            "T_d_ms": 1e3 * sum(s.draft_seconds for s in stats_list) / cycles,
+            "T_t_ms": 1e3 * sum(s.verify_seconds for s in stats_list) / cycles,
+            "rollback_ms": 1e3 * sum(s.rollback_seconds for s in stats_list) / cycles,
+            "cycle_ms": 1e3 * decode / cycles,
+            "verify_sizes": dict(sorted(sizes.items())),
+            "out_of_draft_vocab": sum(s.out_of_draft_vocab for s in stats_list),
+        })
+        # what the device spent outside draft, verify and acceptance: the host's share of a cycle
+        res["host_ms_per_cycle"] = res["cycle_ms"] - res["T_d_ms"] - res["T_t_ms"] - res["rollback_ms"]
+    return res
+
+
+def machine_info(device: str) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    else:
+        info["cpu"] = cpu_model() or platform.processor() or platform.machine()
+    return info
+
+
+def cpu_model() -> str | None:
+    """The CPU's name as /proc/cpuinfo gives it (platform.processor() says only x86_64 on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def numerics(device: str, dtype: torch.dtype) -> str:
+    """Which arithmetic the run used, in the words a user needs to judge the figures: on a CPU, bf16 is fast only
+    with AMX (backend.loading.cpu_has_bf16_matmul); without it the engine runs fp32, and speculative decoding gains
+    far less (a 16-token verify then costs several decode steps)."""
+    from backend.loading import cpu_has_bf16_matmul
+
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+    if torch.device(device).type == "cuda":
+        return f"{name} on CUDA"
+    amx = cpu_has_bf16_matmul()
+    if name == "bf16":
+        return "bf16 with AMX" if amx else "bf16 without AMX (slow bf16 matmuls on this CPU)"
+    return f"{name}, CPU {'with' if amx else 'without'} AMX"
+
+
+def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
+         max_tokens: int = 64, json_out: Path | None = None, **options) -> int:
+    """`reviewer bench`: run_bench(...), print the table (and write JSON); returns the exit code (0, or 2 after a
+    one-line error for a user mistake). options: block_size, adaptive, compare_hf, threads, command."""
+    try:
+        run_bench(model=model, drafter=drafter, device=device, prompts=prompts, max_tokens=max_tokens,
+                  json_out=json_out, **options)
+    except BenchError as exc:
+        print(f"reviewer bench: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:  # bad drafter folder / checkpoint, bad argument
+        print(f"reviewer bench: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if type(exc).__name__ == "ModelLoadError":  # backend.loading's user-facing errors
+            print(f"reviewer bench: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
+              max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
+              adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
+              command: str | None = None, forced_tau: tuple[float, ...] = ()) -> dict:
+    """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
+    drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
+    threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
+    forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
+    random weights accept nothing; labelled "forced" in the record)."""
+    if threads:
+        torch.set_num_threads(threads)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda, but torch sees no CUDA device")
+    if adaptive not in ("off", "on", "both"):
+        raise BenchError("adaptive must be off, on or both")
+    forced_tau = parse_taus(forced_tau)
+    if forced_tau and torch.device(device).type != "cuda":
+        raise BenchError("--forced-tau times the GPU's device cycle: use --device cuda")
+    target, tokenizer, name, max_context = load_target(model, device)
+    draft_model, drafter_desc = make_drafter(drafter, target, name, block_size)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    prompt_ids = make_prompts(tokenizer, prompts, vocab)
+    stops = stop_ids(target, tokenizer)
+    warm = [prompt_ids[0][:8]]
+    # On a GPU every CUDA graph (target and drafter: per block size and attention span) and compile is made on first
+    # use: warm up on the whole workload, so the timed run replays and never captures.
+    warm_tokens = max_tokens if torch.device(device).type == "cuda" else 4
+    if torch.device(device).type == "cuda":
+        warm = prompt_ids
+
+    result = {"benchmark": "spec_e2e", "device": device, "command": command or " ".join(sys.argv),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(device),
+              "model": {"spec": model, "name": name, "class": type(target).__name__,
+                        "layers": target.config.get_text_config().num_hidden_layers,
+                        "params_m": round(sum(p.numel() for p in target.parameters()) / 1e6, 2),
+                        "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")},
+              "numerics": numerics(device, next(target.parameters()).dtype),
+              "drafter": {"spec": drafter, "source": drafter_desc},
+              "prompts": prompts, "max_tokens": max_tokens, "runs": {}}
+    runs = result["runs"]
+    if compare_hf:
+        run_hf_generate(target, warm, 4, stops, device)
+        runs["hf_generate"] = run_hf_generate(target, prompt_ids, max_tokens, stops, device)
+    # the reference speculative output must equal: plain decoding in the speculative engine's numerics (on the CPU
+    # exact mode; on CUDA the fast model's invariant verify path: Engine's defaults with a drafter)
+    cuda = torch.device(device).type == "cuda"
+    plain = Engine(target, max_context=max_context, exact=not cuda, invariant_verify=cuda and draft_model is not None)
+    result["engine"] = {"path": "fast" if plain.fast else "transformers",
+                        "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
+    run_engine(plain, warm, warm_tokens, stops)
+    runs["plain"] = run_engine(plain, prompt_ids, max_tokens, stops)
+    baseline = runs["plain"]
+    if result["engine"]["exact"] or plain.invariant_verify:
+        # those numerics cost plain decoding (exact mode pads every step to a 16-token block; the invariant path
+        # gives up the one-token kernels); a plain engine without a drafter uses neither, so speed ratios use the
+        # faster of the two plain runs
+        default = Engine(target, max_context=max_context, exact=False, invariant_verify=False)
+        run_engine(default, warm, warm_tokens, stops)
+        runs["plain_default"] = run_engine(default, prompt_ids, max_tokens, stops)
+        runs["plain_default"]["identical_to_plain"] = runs["plain_default"]["outputs"] == runs["plain"]["outputs"]
+        if runs["plain_default"]["decode_tok_s"] > baseline["decode_tok_s"]:
+            baseline = runs["plain_default"]
+    result["baseline"] = "plain_default" if baseline is not runs["plain"] else "plain"
+    l_target = baseline["decode_s"] / max(baseline["tokens"], 1)
+    result["L_target_ms"] = 1e3 * l_target
+    # plain decoding in the speculative engines' numerics (the output they must equal), when that is not the baseline
+    result["L_reference_ms"] = 1e3 * runs["plain"]["decode_s"] / max(runs["plain"]["tokens"], 1)
+    if draft_model is not None:
+        result["drafter"].update({"block_size": draft_model.block_size,
+                                  "layers": len(draft_model.layers) if hasattr(draft_model, "layers") else None,
+                                  "block_attention": getattr(getattr(draft_model, "cfg", None), "block_attention",
+                                                             None),
+                                  "target_layer_ids": getattr(draft_model, "target_layer_ids", None)})
+        modes = {"off": [False], "on": [True], "both": [False, True]}[adaptive]
+        counter = ExpertCounter(target)
+        for adaptive_on in modes:
+            key = "speculative_adaptive" if adaptive_on else "speculative"
+            engine = Engine(target, drafter=draft_model, max_context=max_context, adaptive_verify=adaptive_on)
+            counter.watch(engine)
+            run_engine(engine, warm, warm_tokens, stops)
+            counter.by_size.clear()
+            r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops)
+            _compare(r, runs["plain"])
+            if r.get("cycles"):
+                r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
+                r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+            if counter.handles:  # exact mode pads every verify to the fast model's max_block
+                padded = engine.fast and engine.target.exact
+                full = engine.target.fast.max_block if padded else draft_model.block_size
+                r["experts_per_layer"] = {"of": counter.num_experts, "verify_block": counter.mean(full),
+                                          "verify_block_tokens": full, "decode_step": None}
+        if counter.handles:  # a plain decode step, for comparison (one token: no exact-mode padding)
+            counter.by_size.clear()
+            single = Engine(target, max_context=max_context, exact=False)
+            counter.watch(single)
+            run_engine(single, prompt_ids[:1], 8, stops)
+            for key in ("speculative", "speculative_adaptive"):
+                if key in runs:
+                    runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
+        counter.close()
+        for tau in forced_tau:  # the real cycle at a real tau: drafts replaced by plain decoding's own tokens
+            engine = Engine(target, drafter=draft_model, max_context=max_context)
+            reference = runs["plain"]["outputs"]
+            force = lambda i, tau=tau: ForcedAcceptance(reference[i], tau, vocab, engine.device, seed=i)  # noqa: E731
+            run_engine(engine, warm, warm_tokens, stops, force)
+            r = runs[f"forced_tau_{tau:g}"] = run_engine(engine, prompt_ids, max_tokens, stops, force)
+            r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation "
+                                      "up to a geometric accept length (a forced condition, not a drafter's tau)"}
+            _compare(r, runs["plain"])
+            if r.get("cycles"):
+                r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
+                r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+    result["summary"] = {key: _summary(r, result["L_target_ms"], baseline) for key, r in runs.items()
+                         if r.get("cycles")}
+    if compare_hf:
+        runs["plain"]["identical_to_hf_generate"] = runs["plain"]["outputs"] == runs["hf_generate"]["outputs"]
+    for r in runs.values():
+        r["outputs"] = [len(o) for o in r["outputs"]]  # lengths only in the report; the checks above saw the tokens
+    print(format_table(result))
+    if json_out:
+        json_out = Path(json_out)
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_out}")
+    return result
+
+
+def _compare(run: dict, plain: dict) -> None:
+    """Greedy output against plain decoding, prompt by prompt."""
+    same = [a == b for a, b in zip(run["outputs"], plain["outputs"])]
+    run["identical_to_plain"] = all(same)
+    run["identical"], run["identical_of"] = sum(same), len(same)
+    run["first_difference"] = [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                               for a, b, ok in zip(run["outputs"], plain["outputs"], same) if not ok]
+
+
+def _summary(r: dict, l_target_ms: float, baseline: dict) -> dict:
+    """The spec_e2e figures of one speculative run, side by side with plain decoding of the same run."""
+    keys = ("T_d_ms", "T_t_ms", "host_ms_per_cycle", "cycle_ms", "tau", "eta_predicted", "eta_measured")
+    out = {"L_target_ms": l_target_ms, **{k: r.get(k) for k in keys}, "plain_decode_tok_s": baseline["decode_tok_s"],
+           "speculative_decode_tok_s": r["decode_tok_s"], "identical": r.get("identical"),
+           "prompts": r.get("identical_of")}
+    if "forced_acceptance" in r:
+        out["forced_tau"] = r["forced_acceptance"]["tau"]
+    return out
+
+
+def format_table(res: dict) -> str:
+    m, runs = res["model"], res["runs"]
+    lines = [f"reviewer bench  {res['date']}  {res['machine']['device']} "
+             f"({res['machine'].get('gpu') or res['machine'].get('cpu')}, {res['machine']['torch_threads']} threads)",
+             f"target  {m['name']} ({m['class']}, {m['layers']} layers, {m['params_m']}M params, {m['dtype']})",
+             f"drafter {res['drafter']['source']}"
+             + (f", block {res['drafter']['block_size']}, {res['drafter']['block_attention']} block attention"
+                if res["drafter"].get("block_size") else ""),
+             f"numerics {res.get('numerics', '?')}",
+             f"{res['prompts']} prompts x up to {res['max_tokens']} tokens, greedy", "",
+             f"{'run':<28}{'tokens':>7}{'tok/s':>9}{'decode tok/s':>14}  identical"]
+    labels = {"hf_generate": "transformers generate", "plain": "engine, plain",
+              "plain_default": "engine, plain (default kernels)",
+              "speculative": "engine, speculative", "speculative_adaptive": "engine, spec + adaptive k"}
+    labels.update({k: f"engine, forced tau {k.removeprefix('forced_tau_')}" for k in runs if k.startswith("forced_")})
+    for key, r in runs.items():
+        same = r.get("identical_to_plain", r.get("identical_to_hf_generate"))
+        ref = " (vs plain)" if "identical_to_plain" in r else (" (vs generate)" if same is not None else "")
+        lines.append(f"{labels[key]:<28}{r['tokens']:>7}{r['tok_s']:>9.1f}"
+                     f"{(r['decode_tok_s'] if 'decode_tok_s' in r else r['tok_s']):>14.1f}  "
+                     f"{'-' if same is None else ('yes' if same else 'NO')}{ref}")
+    eng = res.get("engine", {})
+    mode = ", exact (batch-invariant) mode" if eng.get("exact") else (
+        ", invariant verify path (plain = its plain decoding)" if eng.get("invariant_verify") else "")
+    lines.append(f"\nengine path: {eng.get('path')}{mode}; speed ratios against {labels[res.get('baseline', 'plain')]}")
+    lines.append(f"L_target (plain decode time per token) {res['L_target_ms']:.2f} ms")
+    for key in [k for k in runs if k.startswith(("speculative", "forced_"))]:
+        r = runs.get(key)
+        if not r or not r.get("cycles"):
+            continue
+        lines += [f"\n{labels[key]}: {r['cycles']} cycles, tau {r['tau']:.2f}, "
+                  f"T_d {r['T_d_ms']:.2f} ms, T_t {r['T_t_ms']:.2f} ms, accept/rollback {r['rollback_ms']:.2f} ms, "
+                  f"host {r['host_ms_per_cycle']:.2f} ms, cycle {r['cycle_ms']:.2f} ms; identical "
+                  f"{r['identical']}/{r['identical_of']} prompts",
+                  f"  eta predicted tau*L_target/(T_t+T_d) = {r['eta_predicted']:.2f}, "
+                  f"measured {r['eta_measured']:.2f}",
+                  "  acceptance by draft position: "
+                  + " ".join(f"{k + 1}:{a:.2f}" for k, a in enumerate(r["acceptance_per_position"])),
+                  f"  verify sizes (tokens: cycles) {r['verify_sizes']}"]
+        e = r.get("experts_per_layer")
+        if e and e.get("verify_block") is not None:
+            lines.append(f"  experts woken per MoE layer: {e['verify_block']:.1f} of {e['of']} for a "
+                         f"{e['verify_block_tokens']}-token verify block, "
+                         f"{e['decode_step'] or 0:.1f} for a decode step")
+        if r.get("out_of_draft_vocab"):
+            lines.append(f"  committed tokens outside the draft vocabulary: {r['out_of_draft_vocab']}")
+    return "\n".join(lines)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m backend.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny-hybrid", help=f"{', '.join(TINY_MODELS + SHAPE_MODELS)} (random "
+                    "weights), embedded, a HF folder or .gguf")
+    ap.add_argument("--drafter", default="random", help=f"random, {RELEASED_DRAFTER} (random weights), none, auto "
+                    "(shipped for the model) or a folder")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--adaptive", default="both", choices=["off", "on", "both"])
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--forced-tau", default="", help="comma-separated tau values: also time speculative runs with "
+                    "forced acceptance (random weights; labelled forced in the record), e.g. 4.9,6.4,8.1")
+    ap.add_argument("--llama-steps", choices=["rows", "glue"], default=None,
+                    help="Llama: decode steps and verifies through our row kernels or the compiled glue + cuBLAS "
+                    "(Llama.step_path; glue only where cuBLAS is row-invariant on this device)")
+    a = ap.parse_args(argv)
+    if a.llama_steps:
+        from backend.models.llama import Llama
+        Llama.step_path = a.llama_steps
+    return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
+         json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
+         forced_tau=a.forced_tau,
+         command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+def parse_taus(text) -> tuple[float, ...]:
+    """--forced-tau "4.9,6.4" -> (4.9, 6.4); a tuple passes through."""
+    if not isinstance(text, str):
+        return tuple(text)
+    try:
+        taus = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BenchError(f"--forced-tau takes numbers separated by commas, got {text!r}") from None
+    if any(t < 1 for t in taus):
+        raise BenchError("--forced-tau: tau is at least 1 (the target's own token)")
+    return taus
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

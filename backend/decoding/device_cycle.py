@@ -1,0 +1,205 @@
+"""The speculative cycle on the GPU fast path (backend/dflash/fast.py + FastTarget): drafting, verification and the
+acceptance test stay on the device, and the host reads one small result per cycle. backend/decoding/speculative.py holds the
+host-side cycle (CPU, transformers path, exact mode) and the pieces both share (sampling, the adaptive verify length).
+
+One cycle, k drafted tokens verified:
+  1. (queued by the previous cycle) the drafter absorbed the last verify's features and drafted the next block;
+  2. the host's one sync: the last verify's accepted count and committed tokens, and the new draft's confidences;
+     it commits (target.accept: Gated DeltaNet state by copy), yields, and picks k (adaptive verify length);
+  3. the target verifies [token, drafts[:k]] straight from the drafter's device buffer;
+  4. the acceptance test on the device (greedy match; rejection sampling when sampling), and the next draft is
+     queued behind it, its known token and context length being device tensors.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from backend.decoding.speculative import choose_verify_length, first_token
+from backend.sampling import sampling_probs
+
+
+class ForcedAcceptance:
+    """Benchmarks only (`reviewer bench --forced-tau`): random weights accept nothing, so to time the real cycle at a
+    real tau the drafter computes as always, then its proposal is replaced by the target's own greedy continuation
+    (`reference`, from a plain run of the same prompt) up to an accept length drawn per cycle from a geometric law
+    with mean tau - 1 accepted drafts, and a token that cannot match after it. The target still verifies every
+    token: where its verify disagrees with its plain steps, acceptance stops there."""
+
+    def __init__(self, reference: list[int], tau: float, vocab: int, device, seed: int = 0):
+        self.reference = torch.tensor(list(reference) + [0] * 32, dtype=torch.long, device=device)
+        self.tau, self.vocab = float(tau), int(vocab)
+        self.p_stop = 1.0 / max(self.tau, 1.0)  # geometric: P(accept one more) = 1 - 1/tau, mean committed = tau
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def draw(self, k: int) -> int:
+        accepted = 0
+        while accepted < k and float(torch.rand(1, generator=self.rng)) >= self.p_stop:
+            accepted += 1
+        return accepted
+
+    def propose(self, block_tokens: torch.Tensor, produced: int, k: int) -> None:
+        """Overwrite drafts 1..k of block_tokens (device) in place; `produced` tokens are already committed, so the
+        reference continues at index produced (the block's known token is reference[produced - 1])."""
+        a = self.draw(k)
+        ref = self.reference[produced:produced + k]
+        miss = (ref + 1) % self.vocab
+        idx = torch.arange(k, device=block_tokens.device)
+        block_tokens[1:k + 1] = torch.where(idx < a, ref, miss)
+
+
+def _accept_on_device(logits, proposal, k: int, greedy: bool, params, q, rng):
+    """The acceptance test without leaving the device. logits [k+1, V] from the verify, proposal [k] the drafts.
+    Returns (result [1 + k + 1]: accepted count, then the committed tokens (accepted drafts + the target's own),
+    keep = accepted + 1 [1], the target's own token [1])."""
+    device = logits.device
+    if greedy:
+        choice = logits.argmax(-1)
+        accepted = (proposal == choice[:k]).int().cumprod(0).sum().reshape(1) if k else choice.new_zeros(1)
+        committed = choice  # the accepted drafts equal the target's choices there
+        bonus = choice.index_select(0, accepted)
+    else:
+        p = sampling_probs(logits, params.temperature, params.top_p)
+        if k:
+            idx = proposal[:, None]
+            p_x, q_x = p[:k].gather(1, idx)[:, 0], q[:k].gather(1, idx)[:, 0]
+            u = torch.rand(k, generator=rng, device=device)
+            accepted = (u * q_x < p_x).int().cumprod(0).sum().reshape(1)
+            q_pad = torch.cat([q[:k], q.new_zeros(1, q.shape[1])])
+        else:
+            accepted = torch.zeros(1, dtype=torch.long, device=device)
+            q_pad = torch.zeros_like(p)
+        residual = (p - q_pad).clamp_min(0).index_select(0, accepted)[0]
+        total = residual.sum()
+        row = torch.where(total > 0, residual / total.clamp_min(1e-30), p.index_select(0, accepted)[0])
+        bonus = torch.multinomial(row, 1, generator=rng)
+        idx = torch.arange(k + 1, device=device)
+        padded = torch.cat([proposal, bonus])
+        committed = torch.where(idx < accepted, padded, bonus)
+    accepted = accepted.long()
+    return torch.cat([accepted, committed]), accepted + 1, bonus
+
+
+class _Marks:
+    """Points in a cycle: CUDA events (timed on the device, read after the cycle's sync) or, on the CPU, clocks."""
+
+    def __init__(self, cuda: bool):
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else None
+        self.clock = [0.0] * 4
+
+    def record(self, i: int) -> None:
+        if self.events:
+            self.events[i].record()
+        else:
+            self.clock[i] = time.perf_counter()
+
+    def seconds(self, i: int, j: int) -> float:
+        if self.events:
+            return self.events[i].elapsed_time(self.events[j]) / 1e3
+        return self.clock[j] - self.clock[i]
+
+
+def device_speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
+    """speculative_decode on the GPU fast path (backend/dflash/fast.py + FastTarget): drafting, verification and
+    the acceptance test stay on the device, and the host reads one small result per cycle. The next draft is queued
+    before that read (its known token and its context are device tensors), so the read returns the last verify's
+    accepted count and committed tokens together with the next draft's confidences (for the adaptive verify length).
+    Same invariant at every yield as speculative_decode."""
+    fd, target, device = engine.draft_context, engine.target, engine.device
+    B = fd.block_size
+    stats.accepted_per_position = [0] * (B - 1)
+    stop = set(params.stop_token_ids)
+    greedy = params.temperature == 0
+    forced = engine.forced_acceptance
+    vocab_mask = fd.drafter.target_vocab_mask  # restricted draft vocabulary, or None
+
+    token = first_token(logits, params, rng, stop, stats, vocab_mask)
+    if token is None:
+        return
+    yield [token]
+    produced = 1
+    if produced >= budget:
+        return
+
+    cuda = device.type == "cuda"
+    result = torch.zeros(B + 1, dtype=torch.long, device=device)
+    host = torch.zeros(B + 1, dtype=torch.long, pin_memory=cuda)
+    host_conf = torch.zeros(B - 1, pin_memory=cuda)
+    done = torch.cuda.Event() if cuda else None
+    marks = _Marks(cuda)  # 0 verify 1 acceptance test 2 draft 3
+    t = time.perf_counter()
+    fd.launch(token=token)
+    q = fd.sample(params.temperature, params.top_p, rng) if not greedy else None
+    last = None  # (k, the confidences of the draft it verified) of a verify awaiting its commit
+    draft_seconds = 0.0
+    while True:
+        # the cycle's one host sync
+        host.copy_(result, non_blocking=cuda)
+        host_conf.copy_(fd.confidence, non_blocking=cuda)
+        if cuda:
+            done.record()
+            done.synchronize()
+        if last is not None:
+            k, conf = last
+            accepted = int(host[0])
+            committed = host[1:accepted + 2].tolist()
+            stop_at = next((i for i, x in enumerate(committed) if x in stop), None)
+            emit = committed if stop_at is None else committed[:stop_at]
+            keep = (accepted if stop_at is None else min(stop_at, accepted)) + 1
+            # the block was [token, accepted drafts..]: the caches keep exactly its first `keep` positions
+            target.accept(keep, [token] + committed[:keep - 1])
+            fd.length += accepted + 1  # what the queued draft absorbed on the device
+            if keep != accepted + 1:
+                fd.set_length(len(target.ids))
+            verify_s, draft_seconds = marks.seconds(0, 1), marks.seconds(2, 3)
+            now = time.perf_counter()
+            engine.verify_cost.observe(k + 1, verify_s)
+            if k:
+                engine.calibration.observe(conf, k, accepted)
+            stats.cycles += 1
+            stats.draft_tokens += k
+            stats.accepted_tokens += accepted
+            for j in range(accepted):
+                stats.accepted_per_position[j] += 1
+            stats.verify_sizes[k + 1] = stats.verify_sizes.get(k + 1, 0) + 1
+            stats.draft_seconds += draft_seconds
+            stats.verify_seconds += verify_s
+            stats.rollback_seconds += marks.seconds(1, 2)  # the acceptance test on the device
+            stats.generated_tokens += len(emit)
+            if vocab_mask is not None:  # committed tokens the restricted draft vocabulary could never propose
+                stats.out_of_draft_vocab += sum(1 for x in emit if not bool(vocab_mask[x]))
+            stats.decode_seconds += now - t
+            t = now
+            if emit:
+                yield emit
+            if stop_at is not None:
+                stats.finish_reason = "stop"
+                return
+            produced += len(emit)
+            token = committed[accepted]  # the target's own token: the next block's first
+        if produced >= budget:
+            fd.set_length(len(target.ids))  # the queued draft's context is not needed
+            return
+        if cancelled():
+            stats.finish_reason = "cancelled"
+            fd.set_length(len(target.ids))
+            return
+        k = min(B - 1, budget - produced - 1)  # the target's own token must fit in the budget too
+        conf = host_conf[:k].tolist()
+        if engine.adaptive_verify and k > 0:
+            k = choose_verify_length(engine.calibration(conf), engine.verify_cost, draft_seconds)
+        if forced is not None and k:
+            forced.propose(fd.block_tokens, produced, k)
+        marks.record(0)
+        logits, feats = target.verify_on_device(fd.block_tokens[:k + 1], features=True)
+        marks.record(1)
+        res, keep_dev, bonus = _accept_on_device(logits, fd.block_tokens[1:k + 1], k, greedy, params, q, rng)
+        result[:k + 2].copy_(res)
+        marks.record(2)
+        fd.launch(features=feats, rows=k + 1, keep=keep_dev, token=bonus, upper_length=fd.length + k + 1)
+        if not greedy:
+            q = fd.sample(params.temperature, params.top_p, rng)
+        marks.record(3)
+        last = (k, conf[:k])

@@ -1,0 +1,294 @@
+"""The decoding engine: batch-1 generation over a causal LM (backend/decoding/target.py: the fast path where backend/models
+covers the architecture, transformers otherwise), with prefix reuse across requests and, when a drafter is given,
+DFlash speculative decoding (backend/decoding/speculative.py).
+
+Data flow: server -> Engine.generate(prompt_ids, params) -> yields committed token ids -> server.
+The target keeps one cache and the token ids it covers, so the next request (an agent resends its whole conversation
+every turn) only prefills what is new.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.decoding import speculative as spec
+from backend.decoding.device_cycle import device_speculative_decode
+from backend.decoding.target import FastTarget, HFTarget
+from backend.dflash.fast import FastDrafter
+from backend.sampling import sample_token
+
+log = logging.getLogger("reviewer.backend")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (it is not yielded)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the previous request's cache
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = "length"  # "stop" | "length" | "cancelled"
+    # speculative decoding (all zero on the plain path)
+    cycles: int = 0
+    draft_tokens: int = 0  # drafted tokens sent to verification
+    accepted_tokens: int = 0  # drafted tokens accepted (not counting the target's own token)
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: cycles whose draft position k was accepted
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    rollback_seconds: float = 0.0  # bringing caches to the accepted prefix (crop + linear-attention replay)
+    # committed tokens the restricted draft vocabulary could never have proposed (0 without a restricted vocabulary)
+    out_of_draft_vocab: int = 0
+    # verify blocks by size (number of tokens sent to the target, including the known token) -> count
+    verify_sizes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per speculative cycle (accepted drafts + the target's own token)."""
+        return (self.accepted_tokens + self.cycles) / self.cycles if self.cycles else 0.0
+
+
+class Engine:
+    """Batch-1 generation with prefix reuse. Not thread-safe: the server drives it from one worker thread.
+
+    fast: run the target on backend/models' fast path (static caches, rollback by copy, CUDA graphs) when it covers
+    the architecture (None: whenever it does and loads; False: always transformers; True: required). exact:
+    batch-invariant forwards on the fast path, so greedy speculative output is token-identical to plain decoding in
+    bf16 too (None: on for a CPU engine with a drafter; a plain engine that serves as its reference needs
+    exact=True; see backend/decoding/target.py for what it costs). compile: torch.compile the fast path's per-layer glue
+    for decode steps and verifies (None: on CUDA, where it fuses the norms, RoPE and gates that otherwise cost a
+    launch each; the first step of each shape compiles, ~tens of seconds). device_cycle: the speculative cycle on the
+    device (backend/decoding/device_cycle.py, backend/dflash/fast.py: drafter in CUDA graphs over static caches,
+    acceptance on the device, one host sync per cycle; None: on CUDA whenever the fast path runs outside exact
+    mode; True elsewhere too, for tests). invariant_verify: the fast model's decode steps and verifies in numerics
+    where a verify is cheap and a position's logits do not depend on how it was reached (the model file's
+    use_invariant_verify: Qwen3.5/3.6-MoE's padded rows, Llama's glue over a row-invariant cuBLAS), so greedy
+    speculative output is token-identical to this engine's plain decoding (None: on for a CUDA engine with a
+    drafter outside exact mode; a plain engine that serves as its reference needs invariant_verify=True). Plain
+    engines keep the fastest one-token kernels, whose rounding can differ at near-ties."""
+
+    def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
+                 adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None,
+                 compile: bool | None = None, device_cycle: bool | None = None,
+                 invariant_verify: bool | None = None):
+        self.model = model
+        self.drafter = drafter
+        self.device = next(model.parameters()).device
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.max_context = max_context or getattr(config, "max_position_embeddings", None) or 1 << 30
+        self.adaptive_verify = adaptive_verify
+        self.last_stats = GenerationStats()
+        if drafter is not None:
+            drafter.check_target(model)
+        features = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        if compile is None:
+            compile = self.device.type == "cuda"
+        self.target = self._make_target(model, features, prefill_chunk, fast, exact, compile)
+        if invariant_verify is None:
+            invariant_verify = drafter is not None and self.device.type == "cuda" and self.fast and not self.target.exact
+        self.invariant_verify = bool(invariant_verify) and self.fast
+        if self.invariant_verify:
+            self.target.fast.model.use_invariant_verify()
+        self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
+        self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
+        self.draft_context = None  # drafter KV over context features, covering the same positions as the target
+        # on the GPU fast path the drafter runs from CUDA graphs over static caches and the cycle stays on the
+        # device (backend/dflash/fast.py, backend/decoding/device_cycle.py); elsewhere the eager drafter
+        if device_cycle is None:
+            device_cycle = self.device.type == "cuda" and self.fast and not self.target.exact
+        if device_cycle and not (self.fast and not self.target.exact):
+            raise ValueError("the device cycle needs the fast path outside exact mode")
+        self.fast_drafter = FastDrafter(drafter, self.max_context) if drafter is not None and device_cycle else None
+        self.forced_acceptance = None  # benchmarks only: device_cycle.ForcedAcceptance
+
+    def _make_target(self, model, features, prefill_chunk, fast, exact, compile):
+        fast_model = None
+        if fast is not False:
+            from backend.models import load_fast
+
+            # exact mode pads plain steps and verifies alike to this many tokens, with or without a drafter: the
+            # same shapes on both sides are what makes their logits equal (drafters with blocks > 16 get their size)
+            block = max(16, getattr(self.drafter, "block_size", 0))
+            self.max_context = min(self.max_context, 1 << 20)  # the fast path preallocates its caches
+            try:  # room for a padded block past the last position the engine will ever fill
+                fast_model = load_fast(model, max_context=self.max_context + block, max_block=block, compile=compile)
+            except Exception as exc:  # an unusual layout (weights split over devices, offloaded): keep transformers
+                if fast:
+                    raise
+                log.warning("fast path unavailable (%s: %s); using transformers", type(exc).__name__, exc)
+            if fast_model is None and fast:
+                raise ValueError("no fast path for this architecture (fast=True)")
+        if fast_model is None:
+            return HFTarget(model, features, prefill_chunk)
+        if exact is None:
+            exact = self.device.type == "cpu" and self.drafter is not None
+        return FastTarget(fast_model, features, prefill_chunk, exact=exact)
+
+    @property
+    def fast(self) -> bool:
+        return isinstance(self.target, FastTarget)
+
+    @property
+    def lossless(self) -> bool:
+        """Whether greedy output is token-identical to plain decoding of this engine: always without a drafter;
+        with one, when a position's logits do not depend on how it was reached (a one-token step or any verify
+        block): exact mode, or a fast-path target whose kernels are batch-invariant on this device (on CUDA: the
+        Llama rows or glue path, Qwen3.5/3.6-MoE's padded rows under invariant_verify). The transformers path is
+        not: at near-ties its speculative output can differ from plain decoding."""
+        if self.drafter is None:
+            return True
+        if not self.fast:
+            return False
+        return self.target.exact or bool(getattr(self.target.fast.model, "batch_invariant", False))
+
+    def describe_decoding(self) -> str:
+        """One line for the operator: plain or speculative, and whether greedy output equals plain decoding."""
+        if self.drafter is None:
+            return "plain decoding (no drafter)"
+        how = "on the device, CUDA graphs" if self.fast_drafter is not None else "eager"
+        if self.lossless:
+            why = "exact mode" if self.target.exact else "batch-invariant kernels"
+            if self.invariant_verify and getattr(self.target.fast.model, "glue_steps", True):
+                why += "; without a drafter the engine decodes with faster one-token kernels, whose rounding can differ"
+            return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), lossless: greedy output "
+                    f"is token-identical to plain decoding in the same numerics ({why})")
+        return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), NOT lossless on this path: "
+                "greedy output can differ from plain decoding at near-ties (use --drafter none for plain decoding)")
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """Token ids whose states the target cache holds, in order."""
+        return self.target.ids
+
+    @property
+    def cache(self):
+        """The transformers cache (HF path only; tests compare its states)."""
+        return getattr(self.target, "cache", None)
+
+    def _reset(self) -> None:
+        self.target.reset()
+        self.draft_context = None
+
+    def _new_draft_context(self):
+        if self.fast_drafter is not None:
+            self.fast_drafter.reset()
+            return self.fast_drafter
+        return self.drafter.new_context()
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
+        """Yield lists of newly committed token ids; afterwards self.last_stats holds the GenerationStats.
+
+        Closing the generator early (generator.close()) leaves the engine consistent: the cache always matches
+        self.cache_ids at every yield.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        _check_params(prompt, params, self.max_context, self.model)
+        stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt))
+        rng = _generator(params.seed, self.device)
+        budget = min(params.max_tokens, self.max_context - len(prompt))
+        target = self.target
+        try:
+            t0 = time.perf_counter()
+            reused, logits = target.reuse(prompt)
+            stats.cached_tokens = reused
+            if self.draft_context is not None:
+                self.draft_context.crop(len(target.ids))  # the drafter's context follows the target's cache
+            features = None
+            if logits is None:
+                want = self.drafter is not None
+                if want and self.draft_context is None:
+                    self.draft_context = self._new_draft_context()
+                logits, features = target.prefill(prompt[reused:], want, cancelled)
+                if logits is None:  # cancelled between chunks: the drafter keeps covering what the target holds
+                    if features is not None:
+                        self.draft_context.add_pending(features)
+                    stats.finish_reason = "cancelled"
+                    return
+                target.remember_prompt(prompt, logits)
+            _sync(self.device)
+            stats.prefill_seconds = time.perf_counter() - t0
+            if features is not None:
+                self.draft_context.add_pending(features)  # the drafter's context always covers self.cache_ids
+            if self.drafter is None or budget <= 1:
+                yield from self._plain_decode(logits, params, budget, rng, cancelled, stats)
+            elif self.fast_drafter is not None:
+                yield from device_speculative_decode(self, logits, params, budget, rng, cancelled, stats)
+            else:
+                yield from spec.speculative_decode(self, logits, params, budget, rng, cancelled, stats)
+        except GeneratorExit:
+            raise  # closed at a yield, where the cache always matches self.cache_ids: nothing to undo
+        except BaseException:
+            self._reset()  # an exception mid-forward may have left the cache half-updated
+            raise
+
+    def _plain_decode(self, logits, params, budget, rng, cancelled, stats) -> Iterator[list[int]]:
+        stop = set(params.stop_token_ids)
+        t = time.perf_counter()
+        for i in range(budget):
+            if cancelled():
+                stats.finish_reason = "cancelled"
+                break
+            token = sample_token(logits, params.temperature, params.top_p, rng)
+            if token in stop:
+                stats.finish_reason = "stop"
+                break
+            stats.generated_tokens += 1
+            stats.decode_seconds += time.perf_counter() - t
+            yield [token]
+            t = time.perf_counter()
+            if i + 1 < budget:  # the last token needs no forward: nobody reads its logits
+                logits = self.target.step(token)
+        else:
+            stats.finish_reason = "length"
+        _sync(self.device)
+        stats.decode_seconds += time.perf_counter() - t
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------
+
+
+def _check_params(prompt: list[int], params: SamplingParams, max_context: int, model) -> None:
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    if len(prompt) >= max_context:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {max_context}")
+    if params.max_tokens < 0:
+        raise ValueError("max_tokens must be >= 0")
+    if params.temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    if not 0 < params.top_p <= 1:
+        raise ValueError("top_p must be in (0, 1]")
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,224 @@
+"""DFlash speculative decoding on the host: the draft/verify cycle, the acceptance tests (greedy, speculative sampling)
+and the adaptive verify length (device_cycle.py is the same cycle on the GPU). The cycle talks to the target only
+through target.py (HFTarget or FastTarget).
+
+One cycle (block size B):
+  1. the drafter proposes B-1 tokens after the last committed token, in one forward;
+  2. the target verifies [last token, drafts...] in one forward;
+  3. the longest prefix the target agrees with is accepted, plus the target's own next token (greedy: exact match;
+     sampling: Leviathan et al. 2022 rejection sampling, so the output distribution is exactly the target's);
+  4. every cache is brought to exactly the accepted prefix (target.accept): attention KV is cropped; Gated DeltaNet
+     conv/recurrent states, which cannot be cropped, are copied from the per-position states the verify recorded
+     (FastTarget) or put back to the block start and advanced over the accepted tokens (HFTarget, ReplayRollback);
+     the drafter's context gets the verify's hidden features at the accepted positions.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from backend.sampling import sample_token, sampling_probs
+
+
+def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """draft (k,), target_logits (k+1, V) -> (accepted prefix length, the target's own next token)."""
+    choice = target_logits.argmax(dim=-1)
+    agree = (draft == choice[: draft.shape[0]]).int().cumprod(0)
+    accepted = int(agree.sum())
+    return accepted, int(choice[accepted])
+
+
+def rejection_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rng: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling: draft (k,) sampled from q (k, V); p (k+1, V) the target's distributions.
+    Accept draft j with probability min(1, p/q); on the first rejection sample from the residual max(p - q, 0).
+    Returns (accepted, next token) with the next token distributed exactly as the target's."""
+    k = draft.shape[0]
+    if k:
+        idx = draft[:, None]
+        p_x, q_x = p[:k].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]
+        u = torch.rand(k, generator=rng, device=p.device)
+        accepted = int((u * q_x < p_x).int().cumprod(0).sum())
+    else:
+        accepted = 0
+    if accepted == k:
+        return k, int(torch.multinomial(p[k], 1, generator=rng))
+    residual = (p[accepted] - q[accepted]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else p[accepted]
+    return accepted, int(torch.multinomial(residual, 1, generator=rng))
+
+
+# ---- adaptive verify length ---------------------------------------------------------------------------------------
+
+
+class VerifyCostModel:
+    """Measured verify time T_t(n) for a block of n tokens: a running mean per size, and a least-squares line
+    through them for sizes not yet seen."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.mean: dict[int, float] = {}
+
+    def observe(self, n: int, seconds: float) -> None:
+        old = self.mean.get(n)
+        self.mean[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def probe(self, n_max: int) -> int | None:
+        """A size worth measuring before the line can be trusted (full block first, then about half)."""
+        if n_max not in self.mean:
+            return n_max
+        half = max(1, n_max // 2)
+        if len(self.mean) < 2 and half != n_max:
+            return half
+        return None
+
+    def estimate(self, n: int) -> float:
+        if n in self.mean:
+            return self.mean[n]
+        xs, ys = list(self.mean), list(self.mean.values())
+        if len(xs) == 1:
+            return ys[0]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+        return max(my + max(slope, 0.0) * (n - mx), 1e-9)
+
+
+class AcceptanceCalibration:
+    """Drafter confidence is not acceptance probability (an untrained drafter can be confident and always wrong).
+    Per draft position j, compare the mean confidence at j with the measured rate at which j was accepted given
+    that 1..j-1 were, and scale confidences by that ratio (starting from a weak prior of "calibrated")."""
+
+    def __init__(self, prior: float = 2.0):
+        self.prior = prior
+        self.reached: dict[int, float] = {}  # cycles that verified position j with 0..j-1 accepted
+        self.accepted: dict[int, float] = {}
+        self.confidence: dict[int, float] = {}  # sum of confidences at those cycles
+
+    def observe(self, confidence: list[float], verified: int, accepted: int) -> None:
+        for j in range(min(verified, accepted + 1)):
+            self.reached[j] = self.reached.get(j, 0.0) + 1
+            self.confidence[j] = self.confidence.get(j, 0.0) + confidence[j]
+            self.accepted[j] = self.accepted.get(j, 0.0) + (j < accepted)
+
+    def __call__(self, confidence: list[float]) -> list[float]:
+        out = []
+        for j, c in enumerate(confidence):
+            seen = self.confidence.get(j, 0.0)
+            ratio = (self.accepted.get(j, 0.0) + self.prior * 0.5) / (seen + self.prior * 0.5)
+            out.append(min(1.0, c * ratio))
+        return out
+
+
+def choose_verify_length(confidence: list[float], cost: VerifyCostModel, draft_seconds: float) -> int:
+    """How many drafted tokens to verify: maximize expected committed tokens per second, where committing k drafts
+    needs all of 1..k accepted (probability ~ product of the drafter's confidences) plus the target's own token.
+    Lossless whatever it returns: it only shortens the block the target checks."""
+    n_max = len(confidence)
+    probe = cost.probe(n_max + 1)
+    if probe is not None:
+        return probe - 1
+    best_k, expected, prefix = 0, 1.0, 1.0
+    best_rate = expected / (draft_seconds + cost.estimate(1))
+    for k, c in enumerate(confidence, start=1):
+        prefix *= c
+        expected += prefix
+        rate = expected / (draft_seconds + cost.estimate(k + 1))
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+# ---- the cycle ----------------------------------------------------------------------------------------------------
+
+
+def first_token(logits, params, rng, stop: set[int], stats, vocab_mask=None) -> int | None:
+    """The token after the prompt, sampled from the prefill's logits (both cycles start here); None when it is a stop
+    token. Fills the stats for it."""
+    t = time.perf_counter()
+    token = sample_token(logits, params.temperature, params.top_p, rng)
+    stats.decode_seconds += time.perf_counter() - t
+    if token in stop:
+        stats.finish_reason = "stop"
+        return None
+    stats.generated_tokens = 1
+    stats.out_of_draft_vocab += int(vocab_mask is not None and not bool(vocab_mask[token]))
+    stats.finish_reason = "length"
+    return token
+
+
+def _now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
+    """Yield committed blocks until `budget` tokens, a stop token or cancellation. `logits`: after the prompt.
+    Invariant at every yield: the target's cache and engine.draft_context cover exactly engine.target.ids."""
+    drafter, ctx, device = engine.drafter, engine.draft_context, engine.device
+    block_size = drafter.block_size
+    stats.accepted_per_position = [0] * (block_size - 1)
+    stop = set(params.stop_token_ids)
+    greedy = params.temperature == 0
+    vocab_mask = getattr(drafter, "target_vocab_mask", None)  # restricted draft vocabulary, or None
+
+    token = first_token(logits, params, rng, stop, stats, vocab_mask)
+    if token is None:
+        return
+    yield [token]
+    produced = 1
+    while produced < budget:
+        if cancelled():
+            stats.finish_reason = "cancelled"
+            break
+        t0 = time.perf_counter()
+        k = min(block_size - 1, budget - produced - 1)  # the target's own token must fit in the budget too
+        draft = drafter.draft(ctx, token, params.temperature, params.top_p, rng) if k else None
+        t1 = _now(device)
+        if engine.adaptive_verify and k > 0:
+            k = choose_verify_length(engine.calibration(draft.confidence[:k]), engine.verify_cost, t1 - t0)
+        proposal = draft.tokens[:k] if k else []
+        block = [token] + proposal
+        target_logits, features = engine.target.verify(block, features=True)
+        draft_t = torch.tensor(proposal, dtype=torch.long, device=device)
+        if greedy:
+            accepted, bonus = greedy_accept(draft_t, target_logits)
+        else:
+            p = sampling_probs(target_logits, params.temperature, params.top_p)
+            q = draft.probs[:k] if k else p[:0]
+            accepted, bonus = rejection_accept(draft_t, q, p, rng)
+        t2 = _now(device)
+        engine.verify_cost.observe(k + 1, t2 - t1)
+        if k:
+            engine.calibration.observe(draft.confidence, k, accepted)
+
+        committed = proposal[:accepted] + [bonus]
+        stop_at = next((i for i, x in enumerate(committed) if x in stop), None)
+        emit = committed if stop_at is None else committed[:stop_at]
+        keep = (accepted if stop_at is None else min(stop_at, accepted)) + 1  # block tokens whose state we keep
+        engine.target.accept(keep)  # every cache now holds exactly the accepted prefix
+        ctx.add_pending(features[:, :keep])
+        t3 = _now(device)
+
+        stats.cycles += 1
+        stats.draft_tokens += k
+        stats.accepted_tokens += accepted
+        for j in range(accepted):
+            stats.accepted_per_position[j] += 1
+        stats.verify_sizes[k + 1] = stats.verify_sizes.get(k + 1, 0) + 1
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.rollback_seconds += t3 - t2
+        if vocab_mask is not None:
+            stats.out_of_draft_vocab += sum(1 for x in emit if not bool(vocab_mask[x]))
+        stats.generated_tokens += len(emit)
+        stats.decode_seconds += t3 - t0
+        if emit:
+            yield emit
+        if stop_at is not None:
+            stats.finish_reason = "stop"
+            break
+        produced += len(emit)
+        token = bonus

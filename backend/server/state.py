@@ -1,0 +1,150 @@
+"""What the routes need and the loading thread fills in: ServerState (settings, metrics, and once loaded the model
+and the engine worker), the stop flag a signal handler sets, and the --drafter resolution.
+
+Imported by app.py (which builds it), routes.py and guards.py (which read it); it imports neither of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import threading
+
+from backend import chat
+from backend.loading import LoadedModel, ModelLoadError, load_model
+from backend.server.guards import DEFAULT_BODY_TIMEOUT, LOADING_CONTEXT, body_bytes_cap
+from backend.server.metrics import Metrics
+from backend.server.worker import EngineWorker
+
+log = logging.getLogger("reviewer.backend")
+
+
+def release_freed_memory() -> None:
+    """Give freed heap back to the system (glibc keeps freed memory mapped: after a rejected 20 MB request the RSS
+    stayed gigabytes higher, before the body cap). Costs a few ms; a no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ---- server state ----------------------------------------------------------------------------------------------------
+
+class StopFlag:
+    """A set-once flag that takes no lock, so a signal handler may set it. The stop flag used to be a
+    threading.Event, set from uvicorn's SIGTERM handler; Event.set() holds a non-reentrant lock, and a second SIGTERM
+    landing while the first handler held it ran the handler again on the same (event-loop) thread, which then waited
+    on that lock forever: no final event, no close, no exit (issue 29; a burst of SIGTERMs hit it 1 run in 6).
+    Readers poll it (api.py); nobody waits on it."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+class ServerState:
+    """What the routes need: settings, metrics, and (once loading finished) the model and the engine worker."""
+
+    def __init__(self, model, drafter: str, device: str, dtype: str, max_context: int | None, api_key: str | None,
+                 queue_timeout: float, max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT):
+        self.model_spec, self.drafter_spec = model, drafter
+        self.device, self.dtype, self.max_context_arg = device, dtype, max_context
+        self.api_key, self.queue_timeout = api_key, queue_timeout
+        self.max_body_arg, self.body_timeout = max_body_bytes, body_timeout
+        # Set on SIGTERM/Ctrl-C (serve) or when the app stops: streams send their final event, waiting and running
+        # non-streamed requests are answered 503, so the server drains in seconds.
+        self.stopping = StopFlag()
+        self.prompt_slot: asyncio.Semaphore | None = None  # one prompt rendered/tokenized at a time (api.py)
+        self.metrics = Metrics()
+        self.loaded: LoadedModel | None = None
+        self.worker: EngineWorker | None = None
+        self.load_error: str | None = None
+        self.on_load_failure = None  # serve() sets this to stop uvicorn
+        self.ready = threading.Event()
+        # Filled in by load(): what the routes need to render prompts and check requests.
+        self.tool_style = "injected"
+        self.stop_ids: tuple[int, ...] = ()
+        self.vocab_size = 0
+        self.max_token_chars = 0  # the longest token's text: a prompt longer than window x this cannot fit (api.py)
+        self.decoding = ""  # plain or speculative, lossless or not (Engine.describe_decoding), once loaded
+        self.on_ready = None  # called with the state once the model is ready (serve prints the ready line)
+
+    # -- loading (background thread) --
+    def load(self) -> None:
+        try:
+            from backend.decoding.engine import Engine, SamplingParams
+
+            loaded = self.model_spec if isinstance(self.model_spec, LoadedModel) else load_model(
+                self.model_spec, self.device, self.dtype, self.max_context_arg)
+            drafter = resolve_drafter(self.drafter_spec, loaded)
+            engine = Engine(loaded.model, drafter=drafter, max_context=loaded.max_context)
+            if engine.fast and engine.device.type == "cuda":
+                # the fast path compiles its glue and captures CUDA graphs on first use: do it now, while /health
+                # says "loading", not inside the first request
+                log.info("warming up the fast path (torch.compile + CUDA graphs; up to a minute)")
+                list(engine.generate([0] * 8, SamplingParams(max_tokens=4)))
+            self.loaded, self.tool_style = loaded, chat.tool_style(loaded.tokenizer)
+            self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
+            self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
+            self.max_token_chars = max(map(len, loaded.tokenizer.get_vocab()), default=0)
+            self.worker = EngineWorker(engine, self.metrics)
+            release_freed_memory()  # what loading freed (conversion, casts): ~10 MB from the embedded model's cache
+            self.metrics.model_ready.set(1)
+            self.ready.set()
+            self.decoding = engine.describe_decoding()
+            log.info("model %s ready on %s (%s, context %d tokens): %s", loaded.name, loaded.device,
+                     loaded.dtype, loaded.max_context, self.decoding)
+            if self.on_ready:
+                self.on_ready(self)
+        except Exception as exc:  # noqa: BLE001 - any failure must reach /health and the operator, not kill a thread silently
+            self.load_error = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, ModelLoadError):
+                log.exception("model loading failed")
+            log.error("model loading failed: %s", self.load_error)
+            if self.on_load_failure:
+                self.on_load_failure()
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The request body cap: --max-body-mb, else sized to the window (guards.body_bytes_cap)."""
+        if self.max_body_arg:
+            return self.max_body_arg
+        return body_bytes_cap(self.loaded.max_context if self.loaded else (self.max_context_arg or LOADING_CONTEXT))
+
+    @property
+    def model_ids(self) -> set[str]:
+        """Names a request may use for the loaded model: its id and whatever --model said."""
+        ids = {self.loaded.name}
+        if isinstance(self.model_spec, str):
+            ids.add(self.model_spec)
+        return ids
+
+
+def resolve_drafter(spec: str | None, loaded: LoadedModel):
+    """--drafter auto|none|PATH -> a drafter object or None."""
+    if spec in (None, "", "none"):
+        return None
+    try:
+        from backend.dflash import model as dflash
+    except ModuleNotFoundError as exc:
+        if exc.name != "backend.dflash.model":
+            raise
+        if spec == "auto":
+            log.info("speculative decoding is not available in this build: plain decoding")
+            return None
+        raise ModelLoadError(f"--drafter {spec}: this build has no DFlash support (backend/dflash/model.py)") from None
+    if spec == "auto":
+        spec = dflash.find_shipped_drafter(loaded.name)
+        if spec is None:
+            log.info("no shipped drafter for %s: plain decoding", loaded.name)
+            return None
+    try:
+        return dflash.load_drafter(spec)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the drafter {spec}: {exc}") from exc

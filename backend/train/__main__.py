@@ -1,0 +1,7 @@
+"""python -m backend.train: `reviewer train`."""
+
+import sys
+
+from backend.train.run import cli
+
+sys.exit(cli())

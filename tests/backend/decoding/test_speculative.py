@@ -1,0 +1,284 @@
+"""The speculative cycle: lossless greedy decoding with every accept length, cache states equal to plain decoding's
+after every cycle (KV, conv, recurrent), and speculative sampling that keeps the target's distribution."""
+
+import json
+
+import pytest
+import torch
+
+from backend.bench.run import tiny_model
+from backend.decoding import hf_cache
+from backend.decoding import speculative as spec
+from backend.decoding.engine import Engine, SamplingParams
+from backend.decoding.target import FastTarget
+from backend.dflash.model import Draft, random_drafter
+from backend.sampling import sampling_probs
+from tests.conftest import engine_states
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def tiny_qwen35_moe():
+    return tiny_model("tiny-hybrid")
+
+
+def tiny_llama(**kw):
+    return tiny_model("tiny-llama", **kw)
+
+
+class ScriptedContext:
+    """Tracks only how many positions the drafter's context covers."""
+
+    def __init__(self):
+        self.covered = 0
+
+    def add_pending(self, features):
+        self.covered += features.shape[1]
+
+    def crop(self, n):
+        self.covered = min(self.covered, n)
+
+
+class ScriptedDrafter:
+    """Proposes the target's own greedy continuation (`reference`: prompt + continuation, by absolute position),
+    with a wrong token at draft index errors[cycle % len(errors)] (== block_size - 1: no error), so each cycle's
+    accept length is chosen by the test."""
+
+    target_layer_ids = (0,)  # the features only count positions here
+
+    def __init__(self, reference, block_size, errors, vocab):
+        self.reference, self.block_size, self.errors, self.vocab = reference, block_size, errors, vocab
+        self.cycle = 0
+        self.expected_accepts = []
+
+    def check_target(self, model):
+        pass
+
+    def new_context(self):
+        return ScriptedContext()
+
+    def draft(self, ctx, token, temperature, top_p, rng):
+        start = ctx.covered  # the block's known token sits at this position
+        assert self.reference[start] == token
+        tokens = list(self.reference[start + 1 : start + self.block_size])
+        tokens += [0] * (self.block_size - 1 - len(tokens))
+        error = self.errors[self.cycle % len(self.errors)]
+        if error < self.block_size - 1:
+            tokens[error] = (tokens[error] + 1) % self.vocab
+        self.expected_accepts.append(error)
+        self.cycle += 1
+        return Draft(tokens=tokens, confidence=[0.5] * len(tokens), probs=None)
+
+
+def _assert_same_states(a, b):
+    """a, b: engines on the same path."""
+    sa, sb = engine_states(a), engine_states(b)
+    assert [s[0] for s in sa] == [s[0] for s in sb]
+    for i, ((kind, x), (_, y)) in enumerate(zip(sa, sb)):
+        assert x.shape == y.shape, (i, kind, x.shape, y.shape)
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=f"state {i} ({kind})")
+
+
+def _run_lockstep(model, block, n_new, fast):
+    """Speculative decoding with a scripted drafter, checked after every cycle against plain decoding of the same
+    tokens. Returns (output, reference, committed block lengths, drafter, stats)."""
+    prompt = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = Engine(model, **fast)
+    reference = [t for b in plain.generate(prompt, SamplingParams(max_tokens=n_new)) for t in b]
+
+    # error positions cycle through 0..block-1 (block-1: the whole draft is right), twice
+    drafter = ScriptedDrafter(prompt + reference, block, errors=list(range(block)) * 2, vocab=model.config.vocab_size)
+    engine = Engine(model, drafter=drafter, **fast)
+    lockstep = Engine(model, **fast)
+    lock_gen = lockstep.generate(prompt, SamplingParams(max_tokens=n_new))
+    lock_out = []
+    out, blocks = [], []
+    for chunk in engine.generate(prompt, SamplingParams(max_tokens=n_new)):
+        out += chunk
+        blocks.append(len(chunk))
+        while len(lock_out) < len(out):  # advance plain decoding to the same committed tokens
+            lock_out += next(lock_gen)
+        assert engine.cache_ids == lockstep.cache_ids
+        _assert_same_states(engine, lockstep)
+    lock_gen.close()
+    return out, reference, blocks, drafter, engine.last_stats
+
+
+PATHS = [dict(fast=False), dict(fast=True, exact=False), dict(fast=True, exact=True)]
+PATH_IDS = ["hf", "fast", "fast_exact"]
+
+
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
+def test_every_accept_length_matches_plain_decoding(make_model, fast):
+    block, n_new = 5, 40
+    out, reference, blocks, drafter, stats = _run_lockstep(make_model(), block, n_new, fast)
+    assert out == reference
+    # the first block is the prefill's token; then each cycle commits accepted + 1
+    accepts = [n - 1 for n in blocks[1:]]
+    expected = drafter.expected_accepts[: len(accepts)]
+    expected[-1] = min(expected[-1], accepts[-1])  # the last cycle may be shortened by max_tokens
+    assert accepts == expected
+    assert set(range(block)) <= set(accepts)  # every accept length 0..block-1 happened
+    assert stats.cycles == len(accepts) and stats.accepted_tokens == sum(accepts)
+    assert stats.accepted_per_position[0] == sum(a >= 1 for a in accepts)
+    assert stats.generated_tokens == n_new and stats.finish_reason == "length"
+
+
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
+def test_state_check_catches_a_missing_rollback(monkeypatch, fast):
+    """Negative control: without the Gated DeltaNet rollback the per-cycle state comparison must fail."""
+    if fast["fast"]:  # speculative accepts keep their bookkeeping but skip the copy of the accepted position's states
+        original = FastTarget.accept
+
+        def accept_without_rollback(self, keep):
+            linear = self.fast.model.linear
+            linear.accept = lambda keep: None  # shadows LinearStateCache.accept on this instance only
+            try:
+                original(self, keep)
+            finally:
+                del linear.accept
+
+        monkeypatch.setattr(FastTarget, "accept", accept_without_rollback)
+    else:
+        monkeypatch.setattr(hf_cache.ReplayRollback, "finish", lambda self, *a, **k: None)
+    with pytest.raises(AssertionError, match="linear"):
+        _run_lockstep(tiny_qwen35_moe(), 5, 20, fast)
+
+
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
+def test_random_drafter_is_lossless_and_reuses_prefix(make_model, fast):
+    model = make_model()
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    plain, specd = Engine(model, **fast), Engine(model, drafter=random_drafter(model, block_size=4), **fast)
+    first = [t for b in specd.generate(prompt, SamplingParams(max_tokens=16)) for t in b]
+    assert first == [t for b in plain.generate(prompt, SamplingParams(max_tokens=16)) for t in b]
+    follow = prompt + first + [3, 4, 5]  # the next turn extends the conversation
+    second = [t for b in specd.generate(follow, SamplingParams(max_tokens=12)) for t in b]
+    assert specd.last_stats.cached_tokens == len(prompt) + len(first) - 1
+    assert second == [t for b in Engine(model, **fast).generate(follow, SamplingParams(max_tokens=12)) for t in b]
+
+
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
+def test_adaptive_verify_length_is_lossless(fast):
+    model = tiny_qwen35_moe()
+    prompt = list(range(1, 20))
+    ref = [t for b in Engine(model, **fast).generate(prompt, SamplingParams(max_tokens=20)) for t in b]
+    engine = Engine(model, drafter=random_drafter(model, block_size=6), adaptive_verify=True, **fast)
+    out = [t for b in engine.generate(prompt, SamplingParams(max_tokens=20)) for t in b]
+    assert out == ref
+    assert len(engine.last_stats.verify_sizes) >= 2  # it probed more than one verify length
+
+
+@pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
+def test_stop_token_inside_an_accepted_block(fast):
+    model = tiny_llama()
+    prompt = list(range(3, 23))
+    ref = [t for b in Engine(model, **fast).generate(prompt, SamplingParams(max_tokens=30)) for t in b]
+    stop = ref[7]
+    first = ref.index(stop)
+    drafter = ScriptedDrafter(prompt + ref, 6, errors=[5], vocab=model.config.vocab_size)  # accept everything
+    engine = Engine(model, drafter=drafter, **fast)
+    out = [t for b in engine.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=(stop,))) for t in b]
+    assert out == ref[:first] and engine.last_stats.finish_reason == "stop"
+    assert engine.cache_ids == prompt + ref[:first]  # nothing past the stop token stays in the cache
+
+
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_rejection_sampling_keeps_target_distribution(top_p):
+    """Synthetic target/draft distributions with context-independent rows: the committed tokens of one cycle must be
+    independent draws from the target's rows, whatever the draft distribution."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, k = 4, 2
+    p = sampling_probs(torch.randn(k + 1, vocab, generator=gen) * 1.5, 1.0, top_p)
+    q = sampling_probs(torch.randn(k, vocab, generator=gen) * 1.5, 1.0, top_p)
+    counts = torch.zeros(vocab, vocab)
+    n = 8000
+    for _ in range(n):
+        draft = torch.multinomial(q, 1, generator=gen)[:, 0]
+        accepted, nxt = spec.rejection_accept(draft, q, p, gen)
+        committed = draft[:accepted].tolist() + [nxt]
+        if len(committed) >= 2:
+            counts[committed[0], committed[1]] += 1
+        else:  # rejected at position 0: the second token would come from the next cycle; draw it from p[1]
+            counts[committed[0], int(torch.multinomial(p[1], 1, generator=gen))] += 1
+    joint = p[0][:, None] * p[1][None, :]
+    assert _chi_square_pvalue(counts.flatten(), joint.flatten()) > 1e-3
+
+
+@pytest.mark.parametrize("fast", [dict(fast=False), dict(fast=True)], ids=["hf", "fast"])
+def test_speculative_sampling_end_to_end_matches_target_distribution(fast):
+    """A tiny target with 4 tokens and an untrained drafter: the distribution of the first three generated tokens
+    (which span the prefill's token and a speculative cycle's positions 0 and 1) equals the target's."""
+    model = tiny_llama(vocab=4, hidden=32, layers=1, seed=3)
+    prompt = [1, 2, 3, 0, 1]
+    drafter = random_drafter(model, block_size=3, seed=5)
+    with torch.no_grad():  # an overconfident, wrong drafter makes rejections (and residual draws) common
+        drafter.fc.weight.mul_(50)
+    engine = Engine(model, drafter=drafter, **fast)
+    n = 1500
+    counts = torch.zeros(4, 4, 4)
+    for seed in range(n):
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=seed)  # one cycle verifies 2 drafts
+        out = [t for b in engine.generate(prompt, params) for t in b]
+        counts[out[0], out[1], out[2]] += 1
+    # exact target probabilities of every 3-token continuation
+    with torch.no_grad():
+        probs = torch.zeros(4, 4, 4)
+        for a in range(4):
+            for b in range(4):
+                logits = model(torch.tensor([prompt + [a, b]])).logits[0].float()
+                pr = torch.softmax(logits, -1)
+                probs[a, b] = pr[-3, a] * pr[-2, b] * pr[-1]
+    assert torch.allclose(probs.sum(), torch.tensor(1.0), atol=1e-5)
+    assert engine.last_stats.cycles >= 1
+    assert _chi_square_pvalue(counts.flatten(), probs.flatten()) > 1e-3
+
+
+def test_bench_reports_the_seed_table(tmp_path, capsys):
+    from backend.bench.run import main
+
+    out = tmp_path / "spec.json"
+    assert main(model="tiny-moe", drafter="random", device="cpu", prompts=2, max_tokens=10, json_out=out,
+                block_size=4, threads=1) == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert runs["plain"]["identical_to_hf_generate"] and runs["speculative"]["identical_to_plain"]
+    assert runs["speculative_adaptive"]["identical_to_plain"]
+    spec_run = runs["speculative"]
+    assert spec_run["cycles"] > 0 and spec_run["tau"] >= 1.0 and len(spec_run["acceptance_per_position"]) == 3
+    assert spec_run["eta_predicted"] > 0 and spec_run["eta_measured"] > 0
+    assert spec_run["experts_per_layer"]["of"] == 16 and spec_run["experts_per_layer"]["decode_step"] == 2
+    assert {"command", "date", "machine"} <= set(res)
+    assert "eta predicted" in capsys.readouterr().out
+    assert main(model="no-such-model", drafter="none", device="cpu", prompts=1, max_tokens=2) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("exact", [False, True], ids=["graphs", "graphs_exact"])
+@pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
+def test_cuda_engine_fast_path_is_lossless(make_model, exact):
+    """The engine on the GPU: FastTarget with CUDA graphs (fp32 tiny targets: rounding far below argmax margins),
+    speculative output identical to plain decoding, prefix reuse included."""
+    model = make_model().cuda()
+    prompt = list(range(3, 40))
+    plain = Engine(model, fast=True, exact=exact)
+    specd = Engine(model, drafter=random_drafter(model, block_size=6), fast=True, exact=exact)
+    assert plain.fast and plain.target.fast.cuda_graphs
+    ref = [t for b in plain.generate(prompt, SamplingParams(max_tokens=40)) for t in b]
+    assert [t for b in specd.generate(prompt, SamplingParams(max_tokens=40)) for t in b] == ref
+    follow = prompt + ref + [5, 6]
+    again = [t for b in specd.generate(follow, SamplingParams(max_tokens=20)) for t in b]
+    assert again == [t for b in Engine(model, fast=True, exact=exact).generate(follow, SamplingParams(max_tokens=20))
+                     for t in b]
+    assert specd.last_stats.cached_tokens > len(prompt)

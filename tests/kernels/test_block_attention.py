@@ -1,0 +1,185 @@
+"""kernels/block_attention.py: the fused cache-write + attention of a decode step / speculative block.
+
+The fallback is checked against attention written out by hand in float64; the Triton kernel against the fallback
+under Triton's CPU interpreter (a subprocess, fp32: TRITON_INTERPRET must be set before triton is imported) and, on a
+GPU, in bf16. Cases cover grouped-query attention, one and several column splits, several row chunks, a block at
+position 0 and blocks whose cached prefix ends inside a split.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.block_attention import block_attention, block_attention_torch
+from tests.kernels.test_fused_moe import interpreted_by_case, run_interpreted
+
+
+def make_case(heads, kv_heads, head_dim, T, start, max_context=1024, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=device).to(dtype)  # noqa: E731
+    q = r(T, heads, head_dim).transpose(0, 1)  # [H, T, D] as a strided view, as the models pass it
+    k_new, v_new = r(T, kv_heads, head_dim).transpose(0, 1), r(T, kv_heads, head_dim).transpose(0, 1)
+    k_cache, v_cache = r(kv_heads, max_context, head_dim), r(kv_heads, max_context, head_dim)
+    return q, k_new, v_new, k_cache, v_cache, torch.tensor([start], device=device)
+
+
+def reference64(q, k_new, v_new, k_cache, v_cache, start):
+    """Softmax attention over cache[:start] + the block (causal), in float64, one query at a time."""
+    H, T, D = q.shape
+    group = H // k_new.shape[0]
+    out = torch.empty(T, H, D, dtype=torch.float64)
+    for h in range(H):
+        keys = torch.cat([k_cache[h // group, :start], k_new[h // group]]).double()
+        values = torch.cat([v_cache[h // group, :start], v_new[h // group]]).double()
+        for t in range(T):
+            w = torch.softmax(keys[:start + t + 1] @ q[h, t].double() / D ** 0.5, dim=0)
+            out[t, h] = w @ values[:start + t + 1]
+    return out.reshape(T, H * D)
+
+
+CASES = [  # heads, kv_heads, head_dim, T, start, span
+    (9, 3, 64, 1, 511, 768),  # the SmolLM2 shape's decode step
+    (9, 3, 64, 16, 300, 512),
+    (4, 4, 32, 5, 0, 256),  # a block at position 0; no grouping
+    (16, 2, 256, 1, 200, 768),  # the Qwen3.6 shape: several splits
+    (16, 2, 256, 16, 37, 256),  # 128 query rows: two row chunks
+    (8, 2, 64, 3, 1000, 1024),  # the prefix ends inside the last split
+    (9, 3, 64, 5, 130, 135),  # span = start + T exactly, as an eager call passes it
+    (16, 2, 256, 1, 70, 71),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fallback_matches_float64_attention_and_writes_the_cache(case):
+    heads, kv_heads, head_dim, T, start, span = case
+    q, k_new, v_new, k_cache, v_cache, pos = make_case(heads, kv_heads, head_dim, T, start)
+    ref = reference64(q, k_new, v_new, k_cache, v_cache, start)
+    before = k_cache.clone()
+    out = block_attention_torch(q, k_new, v_new, k_cache, v_cache, pos, span)
+    assert out.shape == (T, heads * head_dim)
+    assert (out.double() - ref).abs().max() < 1e-4
+    assert torch.equal(k_cache[:, start:start + T], k_new) and torch.equal(v_cache[:, start:start + T], v_new)
+    assert torch.equal(k_cache[:, :start], before[:, :start]) and torch.equal(k_cache[:, start + T:],
+                                                                               before[:, start + T:])
+
+
+def test_without_triton_the_fallback_runs_on_cpu():
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+    a = make_case(4, 2, 32, 3, 10)
+    b = make_case(4, 2, 32, 3, 10)
+    assert torch.equal(block_attention(*a, span=256), block_attention_torch(*b, span=256))
+
+
+def test_bad_arguments_raise_clear_errors():
+    q, k_new, v_new, k_cache, v_cache, pos = make_case(4, 2, 32, 3, 10)
+    with pytest.raises(ValueError, match="bad shapes"):
+        block_attention_torch(q, k_new[:1, :2], v_new, k_cache, v_cache, pos)
+    with pytest.raises(ValueError, match="1..16"):
+        big = make_case(4, 2, 32, 17, 10)
+        block_attention_torch(*big)
+    with pytest.raises(ValueError, match="one-element"):
+        block_attention_torch(q, k_new, v_new, k_cache, v_cache, pos.float())
+
+
+INTERPRETER_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.kernels.test_block_attention import CASES, make_case
+from kernels.block_attention import block_attention, block_attention_torch
+for case in CASES:
+    heads, kv_heads, head_dim, T, start, span = case
+    a = make_case(heads, kv_heads, head_dim, T, start)
+    b = make_case(heads, kv_heads, head_dim, T, start)
+    out = block_attention(*a, span=span, use_triton=True)
+    ref = block_attention_torch(*b, span=span)
+    c = make_case(heads, kv_heads, head_dim, T, start)
+    wide = block_attention(*c, span=span + 700, use_triton=True)  # more (empty) slices: a bigger CUDA-graph span
+    print(json.dumps({"case": list(case), "err": (out - ref).abs().max().item(),
+                      "cache_equal": bool(torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])),
+                      "span_invariant": bool(torch.equal(out, wide))}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return interpreted_by_case(INTERPRETER_SCRIPT)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_triton_kernel_matches_fallback_in_interpreter(interpreted, case):
+    r = interpreted[tuple(case)]
+    assert r["cache_equal"], "the kernel wrote the cache differently"
+    assert r["span_invariant"], "a larger span changed the result"
+    assert r["err"] < 2e-5, r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_bf16_kernel_matches_fallback(case):
+    heads, kv_heads, head_dim, T, start, span = case
+    a = make_case(heads, kv_heads, head_dim, T, start, dtype=torch.bfloat16, device="cuda")
+    b = make_case(heads, kv_heads, head_dim, T, start, dtype=torch.bfloat16, device="cuda")
+    out = block_attention(*a, span=span)
+    ref = block_attention_torch(*b, span=span)
+    assert torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    assert out.shape == (T, heads * head_dim) and out.dtype == torch.bfloat16
+
+
+MODEL_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from backend.models import load_fast
+from tests.backend.models.test_fast_models import tiny_llama, tiny_qwen
+torch.manual_seed(0)
+for arch, make in (("llama", tiny_llama), ("qwen", tiny_qwen)):
+    hf = make()
+    kernel, sdpa = load_fast(hf, 256, cuda_graphs=False), load_fast(hf, 256, cuda_graphs=False)
+    kernel.model.kv.use_block_kernel = True  # what a CUDA device gets; here the interpreter runs it
+    prompt = torch.randint(0, 320, (20,))
+    blocks = ((torch.randint(0, 320, (5,)), 2), (torch.randint(0, 320, (16,)), 16))
+    outs = []
+    for fast in (kernel, sdpa):
+        logs = [fast.prefill(prompt)[0]]
+        for step in range(3):
+            logs.append(fast.decode(step)[0])
+        for block, keep in blocks:
+            logs.append(fast.verify(block)[0])
+            fast.accept(keep)
+        logs.append(fast.decode(7)[0])
+        outs.append(torch.cat([l.reshape(-1) for l in logs]))
+    n = kernel.length
+    print(json.dumps({"arch": arch, "err": (outs[0] - outs[1]).abs().max().item(), "length": n,
+                      "kv_err": (kernel.model.kv.k[:, :, :n] - sdpa.model.kv.k[:, :, :n]).abs().max().item()}))
+"""
+
+
+def test_fast_models_attend_through_the_kernel_as_through_sdpa():
+    """The models' wiring (consecutive positions, strided q/k/v views, the cache slice per layer, no mask) gives the
+    logits and caches of the index_copy_ + SDPA path, through prefill, decode, verify and accept."""
+    pytest.importorskip("triton")
+    results = run_interpreted(MODEL_SCRIPT)
+    assert [r["arch"] for r in results] == ["llama", "qwen"]
+    for r in results:
+        assert r["length"] == 20 + 3 + 2 + 16 + 1
+        assert r["err"] < 1e-4 and r["kv_err"] < 1e-5, r
+
+
+def test_exact_mode_turns_the_kernel_off_and_back_on():
+    """Exact mode (span_multiple > 0) needs every position computed the same way: no block kernel while it is on."""
+    from backend.models import load_fast
+    from tests.backend.models.test_fast_models import tiny_llama
+
+    fast = load_fast(tiny_llama(), 64, cuda_graphs=False)
+    kv = fast.model.kv
+    assert not kv.block_kernel_available and not kv.block_kernel(1)  # a CPU cache never has it
+    kv.block_kernel_available = True  # as on a CUDA device
+    fast.span_multiple = 512
+    assert not kv.block_kernel(1)
+    fast.span_multiple = 0
+    assert kv.block_kernel(1) and not kv.block_kernel(17)
