@@ -5,7 +5,7 @@ without the drafter, transformers' own generate for reference, identical-output 
 distinct experts a verify block wakes per layer) as text, and writes it as JSON with the command, date and machine.
 
     python -m backend.bench --model tiny-hybrid --drafter random --device cpu --prompts 4 --max-tokens 64
-    backend.bench.run.main(model="embedded", drafter="auto", device="cpu", prompts=4, max_tokens=128, json_out=Path(...))
+    main(model="embedded", drafter="auto", device="cpu", prompts=4, max_tokens=128, json_out=Path(...))
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ from pathlib import Path
 
 import torch
 
-from backend.bench.shapes import (
-    RELEASED_DRAFTER,
-    SHAPE_MODELS,
-    released_shape_drafter,
-    shape_model,
-)
+from backend.bench.shapes import RELEASED_DRAFTER, SHAPE_MODELS, released_shape_drafter, shape_model
 from backend.chat import stop_token_ids
 from backend.decoding.device_cycle import ForcedAcceptance
+from backend.loading import cpu_has_bf16_matmul, load_model
+from backend.models.llama import Llama
 from backend.decoding.engine import Engine, SamplingParams
 from backend.dflash.model import find_shipped_drafter, load_drafter, random_drafter
 
@@ -65,12 +62,7 @@ def tiny_model(kind: str, *, vocab: int = 128, hidden: int = 64, layers: int = 4
     """Tiny random targets built from transformers' own classes (tests and CPU benchmarks of the machinery).
     tiny-hybrid: Qwen3.5/3.6-MoE layout, Gated DeltaNet layers + one gated full-attention layer every 4, `experts`
     routed experts (top-2) + a shared expert. tiny-llama: a dense Llama."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3_5MoeForCausalLM,
-        Qwen3_5MoeTextConfig,
-    )
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(seed)
     if kind in ("tiny-hybrid", "tiny-moe"):
@@ -101,8 +93,6 @@ def load_target(spec: str, device: str):
         if torch.device(device).type != "cuda":
             raise BenchError(f"{spec} is a GPU shape (tens of GB of random weights): use --device cuda")
         return shape_model(spec, device), None, spec, 4096
-    from backend.loading import load_model
-
     loaded = load_model(spec, device=device)
     return loaded.model, loaded.tokenizer, loaded.name, loaded.max_context
 
@@ -292,8 +282,6 @@ def numerics(device: str, dtype: torch.dtype) -> str:
     """Which arithmetic the run used, in the words a user needs to judge the figures: on a CPU, bf16 is fast only
     with AMX (backend.loading.cpu_has_bf16_matmul); without it the engine runs fp32, and speculative decoding gains
     far less (a 16-token verify then costs several decode steps)."""
-    from backend.loading import cpu_has_bf16_matmul
-
     name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
     if torch.device(device).type == "cuda":
         return f"{name} on CUDA"
@@ -544,7 +532,6 @@ def cli(argv: list[str] | None = None) -> int:
                     "(Llama.step_path; glue only where cuBLAS is row-invariant on this device)")
     a = ap.parse_args(argv)
     if a.llama_steps:
-        from backend.models.llama import Llama
         Llama.step_path = a.llama_steps
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from backend.dflash.model import DFlashDrafter, DrafterConfig
+
 SHAPE_MODELS = ("qwen3.6-35b-a3b-shape",)
 RELEASED_DRAFTER = "released-shape"
 
@@ -34,8 +36,6 @@ def shape_model(spec: str, device: str):
 
 def released_shape_drafter(target):
     """An untrained DFlash drafter of the released Qwen3.6-35B-A3B drafter's shape, bound to nothing yet."""
-    from backend.dflash.model import DFlashDrafter, DrafterConfig
-
     tcfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     vocab = target.get_input_embeddings().weight.shape[0]
     cfg = DrafterConfig(hidden_size=tcfg.hidden_size, num_hidden_layers=6, num_attention_heads=16,

@@ -1,5 +1,5 @@
 """The speculative cycle on the GPU fast path (backend/dflash/fast.py + FastTarget): drafting, verification and the
-acceptance test stay on the device, and the host reads one small result per cycle. backend/decoding/speculative.py holds the
+acceptance test stay on the device, and the host reads one small result per cycle. speculative.py holds the
 host-side cycle (CPU, transformers path, exact mode) and the pieces both share (sampling, the adaptive verify length).
 
 One cycle, k drafted tokens verified:

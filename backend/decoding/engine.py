@@ -1,6 +1,6 @@
-"""The decoding engine: batch-1 generation over a causal LM (backend/decoding/target.py: the fast path where backend/models
+"""The decoding engine: batch-1 generation over a causal LM (target.py: the fast path where backend/models
 covers the architecture, transformers otherwise), with prefix reuse across requests and, when a drafter is given,
-DFlash speculative decoding (backend/decoding/speculative.py).
+DFlash speculative decoding (speculative.py on the host, device_cycle.py on the GPU).
 
 Data flow: server -> Engine.generate(prompt_ids, params) -> yields committed token ids -> server.
 The target keeps one cache and the token ids it covers, so the next request (an agent resends its whole conversation
@@ -20,6 +20,7 @@ from backend.decoding import speculative as spec
 from backend.decoding.device_cycle import device_speculative_decode
 from backend.decoding.target import FastTarget, HFTarget
 from backend.dflash.fast import FastDrafter
+from backend.models import load_fast
 from backend.sampling import sample_token
 
 log = logging.getLogger("reviewer.backend")
@@ -117,8 +118,6 @@ class Engine:
     def _make_target(self, model, features, prefill_chunk, fast, exact, compile):
         fast_model = None
         if fast is not False:
-            from backend.models import load_fast
-
             # exact mode pads plain steps and verifies alike to this many tokens, with or without a drafter: the
             # same shapes on both sides are what makes their logits equal (drafters with blocks > 16 get their size)
             block = max(16, getattr(self.drafter, "block_size", 0))

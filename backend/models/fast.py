@@ -65,7 +65,7 @@ class FastModel:
 
     @property
     def span_multiple(self) -> int:
-        """> 0 (exact mode, backend/decoding/target.py): every eager call attends over a multiple of this many cache columns
+        """> 0 (exact mode, decoding/target.py): every eager call attends over a multiple of this many cache columns
         (the masked ones add exact zeros), so a position's logits do not depend on how far the cache happened to
         reach. It also turns off kernels/block_attention, whose block tokens take another path than cached ones."""
         return self._span_multiple

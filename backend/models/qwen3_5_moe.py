@@ -30,15 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.models.llama import (
-    _param,
-    apply_rope,
-    cached_attention,
-    causal_mask,
-    glue,
-    residual_add,
-    rope_tables,
-)
+from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
 from backend.models.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
 from kernels.block_attention import block_attention

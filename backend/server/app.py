@@ -1,7 +1,7 @@
-"""The inference server: assembles the app (backend/server/routes.py routes, health, metrics, API key, error bodies), loads the
+"""The inference server: assembles the app (routes.py, health, metrics, API key, error bodies), loads the
 model in the background, and runs uvicorn (`serve`).
 
-Data flow for a request: route (api.py) -> render the prompt (chat.py) -> Job into the FIFO -> the engine thread
+Data flow for a request: route (routes.py) -> render the prompt (chat.py) -> Job into the FIFO -> the engine thread
 (worker.py) runs Engine.generate and hands token ids back through the event loop -> Generation turns ids into text ->
 the route shapes text into OpenAI chunks / Anthropic events / JSON bodies.
 
@@ -29,14 +29,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.loading import LoadedModel, ModelLoadError, check_model_spec
-from backend.server.guards import (
-    DEFAULT_BODY_TIMEOUT,
-    APIError,
-    BodyGuard,
-    body_too_large_message,
-    error_response,
-    validation_message,
-)
+from backend.server.guards import (DEFAULT_BODY_TIMEOUT, APIError, BodyGuard, body_too_large_message, error_response,
+                                   validation_message)
 from backend.server.routes import router
 from backend.server.state import ServerState
 

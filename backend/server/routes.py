@@ -19,12 +19,7 @@ from sse_starlette.sse import EventSourceResponse
 from backend import chat
 from backend.server.guards import APIError, check_prompt_length, check_text, off_loop
 from backend.server.metrics import Metrics
-from backend.server.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    CountTokensRequest,
-    MessagesRequest,
-)
+from backend.server.schemas import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 from backend.server.state import ServerState
 from backend.server.worker import Generation, Job
 
@@ -58,7 +53,7 @@ def check_model(state: ServerState, name: str) -> None:
 
 def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None, temperature, top_p, seed,
                     prompt_field: str = "messages"):
-    from backend.decoding.engine import SamplingParams
+    from backend.decoding.engine import SamplingParams  # here, not at the top: the server binds before torch loads
 
     window = state.loaded.max_context
     if prompt_len >= window:

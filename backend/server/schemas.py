@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (SDKs send many we do not use: frequency_penalty, metadata, cache_control, ...); known
 fields are checked for type and range. What depends on the loaded model (context length, model id) is checked in
-server.py.
+app.py.
 """
 from __future__ import annotations
 

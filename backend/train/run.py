@@ -5,7 +5,7 @@
 
 Pipeline: prompts (built-in set and/or --from-db transcripts) -> the target's greedy responses -> the target's features
 in shards (backend/train/data.py) -> training -> a z-lab checkpoint in --out (config.json + model.safetensors, what
-backend.dflash.model.load_drafter and the engine load) -> evaluation: the training-time estimate of the accepted length on
+dflash.model.load_drafter and the engine load) -> evaluation: the training-time estimate of the accepted length on
 held-out features, and tau measured by the real speculative engine on held-out prompts.
 
 The drafter is backend.dflash.model.DFlashDrafter; the target's embedding and LM head are used frozen (the drafter has
@@ -35,14 +35,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.dflash.model import (
-    BLOCK_ATTENTION_MODES,
-    DFlashDrafter,
-    DrafterConfig,
-    build_draft_vocab,
-    rope,
-    save_drafter,
-)
+from backend.decoding.engine import Engine, SamplingParams
+from backend.dflash.model import (BLOCK_ATTENTION_MODES, DFlashDrafter, DrafterConfig, build_draft_vocab, load_drafter,
+                                  rope, save_drafter)
+from backend.loading import ModelLoadError, load_model
 from backend.train import data as td
 
 LOSSES = ("kl", "ce")
@@ -256,7 +252,6 @@ def init_from_checkpoint(drafter: DFlashDrafter, path: Path) -> None:
     places, the saved last layer (full attention in the z-lab layout) the last place, and each layer in between has
     its output projections (attention o_proj, MLP down_proj) at zero, so it adds nothing to the residual stream until
     training moves them: a way to ask whether depth still pays, from where the shipped drafter is."""
-    from backend.dflash.model import load_drafter
 
     try:
         source = load_drafter(path)
@@ -631,8 +626,6 @@ def evaluate_engine(target, drafter_dir: Path, prompts: list[list[int]], max_tok
                     check_plain: bool = False) -> dict:
     """tau and per-position acceptance from the real speculative engine (backend.decoding.engine) with the saved
     checkpoint, greedy, on held-out prompts; optionally the plain engine's output for the identity check."""
-    from backend.decoding.engine import Engine, SamplingParams
-    from backend.dflash.model import load_drafter
 
     drafter = load_drafter(drafter_dir)
     engine = Engine(target, drafter=drafter)
@@ -700,12 +693,7 @@ class Progress:
     def __init__(self, total: int, start: int, every: int):
         self.every, self.bar = every, None
         if sys.stderr.isatty():
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                TextColumn,
-                TimeRemainingColumn,
-            )
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as Bar
 
             self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -773,7 +761,6 @@ def main(**knobs) -> dict:
         raise TypeError(f"unknown options: {sorted(unknown)}")
     cfg = TrainConfig(**{k: (str(v) if isinstance(v, Path) else v) for k, v in knobs.items()})
     _check(cfg)
-    from backend.loading import load_model
 
     t_start = time.perf_counter()
     loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
@@ -955,7 +942,6 @@ def cli(argv: list[str] | None = None, prog: str = "python -m backend.train") ->
             ap.add_argument(flag, type=kind, default=f.default,
                             help=text + ("" if f.default in (None, "") else f" [default: {f.default}]"))
     a = ap.parse_args(argv)
-    from backend.loading import ModelLoadError
 
     try:
         main(**vars(a))
