@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from backend.decoding.speculative import choose_verify_length, first_token
+from backend.decoding.speculative import first_token, record_cycle
 from backend.sampling import sampling_probs
 
 
@@ -101,18 +101,17 @@ class _Marks:
         return self.clock[j] - self.clock[i]
 
 
-def device_speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
+def device_speculative_decode(target, fd, verify_length, forced, logits, params, budget: int, rng, cancelled, stats):
     """speculative_decode on the GPU fast path (backend/dflash/fast.py + FastTarget): drafting, verification and
     the acceptance test stay on the device, and the host reads one small result per cycle. The next draft is queued
     before that read (its known token and its context are device tensors), so the read returns the last verify's
     accepted count and committed tokens together with the next draft's confidences (for the adaptive verify length).
     Same invariant at every yield as speculative_decode."""
-    fd, target, device = engine.draft_context, engine.target, engine.device
+    device = target.device
     B = fd.block_size
     stats.accepted_per_position = [0] * (B - 1)
     stop = set(params.stop_token_ids)
     greedy = params.temperature == 0
-    forced = engine.forced_acceptance
     vocab_mask = fd.drafter.target_vocab_mask  # restricted draft vocabulary, or None
 
     token = first_token(logits, params, rng, stop, stats, vocab_mask)
@@ -155,21 +154,9 @@ def device_speculative_decode(engine, logits, params, budget, rng, cancelled, st
                 fd.set_length(len(target.ids))
             verify_s, draft_seconds = marks.seconds(0, 1), marks.seconds(2, 3)
             now = time.perf_counter()
-            engine.verify_cost.observe(k + 1, verify_s)
-            if k:
-                engine.calibration.observe(conf, k, accepted)
-            stats.cycles += 1
-            stats.draft_tokens += k
-            stats.accepted_tokens += accepted
-            for j in range(accepted):
-                stats.accepted_per_position[j] += 1
-            stats.verify_sizes[k + 1] = stats.verify_sizes.get(k + 1, 0) + 1
-            stats.draft_seconds += draft_seconds
-            stats.verify_seconds += verify_s
-            stats.rollback_seconds += marks.seconds(1, 2)  # the acceptance test on the device
-            stats.generated_tokens += len(emit)
-            if vocab_mask is not None:  # committed tokens the restricted draft vocabulary could never propose
-                stats.out_of_draft_vocab += sum(1 for x in emit if not bool(vocab_mask[x]))
+            verify_length.observe(k, verify_s, conf, accepted)
+            # the acceptance test on the device stands where the host cycle's rollback does
+            record_cycle(stats, k, accepted, emit, vocab_mask, draft_seconds, verify_s, marks.seconds(1, 2))
             stats.decode_seconds += now - t
             t = now
             if emit:
@@ -188,8 +175,7 @@ def device_speculative_decode(engine, logits, params, budget, rng, cancelled, st
             return
         k = min(B - 1, budget - produced - 1)  # the target's own token must fit in the budget too
         conf = host_conf[:k].tolist()
-        if engine.adaptive_verify and k > 0:
-            k = choose_verify_length(engine.calibration(conf), engine.verify_cost, draft_seconds)
+        k = verify_length.choose(k, conf, draft_seconds)
         if forced is not None and k:
             forced.propose(fd.block_tokens, produced, k)
         marks.record(0)

@@ -90,7 +90,6 @@ class Engine:
         self.device = next(model.parameters()).device
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.max_context = max_context or getattr(config, "max_position_embeddings", None) or 1 << 30
-        self.adaptive_verify = adaptive_verify
         self.last_stats = GenerationStats()
         if drafter is not None:
             drafter.check_target(model)
@@ -103,8 +102,7 @@ class Engine:
         self.invariant_verify = bool(invariant_verify) and self.fast
         if self.invariant_verify:
             self.target.fast.model.use_invariant_verify()
-        self.verify_cost = spec.VerifyCostModel()  # adaptive verify length: measured T_t(n)
-        self.calibration = spec.AcceptanceCalibration()  # and measured acceptance vs drafter confidence
+        self.verify_length = spec.VerifyLength(adaptive_verify)  # measured T_t(n) and acceptance; adaptive or not
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
         # on the GPU fast path the drafter runs from CUDA graphs over static caches and the cycle stays on the
         # device (backend/dflash/fast.py, backend/decoding/device_cycle.py); elsewhere the eager drafter
@@ -228,9 +226,12 @@ class Engine:
             if self.drafter is None or budget <= 1:
                 yield from self._plain_decode(logits, params, budget, rng, cancelled, stats)
             elif self.fast_drafter is not None:
-                yield from device_speculative_decode(self, logits, params, budget, rng, cancelled, stats)
+                yield from device_speculative_decode(target, self.draft_context, self.verify_length,
+                                                     self.forced_acceptance, logits, params, budget, rng, cancelled,
+                                                     stats)
             else:
-                yield from spec.speculative_decode(self, logits, params, budget, rng, cancelled, stats)
+                yield from spec.speculative_decode(target, self.drafter, self.draft_context, self.verify_length,
+                                                   logits, params, budget, rng, cancelled, stats)
         except GeneratorExit:
             raise  # closed at a yield, where the cache always matches self.cache_ids: nothing to undo
         except BaseException:

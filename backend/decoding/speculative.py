@@ -130,6 +130,26 @@ def choose_verify_length(confidence: list[float], cost: VerifyCostModel, draft_s
     return best_k
 
 
+class VerifyLength:
+    """One engine's verify length: what its verifies cost and how its drafts are accepted, observed every cycle;
+    with `adaptive`, choose() shortens a block where a shorter one commits more tokens per second."""
+
+    def __init__(self, adaptive: bool):
+        self.adaptive = adaptive
+        self.cost = VerifyCostModel()  # measured T_t(n)
+        self.calibration = AcceptanceCalibration()  # measured acceptance against drafter confidence
+
+    def choose(self, k: int, confidence: list[float], draft_seconds: float) -> int:
+        if not self.adaptive or k == 0:
+            return k
+        return choose_verify_length(self.calibration(confidence[:k]), self.cost, draft_seconds)
+
+    def observe(self, k: int, verify_seconds: float, confidence: list[float], accepted: int) -> None:
+        self.cost.observe(k + 1, verify_seconds)
+        if k:
+            self.calibration.observe(confidence, k, accepted)
+
+
 # ---- the cycle ----------------------------------------------------------------------------------------------------
 
 
@@ -154,16 +174,32 @@ def _now(device) -> float:
     return time.perf_counter()
 
 
-def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
-    """Yield committed blocks until `budget` tokens, a stop token or cancellation. `logits`: after the prompt.
-    Invariant at every yield: the target's cache and engine.draft_context cover exactly engine.target.ids."""
-    drafter, ctx, device = engine.drafter, engine.draft_context, engine.device
-    block_size = drafter.block_size
-    stats.accepted_per_position = [0] * (block_size - 1)
-    stop = set(params.stop_token_ids)
-    greedy = params.temperature == 0
-    vocab_mask = getattr(drafter, "target_vocab_mask", None)  # restricted draft vocabulary, or None
+def record_cycle(stats, k: int, accepted: int, emit: list[int], vocab_mask, draft_s: float, verify_s: float,
+                 accept_s: float) -> None:
+    """A cycle's counts and times into the GenerationStats (both cycles, host and device, keep them alike)."""
+    stats.cycles += 1
+    stats.draft_tokens += k
+    stats.accepted_tokens += accepted
+    for j in range(accepted):
+        stats.accepted_per_position[j] += 1
+    stats.verify_sizes[k + 1] = stats.verify_sizes.get(k + 1, 0) + 1
+    stats.draft_seconds += draft_s
+    stats.verify_seconds += verify_s
+    stats.rollback_seconds += accept_s
+    if vocab_mask is not None:  # committed tokens the restricted draft vocabulary could never have proposed
+        stats.out_of_draft_vocab += sum(1 for x in emit if not bool(vocab_mask[x]))
+    stats.generated_tokens += len(emit)
 
+
+def speculative_decode(target, drafter, context, verify_length: VerifyLength, logits, params, budget: int, rng,
+                       cancelled, stats):
+    """Yield committed blocks until `budget` tokens, a stop token or cancellation. `logits`: after the prompt;
+    `context`: the drafter's context (its KV over the target's features). Invariant at every yield: the target's
+    cache and `context` cover exactly target.ids."""
+    device = target.device
+    stats.accepted_per_position = [0] * (drafter.block_size - 1)
+    stop = set(params.stop_token_ids)
+    vocab_mask = getattr(drafter, "target_vocab_mask", None)  # restricted draft vocabulary, or None
     token = first_token(logits, params, rng, stop, stats, vocab_mask)
     if token is None:
         return
@@ -172,53 +208,40 @@ def speculative_decode(engine, logits, params, budget, rng, cancelled, stats):
     while produced < budget:
         if cancelled():
             stats.finish_reason = "cancelled"
-            break
+            return
         t0 = time.perf_counter()
-        k = min(block_size - 1, budget - produced - 1)  # the target's own token must fit in the budget too
-        draft = drafter.draft(ctx, token, params.temperature, params.top_p, rng) if k else None
+        k = min(drafter.block_size - 1, budget - produced - 1)  # the target's own token must fit in the budget too
+        draft = drafter.draft(context, token, params.temperature, params.top_p, rng) if k else None
         t1 = _now(device)
-        if engine.adaptive_verify and k > 0:
-            k = choose_verify_length(engine.calibration(draft.confidence[:k]), engine.verify_cost, t1 - t0)
+        k = verify_length.choose(k, draft.confidence if k else [], t1 - t0)
         proposal = draft.tokens[:k] if k else []
-        block = [token] + proposal
-        target_logits, features = engine.target.verify(block, features=True)
-        draft_t = torch.tensor(proposal, dtype=torch.long, device=device)
-        if greedy:
-            accepted, bonus = greedy_accept(draft_t, target_logits)
-        else:
-            p = sampling_probs(target_logits, params.temperature, params.top_p)
-            q = draft.probs[:k] if k else p[:0]
-            accepted, bonus = rejection_accept(draft_t, q, p, rng)
+        target_logits, features = target.verify([token] + proposal, features=True)
+        q = draft.probs[:k] if k and params.temperature else None  # the drafter's distributions, when sampling
+        accepted, bonus = accept(torch.tensor(proposal, dtype=torch.long, device=device), target_logits, q, params, rng)
         t2 = _now(device)
-        engine.verify_cost.observe(k + 1, t2 - t1)
-        if k:
-            engine.calibration.observe(draft.confidence, k, accepted)
-
+        verify_length.observe(k, t2 - t1, draft.confidence if k else [], accepted)
         committed = proposal[:accepted] + [bonus]
         stop_at = next((i for i, x in enumerate(committed) if x in stop), None)
         emit = committed if stop_at is None else committed[:stop_at]
         keep = (accepted if stop_at is None else min(stop_at, accepted)) + 1  # block tokens whose state we keep
-        engine.target.accept(keep)  # every cache now holds exactly the accepted prefix
-        ctx.add_pending(features[:, :keep])
+        target.accept(keep)  # every cache now holds exactly the accepted prefix
+        context.add_pending(features[:, :keep])
         t3 = _now(device)
-
-        stats.cycles += 1
-        stats.draft_tokens += k
-        stats.accepted_tokens += accepted
-        for j in range(accepted):
-            stats.accepted_per_position[j] += 1
-        stats.verify_sizes[k + 1] = stats.verify_sizes.get(k + 1, 0) + 1
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.rollback_seconds += t3 - t2
-        if vocab_mask is not None:
-            stats.out_of_draft_vocab += sum(1 for x in emit if not bool(vocab_mask[x]))
-        stats.generated_tokens += len(emit)
+        record_cycle(stats, k, accepted, emit, vocab_mask, t1 - t0, t2 - t1, t3 - t2)
         stats.decode_seconds += t3 - t0
         if emit:
             yield emit
         if stop_at is not None:
             stats.finish_reason = "stop"
-            break
+            return
         produced += len(emit)
         token = bonus
+
+
+def accept(proposal: torch.Tensor, target_logits: torch.Tensor, q, params, rng) -> tuple[int, int]:
+    """The acceptance test of one cycle: (accepted drafts, the target's own next token). Greedy: exact match;
+    sampling: speculative sampling against the drafter's distributions q."""
+    if params.temperature == 0:
+        return greedy_accept(proposal, target_logits)
+    p = sampling_probs(target_logits, params.temperature, params.top_p)
+    return rejection_accept(proposal, q if q is not None else p[:0], p, rng)
