@@ -3,8 +3,8 @@ figures `reviewer train` prints after training, for drafters made elsewhere (an 
 
 The held-out prompts are the ones `reviewer train` holds out (the same order and --max-heldout); their greedy responses
 come from a responses file of an earlier run (`--responses`), so nothing is generated: the target only computes the
-features (fp32), and each drafter is scored on the same blocks (`backend.train.run.estimate_acceptance`, full corruption)
-and walked through the responses as greedy decoding would go (`backend.train.run.walk_acceptance`: the blocks decoding
+features (fp32), and each drafter is scored on the same blocks (`backend.train.evaluate.estimate_acceptance`, full corruption)
+and walked through the responses as greedy decoding would go (`backend.train.evaluate.walk_acceptance`: the blocks decoding
 visits; `--walk-prompts 48 --walk-max-tokens 128` walks the prompts `bench/train_eval_heldout.py --prompts 48
 --max-tokens 128` decodes). `--seen N` also walks N training prompts (a seeded sample of the main + extra sets), the
 responses a drafter trained on: tau_walk there against tau_walk held out is the generalization gap, and tau_walk there
@@ -43,17 +43,20 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     from backend.train import run as T
+    from backend.train import evaluate
+    from backend.train import config
+    from backend.train import objective
     from backend.train import data as td
     from backend.dflash.model import load_drafter
     from backend.loading import load_model
 
     loaded = load_model(a.model, device="cpu", dtype="float32")
     target = loaded.model
-    held = [r for r in T.load_records(T.TrainConfig(max_heldout=a.max_heldout)) if r.split == "heldout"]
+    held = [r for r in T.load_records(config.TrainConfig(max_heldout=a.max_heldout)) if r.split == "heldout"]
     given = td.load_responses([Path(p) for p in a.responses.split(",")], loaded.name)
     seen = []
     if a.seen:  # training prompts with a response (a prompt past the length limit has none)
-        train = [r for r in T.load_records(T.TrainConfig(builtin_extra=True)) if r.split == "train" and r.id in given]
+        train = [r for r in T.load_records(config.TrainConfig(builtin_extra=True)) if r.split == "train" and r.id in given]
         seen = random.Random(0).sample(train, min(a.seen, len(train)))
     missing = [r.id for r in held if r.id not in given]
     if missing:
@@ -73,15 +76,15 @@ def main() -> None:
     results = {}
     for path, drafter in zip(a.drafter, drafters):
         drafter.float()
-        frozen = T.frozen_parts(target, drafter.draft_vocab, torch.float32)
-        est = T.estimate_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id)
-        est["walk"] = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id,
+        frozen = objective.frozen_parts(target, drafter.draft_vocab, torch.float32)
+        est = evaluate.estimate_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id)
+        est["walk"] = evaluate.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id,
                                         max_tokens=a.walk_max_tokens, which=walked)
         line = (f"{path}: tau_est {est['tau_est']:.3f} over {est['blocks']} blocks, acceptance "
                 + " ".join(f"{x:.3f}" for x in est["acceptance_est"][:4])
                 + f"; tau_walk {est['walk']['tau_walk']:.3f} over {est['walk']['cycles']} cycles")
         if seen_data is not None:
-            est["walk_seen"] = T.walk_acceptance(drafter, frozen, seen_data, drafter.block_size,
+            est["walk_seen"] = evaluate.walk_acceptance(drafter, frozen, seen_data, drafter.block_size,
                                                  drafter.mask_token_id, max_tokens=a.walk_max_tokens)
             line += (f"; on {len(seen_data)} training prompts tau_walk {est['walk_seen']['tau_walk']:.3f} "
                      f"over {est['walk_seen']['cycles']} cycles")

@@ -35,7 +35,7 @@ def main() -> None:
 
     from backend.train import data as td
     from backend.loading import load_model
-    from backend.train.run import evaluate_engine
+    from backend.train.evaluate import evaluate_engine
 
     loaded = load_model(a.model, device=a.device)
     # the held-out prompts in the order `reviewer train` takes them (sha256 of the id), first N

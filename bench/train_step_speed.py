@@ -31,13 +31,14 @@ SHIPPED = Path(__file__).resolve().parents[1] / "backend/drafters/SmolLM2-135M-I
 def training_lengths(responses: str, max_prompt_tokens: int, extra: bool, model: str) -> list[tuple[int, int]]:
     """(sequence length, prompt length) of every training sequence `reviewer train` would make from these responses."""
     from backend.train import run as T
+    from backend.train import config
     from backend.train import data as td
     from backend.loading import load_model
 
     loaded = load_model(model, device="cpu", dtype="float32")
     given = td.load_responses([Path(p) for p in responses.split(",")], loaded.name)
     out = []
-    for r in T.load_records(T.TrainConfig(builtin_extra=extra)):
+    for r in T.load_records(config.TrainConfig(builtin_extra=extra)):
         if r.split != "train":
             continue
         p = len(td.render(loaded.tokenizer, r))
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile one more step per configuration and print where its time went")
     a = ap.parse_args()
-    from backend.train import run as T
+    from backend.train import objective
     from backend.dflash.model import load_drafter
 
     groups = [int(g) for g in a.groups.split(",")]
@@ -89,7 +90,7 @@ def main() -> None:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            out = T.grouped_block_forward(drafter, feats, anchors, embeds, g)
+            out = objective.grouped_block_forward(drafter, feats, anchors, embeds, g)
         out.float().square().mean().backward()
         drafter.zero_grad(set_to_none=True)
         if cuda:

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from backend.train import run as T
+from backend.train import evaluate
+from backend.train import config
+from backend.train import objective
 from backend.train import data as td
 from backend.bench.run import tiny_model as bench_tiny_model
 from backend.dflash.model import load_drafter
@@ -144,8 +147,8 @@ def test_extra_prompt_set_is_training_only_and_shares_no_code_with_the_held_out_
 
     assert not {r.messages[-1]["content"] for r in extra} & set(PROMPTS)
     # --builtin-extra adds them to the training prompts only (the held-out ones stay the main set's)
-    both = T.load_records(T.TrainConfig(builtin_extra=True))
-    alone = T.load_records(T.TrainConfig(builtin_prompts=True))
+    both = T.load_records(config.TrainConfig(builtin_extra=True))
+    alone = T.load_records(config.TrainConfig(builtin_prompts=True))
     assert len(both) == len(alone) + len(extra)
     assert [r.id for r in both if r.split == "heldout"] == [r.id for r in alone if r.split == "heldout"]
 
@@ -163,9 +166,9 @@ def test_agent_tools_copy_matches_the_reviewer():
 @pytest.mark.parametrize("window", [0, 5])
 def test_block_forward_equals_the_inference_forward(attention, window):
     target = bench_tiny_model("tiny-llama")
-    cfg = T.TrainConfig(layers=3, intermediate_size=96, block_size=6, attention=attention, sliding_window=window,
+    cfg = config.TrainConfig(layers=3, intermediate_size=96, block_size=6, attention=attention, sliding_window=window,
                         seed=1)
-    drafter = T.new_drafter(cfg, target, [0, 2, 3], "tiny")
+    drafter = objective.new_drafter(cfg, target, [0, 2, 3], "tiny")
     drafter.check_target(target)
     feats = torch.randn(1, 24, 3 * 64)
     anchors = torch.tensor([[3, 11, 18]])
@@ -173,7 +176,7 @@ def test_block_forward_equals_the_inference_forward(attention, window):
     ids[..., 0] = torch.tensor([5, 17, 42])
     embeds = target.get_input_embeddings()(ids.view(1, -1))
     with torch.no_grad():
-        batched = T.block_forward(drafter, feats, anchors, embeds).view(1, 3, 6, -1)
+        batched = objective.block_forward(drafter, feats, anchors, embeds).view(1, 3, 6, -1)
         for j, a in enumerate(anchors[0].tolist()):
             ctx = drafter.new_context()
             ctx.add_pending(feats[:, :a])
@@ -188,8 +191,8 @@ def test_length_groups_give_the_one_batch_result_and_gradients(groups):
     """--length-groups: sequences of very different reach in sub-batches, each cut to its own context, give the
     padded batch's hidden states and the same gradients, in the batch's order."""
     target = bench_tiny_model("tiny-llama")
-    cfg = T.TrainConfig(layers=2, intermediate_size=96, block_size=4, attention="mixed", sliding_window=5, seed=2)
-    drafter = T.new_drafter(cfg, target, [0, 2, 3], "tiny")
+    cfg = config.TrainConfig(layers=2, intermediate_size=96, block_size=4, attention="mixed", sliding_window=5, seed=2)
+    drafter = objective.new_drafter(cfg, target, [0, 2, 3], "tiny")
     S, L = 5, 40
     feats = torch.randn(S, L, 3 * 64, generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[30, 35], [3, 5], [12, 9], [36, 2], [7, 8]])  # reach 35, 5, 12, 36, 8: unsorted
@@ -199,12 +202,12 @@ def test_length_groups_give_the_one_batch_result_and_gradients(groups):
 
     def run(g):
         drafter.zero_grad()
-        out = T.grouped_block_forward(drafter, feats, anchors, embeds, g)
+        out = objective.grouped_block_forward(drafter, feats, anchors, embeds, g)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         return out.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
     whole, whole_grads = run(1)
-    torch.testing.assert_close(whole, T.block_forward(drafter, feats, anchors, embeds).detach())
+    torch.testing.assert_close(whole, objective.block_forward(drafter, feats, anchors, embeds).detach())
     split, split_grads = run(groups)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
     assert whole_grads.keys() == split_grads.keys() and whole_grads
@@ -213,7 +216,7 @@ def test_length_groups_give_the_one_batch_result_and_gradients(groups):
 
 
 def test_position_weights():
-    w = T.position_weights(5, 2.0, "cpu")
+    w = objective.position_weights(5, 2.0, "cpu")
     assert w[0] == 0 and w[1] == 1.0
     torch.testing.assert_close(w[2:], torch.exp(-torch.arange(1, 4) / 2.0))
 
@@ -346,7 +349,7 @@ def test_sampled_responses_add_training_sequences(tiny_model, reviews_db, data_d
     trained = run(tiny_model, reviews_db, out, tmp_path / "on-shared-prompts", samples_per_prompt=2,
                   sample_temperature=1.0, steps=4)  # training and its estimate read the shared rows too
     assert trained["budget"]["steps"] == 4 and 1.0 <= trained["estimate"]["tau_est"] <= COMMON["block_size"]
-    with pytest.raises(T.TrainError, match="samples-per-prompt"):
+    with pytest.raises(config.TrainError, match="samples-per-prompt"):
         T.main(model=str(tiny_model("llama")), out=str(tmp_path / "bad"), from_db=str(reviews_db), data_only=True,
                samples_per_prompt=-1, **COMMON)
 
@@ -368,8 +371,8 @@ def test_on_path_labels_drop_the_slots_after_a_hidden_departure(tiny_model, revi
     for corruption in ("full", "uniform"):
         kw = dict(need_final=False)
         mask = -7  # no token's id: a slot holds it exactly when it is masked
-        every = T.make_blocks(data, seqs, anchors, B, mask, corruption, gen=torch.Generator().manual_seed(1), **kw)
-        on = T.make_blocks(data, seqs, anchors, B, mask, corruption, gen=torch.Generator().manual_seed(1),
+        every = objective.make_blocks(data, seqs, anchors, B, mask, corruption, gen=torch.Generator().manual_seed(1), **kw)
+        on = objective.make_blocks(data, seqs, anchors, B, mask, corruption, gen=torch.Generator().manual_seed(1),
                            on_path_only=True, **kw)
         assert torch.equal(every["ids"], on["ids"]) and torch.equal(every["labels"], on["labels"])
         masked = on["ids"] == mask
@@ -408,9 +411,9 @@ def test_init_from_starts_at_a_saved_drafter(tiny_model, reviews_db, data_dir, t
     fresh = run(tiny_model, reviews_db, data_dir, tmp_path / "fresh", steps=2, lr=1e-12)
     c = load_file(str(tmp_path / "fresh" / "model.safetensors"))
     assert not torch.equal(c["fc.weight"], b["fc.weight"])  # a fresh start would not have given those weights
-    with pytest.raises(T.TrainError, match="--init-from .*num_hidden_layers 2 .this run: 1."):
+    with pytest.raises(config.TrainError, match="--init-from .*num_hidden_layers 2 .this run: 1."):
         run(tiny_model, reviews_db, data_dir, tmp_path / "bad", steps=2, layers=1, init_from=str(tmp_path / "first"))
-    with pytest.raises(T.TrainError, match="--init-from: no config.json"):
+    with pytest.raises(config.TrainError, match="--init-from: no config.json"):
         run(tiny_model, reviews_db, data_dir, tmp_path / "bad2", steps=2, init_from=str(tmp_path / "nowhere"))
 
 
@@ -430,15 +433,15 @@ def test_init_from_a_shallower_drafter_starts_as_the_same_function(tiny_model, r
     assert float(deep.layers[1].self_attn.o_proj.weight.detach().abs().max()) < 1e-9  # new: silent at the start
     assert float(deep.layers[2].self_attn.q_proj.weight.detach().abs().max()) > 0  # but not empty
     loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
-    frozen = T.frozen_parts(loaded.model, None, torch.float32)
+    frozen = objective.frozen_parts(loaded.model, None, torch.float32)
     data = td.load_features(data_dir, "train", "cpu")
     seqs = torch.arange(4)
     anchors = data.prompt_lens[seqs][:, None] + torch.tensor([[0, 2, 5]])
-    blocks = T.make_blocks(data, seqs, anchors, first.block_size, first.mask_token_id, "full", False, None)
+    blocks = objective.make_blocks(data, seqs, anchors, first.block_size, first.mask_token_id, "full", False, None)
     embeds = F.embedding(blocks["ids"].view(4, -1), frozen.embed)
     with torch.no_grad():
-        want = T.block_forward(first, blocks["features"], blocks["anchors"], embeds)
-        got = T.block_forward(deep, blocks["features"], blocks["anchors"], embeds)
+        want = objective.block_forward(first, blocks["features"], blocks["anchors"], embeds)
+        got = objective.block_forward(deep, blocks["features"], blocks["anchors"], embeds)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     trained = run(tiny_model, reviews_db, data_dir, tmp_path / "deep2", steps=5, lr=3e-3, layers=4,
                   init_from=str(tmp_path / "first"))  # and it trains: the new layers start to count
@@ -560,14 +563,14 @@ def _near_tie_sequences(drafter, frozen, data, eps: float = 1e-3) -> set[int]:
         if n <= 1:
             continue
         starts = torch.arange(p, p + n - 1)
-        blocks = T.make_blocks(data, torch.tensor([s]), starts[None], B, drafter.mask_token_id, "full", False, None)
+        blocks = objective.make_blocks(data, torch.tensor([s]), starts[None], B, drafter.mask_token_id, "full", False, None)
         with torch.no_grad():
-            hidden = T.block_forward(drafter, blocks["features"], blocks["anchors"],
+            hidden = objective.block_forward(drafter, blocks["features"], blocks["anchors"],
                                      F.embedding(blocks["ids"].view(1, -1), frozen.embed))
             top = F.linear(hidden, frozen.head).view(n - 1, B, -1).topk(2, dim=-1).values
         margin = top[..., 0] - top[..., 1]
-        runs = T._runs_of(drafter, frozen, data, s, starts, B, drafter.mask_token_id, False).tolist()
-        if any(float(margin[j, 1:min(k + 2, B)].min()) < eps for j, k in T._walk(runs, n)):
+        runs = evaluate._runs_of(drafter, frozen, data, s, starts, B, drafter.mask_token_id, False).tolist()
+        if any(float(margin[j, 1:min(k + 2, B)].min()) < eps for j, k in evaluate._walk(runs, n)):
             out.add(s)
     return out
 
@@ -584,8 +587,8 @@ def test_walk_replays_the_engine_prompt_by_prompt(tiny_model, reviews_db, data_d
     loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
     drafter = load_drafter(tmp_path / "run").float()
     data = td.load_features(data_dir, "train", "cpu")
-    frozen = T.frozen_parts(loaded.model, drafter.draft_vocab, torch.float32)
-    walk = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id)
+    frozen = objective.frozen_parts(loaded.model, drafter.draft_vocab, torch.float32)
+    walk = evaluate.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id)
     engine = Engine(loaded.model, drafter=drafter)
     params = SamplingParams(max_tokens=COMMON["max_new_tokens"], stop_token_ids=tuple(td.read_manifest(data_dir)["stop_ids"]))
     per_prompt = []
@@ -604,7 +607,7 @@ def test_walk_replays_the_engine_prompt_by_prompt(tiny_model, reviews_db, data_d
     assert walk["tau_walk"] == (sum(a for *_, a in walk["per_sequence"]) + walk["cycles"]) / walk["cycles"]
     # max_tokens cuts the walk where the engine's max_tokens stops decoding, and `which` picks the sequences
     which = clean[:2][::-1]
-    cut = T.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id, max_tokens=5,
+    cut = evaluate.walk_acceptance(drafter, frozen, data, drafter.block_size, drafter.mask_token_id, max_tokens=5,
                             which=which)
     short = SamplingParams(max_tokens=5, stop_token_ids=params.stop_token_ids)
     for s, got in zip(which, cut["per_sequence"]):
@@ -613,15 +616,15 @@ def test_walk_replays_the_engine_prompt_by_prompt(tiny_model, reviews_db, data_d
         assert got == [engine.last_stats.generated_tokens, engine.last_stats.cycles, engine.last_stats.accepted_tokens]
     # --walk-anchors' table: the anchors of those cycles, scored for many sequences at once (small batches here, so
     # sequences of different lengths share one and are padded) as for one sequence at a time
-    table = T.walk_anchor_table(drafter, frozen, data, drafter.block_size, drafter.mask_token_id,
+    table = evaluate.walk_anchor_table(drafter, frozen, data, drafter.block_size, drafter.mask_token_id,
                                 which=list(range(len(data))), blocks_per_call=24)
     for s in clean:
         n, cycles = per_prompt[s][:2]
         p = int(data.prompt_lens[s])
-        runs = T._runs_of(drafter, frozen, data, s, torch.arange(p, p + n - 1), drafter.block_size,
+        runs = evaluate._runs_of(drafter, frozen, data, s, torch.arange(p, p + n - 1), drafter.block_size,
                           drafter.mask_token_id, False).tolist()
         got = table.flat[table.offsets[s]:table.offsets[s] + table.counts[s]].tolist()
-        assert got == [p + j for j, _ in T._walk(runs, n)] and len(got) == cycles  # the engine's cycles
+        assert got == [p + j for j, _ in evaluate._walk(runs, n)] and len(got) == cycles  # the engine's cycles
     assert int(table.counts.sum()) < sum(n - 1 for n, *_ in per_prompt)  # drafts accepted: not every position
 
 
@@ -630,14 +633,14 @@ def test_walk_anchors_replace_uniform_ones_at_the_asked_share(data_dir):
     counts = data.anchor_counts()
 
     def draw(walk, fraction):
-        return T.sample_batch(data, counts, 64, 8, torch.Generator().manual_seed(1), walk, fraction)
+        return objective.sample_batch(data, counts, 64, 8, torch.Generator().manual_seed(1), walk, fraction)
 
     plain_seqs, plain = draw(None, 0.0)
     t = int(torch.mode(plain_seqs).values)  # give the most drawn sequence two walked anchors, the others none
     walked = [int(data.prompt_lens[t]) + 1, int(data.prompt_lens[t]) + 3]
     n_walk = torch.zeros(len(data), dtype=torch.long)
     n_walk[t] = 2
-    table = T.WalkAnchors(flat=torch.tensor(walked), offsets=torch.zeros(len(data), dtype=torch.long), counts=n_walk)
+    table = objective.WalkAnchors(flat=torch.tensor(walked), offsets=torch.zeros(len(data), dtype=torch.long), counts=n_walk)
     seqs, anchors = draw(table, 1.0)
     assert torch.equal(seqs, plain_seqs) and (seqs != t).any()
     assert set(anchors[seqs == t].flatten().tolist()) <= set(walked)  # every anchor of sequence t is a walked one
@@ -653,26 +656,26 @@ def test_walk_anchors_train_from_a_saved_drafter(tiny_model, reviews_db, data_di
             walk_anchors=0.5)
     assert m["budget"]["steps"] == 4 and all(torch.isfinite(torch.tensor(h["loss"])) for h in m["history"])
     assert "walk anchors:" in capsys.readouterr().out
-    with pytest.raises(T.TrainError, match="--walk-anchors"):
+    with pytest.raises(config.TrainError, match="--walk-anchors"):
         run(tiny_model, reviews_db, data_dir, tmp_path / "walk", steps=8, resume=True)  # the share must not change
 
 
 def test_resume_continues_the_step_count(tiny_model, reviews_db, data_dir, tmp_path):
     out = tmp_path / "run"
     first = run(tiny_model, reviews_db, data_dir, out, steps=4)
-    with pytest.raises(T.TrainError, match="--resume"):
+    with pytest.raises(config.TrainError, match="--resume"):
         run(tiny_model, reviews_db, data_dir, out, steps=8)
-    with pytest.raises(T.TrainError, match="--loss"):
+    with pytest.raises(config.TrainError, match="--loss"):
         run(tiny_model, reviews_db, data_dir, out, steps=8, resume=True, loss="ce")
     second = run(tiny_model, reviews_db, data_dir, out, steps=8, resume=True)
     assert second["budget"]["steps"] == 8
     assert [h["step"] for h in second["history"]] == [2, 4, 6, 8]
     assert second["history"][:2] == first["history"]
-    state = torch.load(out / T.STATE_FILE, weights_only=False)
+    state = torch.load(out / config.STATE_FILE, weights_only=False)
     assert state["step"] == 8
     del state["config"]["labels"]  # a run saved before --labels existed trained on all labels
-    torch.save(state, out / T.STATE_FILE)
-    with pytest.raises(T.TrainError, match="--labels"):
+    torch.save(state, out / config.STATE_FILE)
+    with pytest.raises(config.TrainError, match="--labels"):
         run(tiny_model, reviews_db, data_dir, out, steps=10, resume=True)
     assert run(tiny_model, reviews_db, data_dir, out, steps=10, resume=True, labels="all")["budget"]["steps"] == 10
 
@@ -684,7 +687,7 @@ def test_builtin_prompts_run_end_to_end_through_the_cli(tiny_model, tmp_path, ca
                   "--batch-blocks", "8", "--anchors-per-seq", "4", "--eval-prompts", "1", "--eval-max-tokens", "6",
                   "--log-every", "1"])
     assert code == 0
-    metrics = json.loads((tmp_path / "run" / T.METRICS_FILE).read_text())
+    metrics = json.loads((tmp_path / "run" / config.METRICS_FILE).read_text())
     assert metrics["budget"]["steps"] == 2 and metrics["data"]["train_sequences"] == 3
     assert metrics["engine"]["prompts"] == 1
 
@@ -697,7 +700,7 @@ def test_extra_prompts_alone_train_through_the_cli(tiny_model, tmp_path):
                   "--layers", "1", "--intermediate-size", "32", "--block-size", "4", "--steps", "2",
                   "--batch-blocks", "8", "--anchors-per-seq", "4", "--log-every", "1"])
     assert code == 0
-    metrics = json.loads((tmp_path / "run" / T.METRICS_FILE).read_text())
+    metrics = json.loads((tmp_path / "run" / config.METRICS_FILE).read_text())
     assert metrics["budget"]["steps"] == 2 and metrics["data"]["train_sequences"] == 3
     assert "estimate" not in metrics and metrics["config"]["labels"] == "on-path"
     records = td.read_manifest(tmp_path / "run" / "data")["splits"]["train"]["records"]
