@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.dflash.model import build_draft_vocab, load_drafter, save_drafter  # noqa: E402
+from backend.dflash.checkpoint import build_draft_vocab, load_drafter, save_drafter  # noqa: E402
 from backend.loading import load_model  # noqa: E402
 
 MAX_MB = 32

@@ -47,7 +47,7 @@ def main() -> None:
     from backend.train import config
     from backend.train import objective
     from backend.train import data as td
-    from backend.dflash.model import load_drafter
+    from backend.dflash.checkpoint import load_drafter
     from backend.loading import load_model
 
     loaded = load_model(a.model, device="cpu", dtype="float32")

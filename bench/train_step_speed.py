@@ -66,7 +66,7 @@ def main() -> None:
                     help="after timing, profile one more step per configuration and print where its time went")
     a = ap.parse_args()
     from backend.train import objective
-    from backend.dflash.model import load_drafter
+    from backend.dflash.checkpoint import load_drafter
 
     groups = [int(g) for g in a.groups.split(",")]
     lengths = training_lengths(a.responses, a.max_prompt_tokens, not a.no_extra, a.model)

@@ -27,7 +27,7 @@ from backend.decoding.device_cycle import ForcedAcceptance
 from backend.loading import cpu_has_bf16_matmul, load_model
 from backend.models.llama import Llama
 from backend.decoding.engine import Engine, SamplingParams
-from backend.dflash.model import find_shipped_drafter, load_drafter, random_drafter
+from backend.dflash.checkpoint import find_shipped_drafter, load_drafter, random_drafter
 
 TINY_MODELS = ("tiny-hybrid", "tiny-moe", "tiny-llama")  # tiny-moe: another name for tiny-hybrid
 PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)

@@ -131,14 +131,14 @@ def resolve_drafter(spec: str | None, loaded: LoadedModel):
     if spec in (None, "", "none"):
         return None
     try:
-        from backend.dflash import model as dflash
+        from backend.dflash import checkpoint as dflash
     except ModuleNotFoundError as exc:
-        if exc.name != "backend.dflash.model":
+        if not (exc.name or "").startswith("backend.dflash"):
             raise
         if spec == "auto":
             log.info("speculative decoding is not available in this build: plain decoding")
             return None
-        raise ModelLoadError(f"--drafter {spec}: this build has no DFlash support (backend/dflash/model.py)") from None
+        raise ModelLoadError(f"--drafter {spec}: this build has no DFlash support (backend/dflash/)") from None
     if spec == "auto":
         spec = dflash.find_shipped_drafter(loaded.name)
         if spec is None:

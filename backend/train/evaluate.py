@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.decoding.engine import Engine, SamplingParams
-from backend.dflash.model import load_drafter
+from backend.dflash.checkpoint import load_drafter
 from backend.train import data as td
 from backend.train.objective import Frozen, WalkAnchors, block_forward, make_blocks
 

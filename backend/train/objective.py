@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.dflash.model import DFlashDrafter, DrafterConfig, load_drafter, rope
+from backend.dflash.checkpoint import load_drafter
+from backend.dflash.model import DFlashDrafter, DrafterConfig, rope
 from backend.train import data as td
 from backend.train.config import TrainConfig, TrainError
 

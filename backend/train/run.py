@@ -5,7 +5,7 @@
 
 Pipeline: prompts (built-in set and/or --from-db transcripts) -> the target's greedy responses -> the target's features
 in shards (backend/train/data.py) -> training -> a z-lab checkpoint in --out (config.json + model.safetensors, what
-dflash.model.load_drafter and the engine load) -> evaluation: the training-time estimate of the accepted length on
+dflash.checkpoint.load_drafter and the engine load) -> evaluation: the training-time estimate of the accepted length on
 held-out features, and tau measured by the real speculative engine on held-out prompts.
 
 The drafter is backend.dflash.model.DFlashDrafter; the target's embedding and LM head are used frozen (the drafter has
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from backend.dflash.model import BLOCK_ATTENTION_MODES, DFlashDrafter, build_draft_vocab, save_drafter
+from backend.dflash.checkpoint import build_draft_vocab, save_drafter
+from backend.dflash.model import BLOCK_ATTENTION_MODES, DFlashDrafter
 from backend.loading import ModelLoadError, load_model
 from backend.train import data as td
 from backend.train.objective import (block_loss, frozen_parts, init_from_checkpoint, make_blocks, new_drafter,

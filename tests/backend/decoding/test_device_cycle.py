@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backend.bench.run import tiny_model
-from backend.dflash.model import random_drafter
+from backend.dflash.checkpoint import random_drafter
 from backend.decoding.engine import Engine, SamplingParams
 from backend.dflash.fast import FastDrafter
 from backend.decoding.device_cycle import ForcedAcceptance
@@ -190,7 +190,7 @@ def test_cuda_embedded_speculative_equals_plain_greedy():
     """The shipped drafter on the embedded model's real weights, bf16, the engine's GPU defaults: speculative
     output is token-identical to plain decoding on every prompt."""
     from backend.bench.run import PROMPTS, make_prompts, stop_ids
-    from backend.dflash.model import find_shipped_drafter, load_drafter
+    from backend.dflash.checkpoint import find_shipped_drafter, load_drafter
 
     loaded = _embedded()
     drafter = load_drafter(find_shipped_drafter(loaded.name))

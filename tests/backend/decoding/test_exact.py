@@ -5,7 +5,7 @@ and greedy speculative decoding with the shipped drafter emits exactly the plain
 import pytest
 import torch
 
-from backend.dflash.model import find_shipped_drafter, load_drafter
+from backend.dflash.checkpoint import find_shipped_drafter, load_drafter
 from backend.decoding.engine import Engine, SamplingParams
 from backend.loading import ModelLoadError, load_model
 from backend.models import load_fast

@@ -11,7 +11,8 @@ from backend.decoding import hf_cache
 from backend.decoding import speculative as spec
 from backend.decoding.engine import Engine, SamplingParams
 from backend.decoding.target import FastTarget
-from backend.dflash.model import Draft, random_drafter
+from backend.dflash.checkpoint import random_drafter
+from backend.dflash.model import Draft
 from backend.sampling import sampling_probs
 from tests.conftest import engine_states
 

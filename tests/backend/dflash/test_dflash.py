@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from backend.bench.run import tiny_model
-from backend.dflash.model import (DFlashDrafter, DrafterConfig, block_mask, build_draft_vocab, find_shipped_drafter,
-                                  load_drafter, random_drafter, save_drafter)
+from backend.dflash.checkpoint import build_draft_vocab, find_shipped_drafter, load_drafter, random_drafter, save_drafter
+from backend.dflash.model import DFlashDrafter, DrafterConfig, block_mask
 from backend.decoding.engine import Engine, SamplingParams
 
 

@@ -15,7 +15,7 @@ from backend.train import config
 from backend.train import objective
 from backend.train import data as td
 from backend.bench.run import tiny_model as bench_tiny_model
-from backend.dflash.model import load_drafter
+from backend.dflash.checkpoint import load_drafter
 from backend.decoding.engine import Engine, SamplingParams
 
 @pytest.fixture(autouse=True, scope="module")
