@@ -1,8 +1,8 @@
-"""The inference server: assembles the app (routes.py, health, metrics, API key, error bodies), loads the
-model in the background, and runs uvicorn (`serve`).
+"""The inference server: assembles the app (the routes of openai_routes.py and anthropic_routes.py, health, metrics,
+API key, error bodies), loads the model in the background, and runs uvicorn (`serve`).
 
-Data flow for a request: route (routes.py) -> render the prompt (chat.py) -> Job into the FIFO -> the engine thread
-(worker.py) runs Engine.generate and hands token ids back through the event loop -> Generation turns ids into text ->
+Data flow for a request: route (openai_routes.py, anthropic_routes.py, over jobs.py) -> render the prompt (chat.py)
+-> Job into the FIFO -> the engine thread (worker.py) runs Engine.generate and hands token ids back through the event loop -> Generation turns ids into text ->
 the route shapes text into OpenAI chunks / Anthropic events / JSON bodies.
 
 One engine, batch 1, by design: requests wait in FIFO order; a request that waits longer than `queue_timeout` gets a 503
@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backend.loading import LoadedModel, ModelLoadError, check_model_spec
 from backend.server.guards import (DEFAULT_BODY_TIMEOUT, APIError, BodyGuard, body_too_large_message, error_response,
                                    validation_message)
-from backend.server.routes import router
+from backend.server import anthropic_routes, openai_routes
 from backend.server.state import ServerState
 
 log = logging.getLogger("reviewer.backend")
@@ -92,7 +92,8 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
     def metrics():
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
-    app.include_router(router, dependencies=keyed)
+    app.include_router(openai_routes.router, dependencies=keyed)
+    app.include_router(anthropic_routes.router, dependencies=keyed)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=keyed)
     def openapi():

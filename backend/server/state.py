@@ -1,7 +1,7 @@
 """What the routes need and the loading thread fills in: ServerState (settings, metrics, and once loaded the model
 and the engine worker), the stop flag a signal handler sets, and the --drafter resolution.
 
-Imported by app.py (which builds it), routes.py and guards.py (which read it); it imports neither of them.
+Imported by app.py (which builds it), the routes and guards.py (which read it); it imports none of them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class StopFlag:
     threading.Event, set from uvicorn's SIGTERM handler; Event.set() holds a non-reentrant lock, and a second SIGTERM
     landing while the first handler held it ran the handler again on the same (event-loop) thread, which then waited
     on that lock forever: no final event, no close, no exit (issue 29; a burst of SIGTERMs hit it 1 run in 6).
-    Readers poll it (routes.py); nobody waits on it."""
+    Readers poll it (jobs.py); nobody waits on it."""
 
     def __init__(self) -> None:
         self._set = False
@@ -60,7 +60,7 @@ class ServerState:
         # Set on SIGTERM/Ctrl-C (serve) or when the app stops: streams send their final event, waiting and running
         # non-streamed requests are answered 503, so the server drains in seconds.
         self.stopping = StopFlag()
-        self.prompt_slot: asyncio.Semaphore | None = None  # one prompt rendered/tokenized at a time (routes.py)
+        self.prompt_slot: asyncio.Semaphore | None = None  # one prompt rendered/tokenized at a time (jobs.py)
         self.metrics = Metrics()
         self.loaded: LoadedModel | None = None
         self.worker: EngineWorker | None = None
@@ -71,7 +71,7 @@ class ServerState:
         self.tool_style = "injected"
         self.stop_ids: tuple[int, ...] = ()
         self.vocab_size = 0
-        self.max_token_chars = 0  # the longest token's text: a prompt longer than window x this cannot fit (routes.py)
+        self.max_token_chars = 0  # the longest token's text: a prompt longer than window x this cannot fit (jobs.py)
         self.decoding = ""  # plain or speculative, lossless or not (Engine.describe_decoding), once loaded
         self.on_ready = None  # called with the state once the model is ready (serve prints the ready line)
 
