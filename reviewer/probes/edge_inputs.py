@@ -20,7 +20,7 @@ from reviewer.probes.runner import Probe, command, data, run, script
 from reviewer.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, EDGE_CALL_LIMIT_S, EDGE_MAX_FUNCTIONS,
                                         EDGE_SCRIPT_TIMEOUT, FIT_CONTRACT, NON_ASCII, NON_EMPTY_CONTRACT,
                                         POSITIVE_CONTRACT)
-from reviewer.smoke import EVIDENCE_CHARS, tail
+from reviewer.persona.smoke import EVIDENCE_CHARS, tail
 
 # Malformed content for a file argument, by its extension: what a user's broken file looks like.
 MALFORMED = {".json": '{"unclosed": [1, 2\n', ".jsonl": '{"a": 1}\n{not json\n', ".csv": 'a,b,c\n1,2\n"unterminated\n',

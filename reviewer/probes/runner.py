@@ -3,7 +3,7 @@
 Every probe works the same way. It writes a small Python script (the helpers it needs from prelude.py copied in),
 runs it in the sandbox with the project's virtual environment, reads the result line the script prints, and records
 a finding when the script found the problem. The script exits 1 exactly when it found the problem, so the finding's
-repro command is the script itself, given only the failing case: reviewer/verify.py re-runs it in a fresh clone and
+repro command is the script itself, given only the failing case: reviewer/run/verify.py re-runs it in a fresh clone and
 sees the same exit code.
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from reviewer.probes import prelude
 from reviewer.probes.thresholds import PROBES_BUDGET_S, RESULT_MARK
-from reviewer.sandbox import CommandResult
-from reviewer.smoke import SmokeTimeout
+from reviewer.sandbox.command import CommandResult
+from reviewer.persona.smoke import SmokeTimeout
 
 DELIMITER = "REVIEWER_PROBE"
 
@@ -193,7 +193,7 @@ def run_tool(kind: str, workspace, recorder, *, deadline: float | None = None, f
     """One probe as an LLM persona's tool, on its workspace (where it installed the project): the findings go to its
     recorder; the text that comes back says what was found."""
     from reviewer.probes import docs_claims, edge_inputs, scaling, timing_claims
-    from reviewer.smoke import import_name, python_metadata
+    from reviewer.persona.smoke import import_name, python_metadata
 
     root = workspace.root
     package = import_name(root, python_metadata(root)[0])

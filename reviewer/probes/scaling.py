@@ -22,7 +22,7 @@ from reviewer.probes.thresholds import (EXCESS_CLAIMED, EXCESS_UNCLAIMED, LINEAR
                                         SCALING_BATCH_S, SCALING_CALL_LIMIT_S, SCALING_ENOUGH_S, SCALING_MAX,
                                         SCALING_MAX_FUNCTIONS, SCALING_POINTS, SCALING_REPEATS,
                                         SCALING_SCRIPT_BUDGET_S, SCALING_SCRIPT_TIMEOUT, SCALING_START)
-from reviewer.smoke import EVIDENCE_CHARS, tail
+from reviewer.persona.smoke import EVIDENCE_CHARS, tail
 
 SIZED = ("seq", "str", "bytes", "range", "listrange", "iter")
 

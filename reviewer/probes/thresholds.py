@@ -17,7 +17,7 @@ RESULT_MARK = "@@reviewer-probe@@"
 # `import pkg` over half a second: every script, CLI call and test run pays it. A pure-Python library imports in
 # 5-50 ms; numpy in ~100 ms; half a second means heavy work at import time (the figure).
 IMPORT_SLOW_MS = 500.0
-IMPORT_REPEATS = 5  # as reviewer/smoke.py measures it: median of 5 after one warm-up run that writes the .pyc files
+IMPORT_REPEATS = 5  # as reviewer/persona/smoke.py measures it: median of 5 after one warm-up run that writes the .pyc files
 # `tool --help` over a second: a user at the prompt notices. Python starts in ~20 ms and argparse/click CLIs answer
 # --help in 50-300 ms, so over a second means the CLI imports far more than it needs to print its help.
 CLI_START_SLOW_S = 1.0
