@@ -298,7 +298,7 @@ def readmes(limit_chars: int) -> list[tuple[str, str]]:
 
 
 def agent_records(rng: random.Random, docs: list[tuple[str, str]], n: int) -> list[dict]:
-    """First turns of persona agents, shaped exactly like reviewer.run.review.build_task's message."""
+    """First turns of persona agents, shaped exactly like reviewer.run.task.build_task's message."""
     from reviewer.persona.files import load_personas
     from train_extra_prompts import task_text
 

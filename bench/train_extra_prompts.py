@@ -153,8 +153,8 @@ def tool_turn(folder: Path, slug: str, rng: random.Random, funcs: list[tuple[str
 
 
 def task_text(persona, slug: str, top: str, readme_name: str, readme: str) -> str:
-    """A persona's first user message, shaped like reviewer.run.review.build_task's (both prompt sets use it)."""
-    from reviewer.run.review import README_CHARS
+    """A persona's first user message, shaped like reviewer.run.task.build_task's (both prompt sets use it)."""
+    from reviewer.run.task import README_CHARS
 
     return "\n".join([
         "Review this repository the way a new user would, with your focus: " + ", ".join(persona.focus) + ".",
@@ -174,7 +174,7 @@ def task_text(persona, slug: str, top: str, readme_name: str, readme: str) -> st
 
 
 def agent_prompts(rng: random.Random, docs: list[tuple[Path, str]], funcs: list[tuple[str, str]], n: int) -> list[dict]:
-    """Persona agents' conversations, the first turn shaped like reviewer.run.review.build_task's message."""
+    """Persona agents' conversations, the first turn shaped like reviewer.run.task.build_task's message."""
     from reviewer.persona.files import load_personas
 
     personas = [p for p in load_personas().values() if not p.deterministic]

@@ -1,7 +1,10 @@
 """The `reviewer` command line: parse options, load settings, hand over to the module that does the work.
 
 Nothing here imports torch or the backend at import time: the worker box installs `reviewer` without them, and the
-backend commands (`serve`, `bench`, `train`) import it only when called.
+backend commands (`serve`, `bench`, `train`) import it only when called. Each command imports its own module (run,
+loop, report, doctor, personas) inside its function for the same reason at a smaller scale: `reviewer --help` and a
+bad option answer at once, without loading the SDKs, SQLAlchemy and rich's live view that the work needs. These
+imports hide no circle (tests/import_graph.py counts them).
 """
 
 from __future__ import annotations

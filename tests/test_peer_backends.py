@@ -28,7 +28,8 @@ from reviewer.cli import app
 from reviewer.config import Settings
 from reviewer.llm.embedded import free_port, log_tail, stop_process
 from reviewer.examples import make_example_repo
-from reviewer.llm.client import ContextOverflow, ToolsUnsupported, open_llm
+from reviewer.llm.endpoints import open_llm
+from reviewer.llm.errors import ContextOverflow, ToolsUnsupported
 from reviewer.persona.files import Persona
 from reviewer.sandbox.command import sandbox_env
 from reviewer.persona.tools import TOOLS

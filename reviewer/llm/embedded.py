@@ -1,4 +1,5 @@
-"""The embedded LLM backend: `reviewer serve` as a subprocess for the length of a review.
+"""The embedded LLM backend: `reviewer serve` as a subprocess, for the length of a review (`start_embedded`) or of a
+whole `reviewer loop` (`EmbeddedBackend`): the one place that starts and stops it.
 
 It gets a free port, logs to a file, and counts as started only once GET /health answers 200 (a spinner shows the
 wait). If it dies first, or is not healthy within the deadline, LLMError names the log and quotes its tail. It is
@@ -15,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from reviewer.llm.client import LLMError
+from reviewer.llm.errors import LLMError
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -114,3 +116,46 @@ def wait_healthy(proc: subprocess.Popen, launch: Launch, ready_timeout: float, c
             if spinner is not None:
                 spinner.update(f"starting the embedded LLM backend ({waited:.0f} s, log: {launch.log_path})")
             time.sleep(0.25)
+
+
+class EmbeddedBackend:
+    """`--llm embedded` for a `reviewer loop`'s whole life: the local backend is started once, on the first review that
+    needs it (under the machine lock, so loading the model never disturbs another review), and started again only if
+    it stopped answering; each review then talks to it by URL. Remote endpoints are opened by each review as usual, so
+    an inference box that comes back is used again at the next review. `needed`: an LLM persona is selected and
+    `embedded` is among the endpoints; `log(message, style)` says what happens in the loop's log."""
+
+    def __init__(self, settings, console, *, needed: bool, log: Callable[..., None]):
+        self.settings, self.console, self.log = settings, console, log
+        self.stack: contextlib.ExitStack | None = None
+        self.url: str | None = None
+        self.needed = needed
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url.removesuffix("/v1") + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def settings_for_review(self):
+        """The settings a review runs with: `embedded` replaced by the running backend's URL."""
+        if not self.needed:
+            return self.settings
+        if self.url is not None and not self.healthy():
+            self.log(f"the embedded LLM backend at {self.url} stopped answering: starting it again", "yellow")
+            self.close()
+        if self.url is None:
+            stack = contextlib.ExitStack()
+            try:
+                self.url = stack.enter_context(start_embedded(self.settings, self.console))
+            except BaseException:
+                stack.close()
+                raise
+            self.stack = stack
+            self.log(f"embedded LLM backend ready at {self.url}; it serves every review of this loop")
+        return self.settings.model_copy(update={"llm": [self.url if s == "embedded" else s for s in self.settings.llm]})
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+        self.stack, self.url = None, None

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from reviewer.llm.client import (CHARS_PER_TOKEN, ChatResponse, ContextOverflow, LLMClient, LLMError, ToolCall,
-                          ToolsUnsupported, one_line)
+from reviewer.llm.client import CHARS_PER_TOKEN, ChatResponse, LLMClient, ToolCall
+from reviewer.llm.errors import ContextOverflow, LLMError, ToolsUnsupported
 from reviewer.persona.tools import TOOLS, Toolbox, ToolOutcome, cut_middle, describe_tools_as_text
+from reviewer.text import squeeze
 
 ELIDED = "[output elided to fit the context]"
 TEXT_RESULT_PREFIX = "Result of "  # text-mode tool results go back as user messages starting with this
@@ -350,7 +351,7 @@ class Agent:
         except KeyboardInterrupt:
             status, error = "interrupted", "interrupted by the user"
         except Exception as e:  # noqa: BLE001 - whatever breaks, the transcript is saved and the status says so
-            status, error = "failed", one_line(f"{type(e).__name__}: {e}")
+            status, error = "failed", squeeze(f"{type(e).__name__}: {e}")
         if status == "step_budget" and self.format_errors:
             error = f"{self.format_errors} of {self.steps} replies had no usable tool call"
         if status == "timeout":
@@ -359,7 +360,7 @@ class Agent:
             self.save()
         except Exception as e:  # noqa: BLE001
             if status != "failed":
-                status, error = "failed", one_line(f"could not save the transcript: {type(e).__name__}: {e}")
+                status, error = "failed", squeeze(f"could not save the transcript: {type(e).__name__}: {e}")
         return AgentResult(status, self.steps, self.prompt_tokens, self.completion_tokens, self.llm_seconds, summary,
                            error, self.format_errors, self.tokens_estimated)
 

@@ -4,8 +4,8 @@ It looks at the files at the top of the repository to tell what kind of project 
 installs it into the fresh workspace the way its ecosystem expects, runs its test command and, for Python, times the
 import of the top-level package. What it finds (install fails, tests fail — with the failing test ids and a command
 that reproduces them —, no tests) and what it measures (install, test and import times) give every review a baseline
-that does not depend on how good the model is. After a Python install it runs the probes (reviewer/probes: the docs
-as executable claims, timing claims, scaling, edge inputs) in the same workspace.
+that does not depend on how good the model is. After a Python install it runs the probes (reviewer/persona/probes: the
+docs as executable claims, timing claims, scaling, edge inputs) in the same workspace.
 
 Every command goes through `Workspace.run` (the sandbox), and the transcript is saved after each one in the same
 OpenAI message shape the agent personas use, so one viewer reads both.
@@ -19,21 +19,19 @@ import re
 import shlex
 import shutil
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from reviewer import stats
+from reviewer.persona.probes.suite import from_smoke, run_probes
+from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, python_metadata
 from reviewer.sandbox.command import CommandResult
 from reviewer.sandbox.workspace import Workspace
+from reviewer.text import tail
 
 IMPORT_REPEATS = 5
 TRANSCRIPT_OUTPUT_CHARS = 20_000  # per command, in the stored transcript
-EVIDENCE_CHARS = 4_000
-NOT_PACKAGES = {"tests", "test", "testing", "docs", "doc", "examples", "example", "benchmarks", "bench", "scripts",
-                "tools", "build", "dist", "site-packages"}
-NOT_MODULES = {"setup", "conftest", "noxfile", "tasks", "fabfile", "manage", "versioneer"}
 TEST_EXTRAS = ("test", "tests", "testing", "dev")
 REQUIREMENT_FILES = ("requirements.txt", "requirements-dev.txt", "requirements-test.txt", "requirements_test.txt",
                      "test-requirements.txt", "requirements/test.txt", "requirements/dev.txt")
@@ -59,14 +57,14 @@ class Smoke:
     """One smoke pass over one workspace: runs commands, keeps the transcript, records through the recorder."""
 
     workspace: Workspace
-    recorder: object  # reviewer.run.review.DbRecorder (or anything with record_finding/record_measurement/save_transcript)
+    recorder: object  # reviewer.run.recorder.DbRecorder, or anything with record_finding/_measurement, save_transcript
     timeout: float
     on_step: Callable[[int, str, str], None] = lambda step, tool, detail: None
     steps: int = 0
     messages: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # becomes the summary
     deadline: float = 0.0
-    probes: bool = True  # run reviewer/probes after a Python install (settings.probes)
+    probes: bool = True  # run reviewer/persona/probes after a Python install (settings.probes)
 
     def sh(self, label: str, command: str, timeout: float | None = None) -> CommandResult:
         """Run one command in the workspace as a step: progress, transcript, saved at once."""
@@ -94,14 +92,6 @@ class Smoke:
 
     def measure(self, **kw) -> None:
         self.recorder.record_measurement(**kw)
-
-
-class SmokeTimeout(Exception):
-    pass
-
-
-def tail(text: str, limit: int) -> str:
-    return text if len(text) <= limit else f"[... {len(text) - limit} characters left out ...]\n" + text[-limit:]
 
 
 def detect(root: Path) -> list[tuple[str, str]]:
@@ -141,48 +131,6 @@ def run_smoke(workspace: Workspace, recorder, *, timeout: float,
 
 
 # --- Python -----------------------------------------------------------------------------------------------------------
-
-def python_metadata(root: Path) -> tuple[str | None, list[str]]:
-    """(distribution name, optional-dependency groups) from pyproject.toml or setup.cfg, where they say."""
-    pyproject = root / "pyproject.toml"
-    if pyproject.is_file():
-        try:
-            project = tomllib.loads(pyproject.read_text()).get("project", {})
-            return project.get("name"), list(project.get("optional-dependencies", {}))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError, AttributeError):
-            return None, []
-    setup_cfg = root / "setup.cfg"
-    if setup_cfg.is_file():
-        import configparser
-
-        cfg = configparser.ConfigParser()
-        try:
-            cfg.read(setup_cfg)
-            return cfg.get("metadata", "name", fallback=None), list(cfg["options.extras_require"]) if cfg.has_section(
-                "options.extras_require") else []
-        except configparser.Error:
-            return None, []
-    return None, []
-
-
-def import_name(root: Path, dist_name: str | None) -> str | None:
-    """The top-level package a user would import: the one named like the distribution, else the only candidate."""
-    candidates: list[str] = []
-    for base in (root / "src", root):
-        if not base.is_dir():
-            continue
-        for entry in sorted(base.iterdir()):
-            if entry.is_dir() and (entry / "__init__.py").is_file() and entry.name.isidentifier():
-                candidates.append(entry.name)
-            elif entry.suffix == ".py" and entry.stem.isidentifier() and not entry.stem.startswith("test"):
-                candidates.append(entry.stem)
-    candidates = [c for c in dict.fromkeys(candidates) if c not in NOT_PACKAGES and c not in NOT_MODULES]
-    if dist_name:
-        wanted = re.sub(r"[-_.]+", "_", dist_name).lower()
-        for c in candidates:
-            if c.lower() == wanted:
-                return c
-    return candidates[0] if len(candidates) == 1 else None
 
 
 def has_tests(root: Path) -> bool:
@@ -251,9 +199,7 @@ def smoke_python(smoke: Smoke, marker: str) -> None:
     package = import_name(root, dist_name)
     import_ms = measure_import(smoke, package) if package else None
     python_tests(smoke)
-    if smoke.probes:  # docs as executable claims, timing claims, edge inputs, scaling: reviewer/probes/README.md
-        from reviewer.probes.runner import from_smoke, run_probes
-
+    if smoke.probes:  # docs as executable claims, timing claims, edge inputs, scaling: persona/probes/README.md
         run_probes(from_smoke(smoke, package), import_ms=import_ms)
 
 

@@ -3,7 +3,7 @@
 Names and arguments are a public contract (other programs parse transcripts): bash(command, timeout=120),
 read_file(path, offset=0, limit=400), write_file(path, content), record_finding(title, severity, category, details,
 evidence=None, repro_command=None, file=None, line=None), record_measurement(name, value, unit, command=None,
-repeats=None), finish(summary), and the deterministic probes (reviewer/probes): probe_docs(), probe_timing(),
+repeats=None), finish(summary), and the deterministic probes (reviewer/persona/probes): probe_docs(), probe_timing(),
 probe_scaling(function=None), probe_edges(function=None). Bad arguments never raise out of here: they come back as an
 error text the model can read and correct.
 """
@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from reviewer.persona.probes.suite import run_tool
 from reviewer.store.db import SEVERITIES
 
 TOOL_NAMES = ("bash", "read_file", "write_file", "record_finding", "record_measurement", "finish", "probe_docs",
@@ -71,7 +72,7 @@ TOOLS: list[dict] = [
     function("finish", "End the review with a short summary of what you checked and found.",
              {"summary": string("a few sentences: what works, what does not, what you could not check")},
              ["summary"]),
-    # The probes (reviewer/probes) record their own findings, with repro commands; install the project first.
+    # The probes (reviewer/persona/probes) record their own findings, with repro commands; install the project first.
     function("probe_docs", "Run every README/docs example and documented command; record each that fails or gives "
              "another result than the docs show.", {}, []),
     function("probe_timing", "Time `import` of the package and each console script's --help; record what is slow.",
@@ -278,8 +279,6 @@ class Toolbox:
         return ToolOutcome("finished", finished=True, summary=args.summary)
 
     def probe(self, kind: str, function: str | None = None) -> ToolOutcome:
-        from reviewer.probes.runner import run_tool
-
         text = run_tool(kind, self.workspace, self.recorder, deadline=self.deadline, function=function)
         return ToolOutcome(cut_middle(text, self.max_output), ok=not text.startswith("error:"))
 

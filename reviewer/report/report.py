@@ -16,10 +16,12 @@ from rich.markup import escape
 from rich.table import Table
 from sqlmodel import select
 
-from reviewer.store import db
-
 from reviewer import stats
+from reviewer.report.html_report import render_html
+from reviewer.run.recovery import recover_dead_runs
+from reviewer.store import db
 from reviewer.store.db import Finding, Measurement, PersonaRun, Repository, ReviewRun
+from reviewer.text import first_line
 
 
 class ReportError(Exception):
@@ -397,10 +399,8 @@ def write_text(text: str, output: Path | None) -> None:
 
 def open_and_reconcile(db_path: str) -> None:
     """Open the database (a file that is not one is a one-line ReportError), then mark the runs of this machine whose
-    process is gone `interrupted`, exactly as `reviewer run` and `loop` do before they start (loop.recover_dead_runs):
+    process is gone `interrupted`, exactly as `reviewer run` and `loop` do before they start (run/recovery.py):
     a report never shows a killed review as running. What it says about them goes to stderr (stdout may be JSON)."""
-    from reviewer.run.loop import first_line, recover_dead_runs
-
     try:
         db.get_engine(db_path)
     except Exception as e:  # noqa: BLE001 - not a database, a newer schema, unreadable: one line
@@ -436,8 +436,6 @@ def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | Non
         write_text(render_markdown(runs, history, source=db_path), output)
         return
     if fmt == "html":
-        from reviewer.report.html_report import render_html
-
         write_text(render_html(runs, history, source=db_path, filters=filters_text(flt)), output)
         if output is not None:
             console.print(f"Wrote {output} ({len(runs)} run(s)).")

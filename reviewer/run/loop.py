@@ -23,41 +23,37 @@ the host name and DEFAULT_LEASE.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
-import shutil
-import socket
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import NoReturn
 
 from rich.console import Console
-from rich.markup import escape
 from sqlalchemy import update
 from sqlalchemy.exc import DBAPIError
 from sqlmodel import select
 
-from reviewer.store import db
-from reviewer.run.review import sigterm_as_interrupt, stop_requested
-from reviewer.store.db import PersonaRun, Repository, ReviewQueue, ReviewRun
+from reviewer.llm.embedded import EmbeddedBackend
+from reviewer.llm.errors import LLMError
+from reviewer.persona.files import PersonaError, select_personas
 from reviewer.run.lock import lock_path, review_lock
-from reviewer.sandbox.workspace import (KEPT_MARKER, WorkspaceError, is_url, list_remote, local_repository_url,
-                                remove_workspace, resolve_target)
+from reviewer.run.queue import Heartbeat, already_reviewed, claim, enqueue, release, worker_name
+from reviewer.run.recovery import recover
+from reviewer.run.review import EXIT_INTERRUPTED as REVIEW_INTERRUPTED
+from reviewer.run.review import run_command
+from reviewer.run.signals import sigterm_as_interrupt, stop_requested
+from reviewer.run.verify import verify_findings
+from reviewer.run.view import log
+from reviewer.sandbox.workspace import WorkspaceError, is_url, list_remote, local_repository_url, resolve_target
+from reviewer.store import db
+from reviewer.store.db import Repository, ReviewQueue, ReviewRun
+from reviewer.text import first_line
 
 MAX_BACKOFF = 3600.0
 DEFAULT_LEASE = 300.0  # seconds a claimed job stays a worker's without a heartbeat
 MIN_LEASE = 3.0
-KEPT_SECONDS = 86400.0  # a failed persona's workspace, kept for a look, is swept this long after
-# Folders a review makes, named with their owner's pid: workspaces (reviewer/sandbox/workspace.py, including the verifier's
-# and the ref probe's), the doctor's, and the sandbox's scratch folder (reviewer/sandbox/isolation.py).
-OWNED_FOLDER = re.compile(r"^(?:reviewer-.+|rvsb)-pid(\d+)-[A-Za-z0-9_]+$")
 MAX_ATTEMPTS = 3  # a commit whose review was started this often without finishing is given up (status failed)
-REVIEWED = ("completed", "failed")  # run statuses that count as "this commit was reviewed"
 EXIT_OK, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -76,15 +72,6 @@ class Watched:
     failures: int = 0
     next_poll: float = 0.0  # time.monotonic() when it may be polled again
     last_error: str | None = None
-
-
-def now_text() -> str:
-    return datetime.now().strftime("%H:%M:%S")
-
-
-def log(console: Console, message: str, style: str = "") -> None:
-    text = f"[dim]{now_text()}[/dim] " + (f"[{style}]{escape(message)}[/]" if style else escape(message))
-    console.print(text, highlight=False, soft_wrap=True)
 
 
 # --- which repositories ------------------------------------------------------------------------------------------------
@@ -147,19 +134,6 @@ def watched_repositories(repos: list[str], repos_file: Path | None) -> list[Watc
     return list(unique.values())
 
 
-# --- the queue ---------------------------------------------------------------------------------------------------------
-
-def me() -> str:
-    """This process, as a queue row's `claimed_by`: unique among live processes of every box."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def worker_name(settings=None) -> str:
-    """The worker's name in the queue and the report: `worker` setting, REVIEWER_WORKER, else the host name (so a loop
-    restarted on the same box is the same worker and takes back its own dead job at once)."""
-    return getattr(settings, "worker", None) or os.environ.get("REVIEWER_WORKER") or socket.gethostname()
-
-
 def lease_seconds(settings=None) -> float:
     """How long a claimed job stays ours without a heartbeat: `lease_seconds` setting, REVIEWER_LEASE_SECONDS, else
     DEFAULT_LEASE. The heartbeat renews it every third of that."""
@@ -171,22 +145,6 @@ def lease_seconds(settings=None) -> float:
     if not value >= MIN_LEASE:
         raise LoopError(f"the lease must be at least {MIN_LEASE:g} s (it is renewed every third of it), got {value:g}")
     return value
-
-
-def already_reviewed(s, repository_id: int, commit: str) -> bool:
-    if s.exec(select(ReviewQueue).where(ReviewQueue.repository_id == repository_id,
-                                        ReviewQueue.commit_sha == commit)).first():
-        return True  # queued, running, done or given up: nothing new to add
-    return s.exec(select(ReviewRun).where(ReviewRun.repository_id == repository_id, ReviewRun.commit_sha == commit,
-                                          ReviewRun.status.in_(REVIEWED))).first() is not None  # type: ignore[attr-defined]
-
-
-def enqueue(s, repository_id: int, commit: str, ref: str | None, **values) -> bool:
-    """One queue row per (repository, commit), however many loops see the commit at once (a unique index and
-    INSERT ... ON CONFLICT DO NOTHING). True when this call added it."""
-    row = {"repository_id": repository_id, "commit_sha": commit, "ref": ref, "status": "queued", "attempts": 0,
-           "enqueued_at": db.utcnow(), **values}
-    return db.insert_ignore(s, ReviewQueue, row, ["repository_id", "commit_sha"])
 
 
 def poll(w: Watched, db_path: str, interval: float, console: Console) -> bool:
@@ -216,302 +174,10 @@ def poll(w: Watched, db_path: str, interval: float, console: Console) -> bool:
     return True
 
 
-def claim(s, urls: list[str], worker: str, lease: float) -> ReviewQueue | None:
-    """Take the oldest queued row of the watched repositories, atomically: on PostgreSQL `SELECT ... FOR UPDATE SKIP
-    LOCKED` (workers of other boxes skip the row one of them is taking), and everywhere a compare-and-set UPDATE
-    (`WHERE status = 'queued'`), so that two workers never both think they own a row. The claimed row carries a
-    lease of `lease` seconds of database time."""
-    repo_ids = s.exec(select(Repository.id).where(Repository.url.in_(urls))).all()  # type: ignore[attr-defined]
-    for _ in range(10):  # each miss means another worker won that row: try the next one
-        row = s.exec(select(ReviewQueue).where(ReviewQueue.status == "queued",
-                                               ReviewQueue.repository_id.in_(repo_ids))  # type: ignore[attr-defined]
-                     .order_by(ReviewQueue.id).limit(1).with_for_update(skip_locked=True)).first()
-        if row is None:
-            s.rollback()
-            return None
-        now = db.db_now(s)
-        won = s.execute(update(ReviewQueue).where(ReviewQueue.id == row.id, ReviewQueue.status == "queued").values(
-            status="running", claimed_by=me(), worker=worker, started_at=now, heartbeat_at=now,
-            lease_expires_at=now + timedelta(seconds=lease), attempts=ReviewQueue.attempts + 1)).rowcount == 1
-        s.commit()
-        if won:
-            s.refresh(row)
-            return row
-    return None
-
-
-def release(db_path: str, row_id: int, **values) -> bool:
-    """Update a row this process claimed, and drop the claim; False (nothing written) when the row is no longer ours
-    (our lease lapsed and another worker took it over)."""
-    with db.session(db_path) as s:
-        done = s.execute(update(ReviewQueue).where(ReviewQueue.id == row_id, ReviewQueue.claimed_by == me()).values(
-            claimed_by=None, lease_expires_at=None, **values)).rowcount == 1
-        s.commit()
-    return done
-
-
-class Heartbeat:
-    """Renews a claimed row's lease every lease/3 seconds on a thread, for as long as the review (and its
-    verification) runs: a live worker's job is never taken from it, however slow it is; a dead one's lease runs out
-    and another worker queues the job again (`requeue_expired`)."""
-
-    def __init__(self, db_path: str, row_id: int, lease: float, console: Console):
-        self.db_path, self.row_id, self.lease, self.console = db_path, row_id, lease, console
-        self.lost = False
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self.run, name=f"lease-{row_id}", daemon=True)
-
-    def renew(self) -> bool:
-        with db.session(self.db_path) as s:
-            now = db.db_now(s)
-            renewed = s.execute(update(ReviewQueue).where(
-                ReviewQueue.id == self.row_id, ReviewQueue.claimed_by == me(), ReviewQueue.status == "running").values(
-                heartbeat_at=now, lease_expires_at=now + timedelta(seconds=self.lease))).rowcount == 1
-            s.commit()
-        return renewed
-
-    def run(self) -> None:
-        while not self.stop_event.wait(self.lease / 3):
-            try:
-                if not self.renew():
-                    self.lost = True
-                    log(self.console, f"queue item {self.row_id}: our lease lapsed and another worker took the job "
-                                      "over; this review goes on, its result stays beside theirs", "red")
-                    return
-            except Exception as e:  # noqa: BLE001 - a database hiccup: try again next beat (the lease has slack)
-                log(self.console, f"queue item {self.row_id}: could not renew the lease: {first_line(e)}",
-                    "yellow")
-
-    def __enter__(self) -> Heartbeat:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        self.thread.join(timeout=30)
-
-
-# --- crash recovery ----------------------------------------------------------------------------------------------------
-
-def process_start_time(pid: int) -> float | None:
-    """When a process started (seconds since the epoch), from /proc; None where that cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def owner_alive(pid: int | None, since: datetime | None) -> bool:
-    """Is the process that started a run still that process? (A pid can be reused after a crash or a reboot.)"""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, someone else's
-    started = process_start_time(pid)
-    if started is None or since is None:
-        return True
-    since_epoch = (since if since.tzinfo else since.replace(tzinfo=timezone.utc)).timestamp()
-    return started <= since_epoch + 1.0
-
-
-def run_host(run: ReviewRun) -> str | None:
-    try:
-        return json.loads(run.machine or "{}").get("hostname")
-    except (ValueError, AttributeError):
-        return None
-
-
-def claimer(row: ReviewQueue) -> tuple[str, int | None]:
-    """(host, pid) from a row's claimed_by "host:pid"."""
-    host, _, pid = (row.claimed_by or "").rpartition(":")
-    return host, int(pid) if pid.isdigit() else None
-
-
-def interrupt_run(s, run: ReviewRun, why: str) -> None:
-    """A run whose process is gone: it and its running persona rows become `interrupted`; what they recorded stays."""
-    for p in s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id, PersonaRun.status == "running")).all():
-        p.status, p.error, p.finished_at = "interrupted", why, db.utcnow()
-        s.add(p)
-    run.status, run.error, run.finished_at = "interrupted", why, db.utcnow()
-    s.add(run)
-
-
-def recover_dead_runs(s, watched_urls: list[str], console: Console) -> int:
-    """Runs of this machine left `running` by a process that is gone (kill -9, power loss) become interrupted. Runs of
-    other machines are left to their leases (a shared database): a pid means nothing on another box."""
-    host = socket.gethostname()
-    recovered = 0
-    for run in s.exec(select(ReviewRun).where(ReviewRun.status == "running")).all():
-        if run.pid == os.getpid() or (run_host(run) not in (None, host)):
-            continue  # ours, or another machine's
-        if owner_alive(run.pid, run.started_at):
-            continue  # alive: reviewing (under another box lock) or between its last row and its exit
-        why = f"the reviewing process (pid {run.pid}) ended without finishing the run (killed or crashed)"
-        interrupt_run(s, run, why)
-        recovered += 1
-        url = s.get(Repository, run.repository_id).url
-        log(console, f"run {run.id} ({url} @ {(run.commit_sha or '?')[:12]}) was left running by pid {run.pid}: "
-                     "marked interrupted", "yellow")
-        if url in watched_urls and run.commit_sha and enqueue(s, run.repository_id, run.commit_sha, run.ref,
-                                                              run_id=run.id, attempts=1):
-            log(console, f"queued {run.commit_sha[:12]} of {url} again", "yellow")
-    return recovered
-
-
-def requeue_own_dead_jobs(s, worker: str, console: Console) -> int:
-    """Jobs this worker (same name, same box) claimed in a process that is gone: queued again at once, without waiting
-    for their lease. Other workers' jobs, even on this box, wait for their lease."""
-    host = socket.gethostname()
-    requeued = 0
-    for row in s.exec(select(ReviewQueue).where(ReviewQueue.status == "running")).all():
-        claimed_host, pid = claimer(row)
-        if row.claimed_by == me() or claimed_host not in ("", host) or row.worker not in (None, worker):
-            continue
-        if claimed_host and owner_alive(pid, row.started_at):
-            continue
-        done = s.execute(update(ReviewQueue).where(ReviewQueue.id == row.id, ReviewQueue.claimed_by == row.claimed_by,
-                                                   ReviewQueue.status == "running").values(
-            status="queued", claimed_by=None, lease_expires_at=None,
-            error="the loop reviewing it ended without finishing (killed or crashed); queued again")).rowcount
-        if done:
-            requeued += 1
-            log(console, f"queue item {row.id} ({row.commit_sha[:12]}) was left running: queued again", "yellow")
-    return requeued
-
-
-def requeue_expired(s, console: Console) -> int:
-    """Jobs whose lease ran out (their worker stopped renewing it: killed, crashed, cut off) go back to the queue; the
-    run their worker had started is marked interrupted. Whoever polls does this; the UPDATE re-checks the expiry, so a
-    lease renewed a moment ago is left alone."""
-    now = db.db_now(s)
-    requeued = 0
-    expired = s.exec(select(ReviewQueue).where(ReviewQueue.status == "running", ReviewQueue.lease_expires_at != None,  # noqa: E711
-                                               ReviewQueue.lease_expires_at < now)).all()
-    for row in expired:
-        late = (now - as_utc(row.heartbeat_at)).total_seconds() if row.heartbeat_at else None
-        why = (f"worker {row.worker or '?'} ({row.claimed_by}) stopped renewing its lease"
-               + (f" (last heartbeat {late:.0f} s ago)" if late is not None else "") + "; queued again")
-        done = s.execute(update(ReviewQueue).where(ReviewQueue.id == row.id, ReviewQueue.status == "running",
-                                                   ReviewQueue.lease_expires_at < now).values(
-            status="queued", claimed_by=None, lease_expires_at=None, error=why)).rowcount
-        if not done:
-            continue  # renewed or taken care of by another worker in the meantime
-        requeued += 1
-        host, pid = claimer(row)
-        for run in s.exec(select(ReviewRun).where(ReviewRun.repository_id == row.repository_id,
-                                                  ReviewRun.commit_sha == row.commit_sha,
-                                                  ReviewRun.status == "running", ReviewRun.pid == pid)).all():
-            if run_host(run) in (None, host):
-                interrupt_run(s, run, f"its worker {row.worker or '?'} stopped renewing its lease (killed or cut off)")
-        log(console, f"queue item {row.id} ({row.commit_sha[:12]}): lease expired, {why}", "yellow")
-    return requeued
-
-
-def remove_orphans(parents: list[Path | None], console: Console) -> int:
-    """Workspaces and sandbox scratch folders whose process is gone (killed before it could remove them: 24-28 MB
-    each, piling up in /tmp), from the system's temporary folder and `parents`. The pid in a folder's name is its
-    owner; owner_alive compares that process's start with the folder's last change, so a reused pid does not keep
-    an orphan alive. A workspace kept on purpose (KEPT_MARKER) goes a day after it was kept. Returns how many went."""
-    removed = 0
-    for parent in dict.fromkeys(Path(p) for p in [*parents, tempfile.gettempdir()] if p):
-        try:
-            entries = list(parent.iterdir())
-        except OSError:
-            continue
-        for path in entries:
-            match = OWNED_FOLDER.match(path.name)
-            if not match or not path.is_dir() or path.is_symlink():
-                continue
-            try:
-                changed = path.stat().st_mtime
-                kept = (path / KEPT_MARKER).stat().st_mtime if (path / KEPT_MARKER).exists() else None
-            except OSError:
-                continue
-            if owner_alive(int(match.group(1)), datetime.fromtimestamp(changed, timezone.utc)):
-                continue
-            if kept is not None and time.time() - kept < KEPT_SECONDS:
-                continue
-            (remove_workspace if path.name.startswith("reviewer-") else shutil.rmtree)(path)
-            removed += 1
-    if removed:
-        log(console, f"removed {removed} workspace(s) and sandbox folder(s) left by killed reviews", "yellow")
-    return removed
-
-
-def as_utc(dt: datetime) -> datetime:
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
-
-
-def recover(db_path: str, watched_urls: list[str], console: Console, worker: str | None = None) -> int:
-    """Call with the machine lock held. Dead runs of this machine become interrupted; this worker's own dead jobs and
-    every job whose lease expired are queued again. Returns how many rows were recovered."""
-    with db.session(db_path) as s:
-        recovered = recover_dead_runs(s, watched_urls, console)
-        recovered += requeue_own_dead_jobs(s, worker or worker_name(), console)
-        recovered += requeue_expired(s, console)
-        s.commit()
-    return recovered
-
-
 # --- one review ----------------------------------------------------------------------------------------------------
-
-class EmbeddedBackend:
-    """`--llm embedded` for the loop's whole life: the local backend is started once, on the first review that needs
-    it (under the machine lock, so loading the model never disturbs another review), and started again only if it
-    stopped answering; each review then talks to it by URL. Remote endpoints are opened by each review as usual, so
-    an inference box that comes back is used again at the next review."""
-
-    def __init__(self, settings, console: Console):
-        self.settings, self.console = settings, console
-        self.stack: contextlib.ExitStack | None = None
-        self.url: str | None = None
-        self.needed = "embedded" in settings.llm and needs_llm(settings)
-
-    def healthy(self) -> bool:
-        import httpx
-
-        try:
-            return httpx.get(self.url.removesuffix("/v1") + "/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def settings_for_review(self):
-        """The settings a review runs with: `embedded` replaced by the running backend's URL."""
-        if not self.needed:
-            return self.settings
-        if self.url is not None and not self.healthy():
-            log(self.console, f"the embedded LLM backend at {self.url} stopped answering: starting it again", "yellow")
-            self.close()
-        if self.url is None:
-            from reviewer.llm.embedded import start_embedded
-
-            stack = contextlib.ExitStack()
-            try:
-                self.url = stack.enter_context(start_embedded(self.settings, self.console))
-            except BaseException:
-                stack.close()
-                raise
-            self.stack = stack
-            log(self.console, f"embedded LLM backend ready at {self.url}; it serves every review of this loop")
-        return self.settings.model_copy(update={"llm": [self.url if s == "embedded" else s for s in self.settings.llm]})
-
-    def close(self) -> None:
-        if self.stack is not None:
-            self.stack.close()
-        self.stack, self.url = None, None
 
 
 def needs_llm(settings) -> bool:
-    from reviewer.persona.files import PersonaError, select_personas
-
     try:
         return any(not p.deterministic for p in select_personas(list(settings.personas), settings.personas_dir))
     except PersonaError:
@@ -526,9 +192,6 @@ class ReviewNotStarted(Exception):
 def review_queued(row_id: int, settings, console: Console, worker: str,
                   backend: EmbeddedBackend) -> tuple[str, int | None, str | None]:
     """Review one claimed queue row (the lock is held). Returns (queue status, run id, error)."""
-    from reviewer.run.review import EXIT_INTERRUPTED as REVIEW_INTERRUPTED
-    from reviewer.run.review import run_command
-
     with db.session(settings.db) as s:
         row = s.get(ReviewQueue, row_id)
         url = s.get(Repository, row.repository_id).url
@@ -540,8 +203,6 @@ def review_queued(row_id: int, settings, console: Console, worker: str,
     except WorkspaceError as e:
         log(console, f"cannot review {commit[:12]}: {e}", "red")
         return "failed", None, str(e)
-    from reviewer.llm.client import LLMError
-
     try:
         review_settings = backend.settings_for_review()
     except LLMError as e:
@@ -565,8 +226,6 @@ def review_queued(row_id: int, settings, console: Console, worker: str,
 
 def verify_run(settings, run_id: int, console: Console) -> None:
     """Re-run the repro commands of the run's findings that the review did not verify itself."""
-    from reviewer.run.verify import verify_findings
-
     counts = verify_findings(settings.db, run_id, settings=settings, on_progress=lambda m: log(console, m, "dim"))
     if any(counts.values()):
         log(console, f"run {run_id}: {counts['reproduced']} finding(s) reproduced, {counts['not_reproduced']} did not"
@@ -607,7 +266,7 @@ def review_next(watched: list[Watched], settings, console: Console, worker: str,
             log(console, f"queue item {row_id}: {e}; it stays queued", "red")
             return "blocked"
         except Exception as e:  # noqa: BLE001 - a bug in one review must not end the loop; the row says what
-            if stop_requested():  # not a bug: a SIGTERM that came out as an error (reviewer.run.review.stop_requested)
+            if stop_requested():  # not a bug: a SIGTERM that came out as an error (reviewer.run.signals.stop_requested)
                 requeue_interrupted(settings.db, row_id)
             release(settings.db, row_id, status="failed", finished_at=db.utcnow(), error=f"{type(e).__name__}: {e}")
             log(console, f"queue item {row_id}: review crashed: {type(e).__name__}: {e}", "red")
@@ -628,8 +287,6 @@ def requeue_interrupted(db_path: str, row_id: int) -> NoReturn:
 
 def check_options(settings, interval: float, max_reviews: int | None) -> tuple[str, float]:
     """Returns (worker name, lease seconds)."""
-    from reviewer.persona.files import PersonaError, select_personas
-
     if interval <= 0:
         raise LoopError(f"--interval must be a positive number of seconds, got {interval:g}")
     if max_reviews is not None and max_reviews < 1:
@@ -649,14 +306,9 @@ def check_options(settings, interval: float, max_reviews: int | None) -> tuple[s
 
 def stop_if_requested() -> None:
     """End the loop if SIGTERM arrived even though its KeyboardInterrupt did not get here (it can come out of a
-    library as an ordinary error: reviewer.run.review.stop_requested); retrying or polling on would ignore the signal."""
+    library as an ordinary error: reviewer.run.signals.stop_requested); retrying or polling on would ignore the signal."""
     if stop_requested():
         raise KeyboardInterrupt
-
-
-def first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def loop_command(settings, *, repos: list[str], repos_file: Path | None, interval: float, once: bool,
@@ -670,7 +322,8 @@ def loop_command(settings, *, repos: list[str], repos_file: Path | None, interva
                  f" ({'one pass' if once else f'every {interval:g} s'}); database {db.display_url(settings.db)}; "
                  f"worker {worker} (lease {lease:g} s)")
     reviews = 0
-    backend = EmbeddedBackend(settings, console)
+    backend = EmbeddedBackend(settings, console, needed="embedded" in settings.llm and needs_llm(settings),
+                              log=lambda message, style="": log(console, message, style))
     try:
         with sigterm_as_interrupt(), contextlib.closing(backend):
             while True:

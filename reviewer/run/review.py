@@ -13,36 +13,35 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import platform
-import signal
-import socket
-import threading
-import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from rich.console import Console, Group
-from rich.live import Live
+from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
 from sqlmodel import select
 
-from reviewer.store import db
-
-from reviewer.sandbox import isolation
-from reviewer.store.db import Finding, Measurement, PersonaRun, ReviewRun, SandboxEvent
-from reviewer.run.lock import LockBusy, lock_path, review_lock
+from reviewer.llm.endpoints import open_llm
+from reviewer.llm.errors import LLMError
+from reviewer.persona.agent import run_agent
 from reviewer.persona.files import Persona, PersonaError, select_personas
 from reviewer.persona.smoke import run_smoke
-from reviewer.sandbox.workspace import Target, Workspace, WorkspaceError, create_workspace, resolve_target
+from reviewer.report import report
+from reviewer.run.lock import LockBusy, lock_path, review_lock
+from reviewer.run.machine import machine_fingerprint
+from reviewer.run.recorder import DbRecorder, update_row
+from reviewer.run.recovery import recover, remove_orphans
+from reviewer.run.signals import sigterm_as_interrupt, stop_requested
+from reviewer.run.task import build_task
+from reviewer.run.verify import verify_findings
+from reviewer.run.view import LiveView, PersonaState
+from reviewer.sandbox import isolation
+from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace, resolve_target
+from reviewer.store import db, lifecycle
+from reviewer.store.db import PersonaRun, ReviewRun
+from reviewer.text import first_line
 
 DETERMINISTIC = {"smoke": run_smoke}  # personas that run code instead of a model
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
-README_CHARS = 4000
 ENDED = ("completed", "step_budget", "token_budget", "timeout")
 
 
@@ -50,303 +49,7 @@ class UserError(Exception):
     """Bad input found before anything is written; one line."""
 
 
-# --- storage -----------------------------------------------------------------------------------------------------------
-
-class DbRecorder:
-    """The agent's Recorder: every call is its own short transaction, so a crash loses at most the step in flight."""
-
-    def __init__(self, db_path: str, run_id: int, persona_run_id: int, persona: str, on_record=None):
-        self.db, self.run_id, self.persona_run_id, self.persona = db_path, run_id, persona_run_id, persona
-        self.on_record = on_record or (lambda kind, row: None)
-        self.findings = 0
-        self.measurements = 0
-        self.titles: list[str] = []  # "[severity] title" of each finding, for the next personas' task
-
-    def record_finding(self, *, title, severity, category, details, evidence=None, repro_command=None, file=None,
-                       line=None) -> int:
-        severity = str(severity or "").strip().lower()
-        if severity not in db.SEVERITIES:
-            raise ValueError(f"severity must be one of {', '.join(db.SEVERITIES)}, got {severity!r}")
-        if not str(title or "").strip():
-            raise ValueError("a finding needs a title")
-        try:
-            line = int(line) if line not in (None, "") else None
-        except (TypeError, ValueError):
-            line = None
-        row = Finding(run_id=self.run_id, persona_run_id=self.persona_run_id, persona=self.persona,
-                      title=str(title).strip(), severity=severity, category=str(category or "other").strip(),
-                      details=str(details or ""), evidence=evidence, repro_command=repro_command,
-                      file=str(file) if file else None, line=line)
-        with db.session(self.db) as s:
-            s.add(row)
-            s.commit()
-        self.findings += 1
-        self.titles.append(f"[{row.severity}] {row.title}")
-        self.on_record("finding", row)
-        return row.id
-
-    def record_measurement(self, *, name, value, unit, command=None, repeats=None, spread=None, samples=None) -> int:
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"a measurement value must be a number, got {value!r}") from None
-        if not math.isfinite(value):
-            raise ValueError(f"a measurement value must be finite, got {value}")
-        if not str(name or "").strip():
-            raise ValueError("a measurement needs a name")
-        try:
-            repeats = int(repeats) if repeats not in (None, "") else None
-        except (TypeError, ValueError):
-            repeats = None
-        row = Measurement(run_id=self.run_id, persona_run_id=self.persona_run_id, persona=self.persona,
-                          name=str(name).strip(), value=value, unit=str(unit or ""), command=command, repeats=repeats,
-                          spread=spread, samples=json.dumps(samples) if samples else None)
-        with db.session(self.db) as s:
-            s.add(row)
-            s.commit()
-        self.measurements += 1
-        self.on_record("measurement", row)
-        return row.id
-
-    def record_sandbox_event(self, event, command: str | None = None) -> int:
-        """A reviewer.sandbox.limits.Event the sandbox raised while one of this persona's commands ran."""
-        row = SandboxEvent(run_id=self.run_id, persona_run_id=self.persona_run_id, persona=self.persona,
-                           kind=event.kind, detail=event.detail, command=(command or "")[:2000] or None,
-                           inferred=event.inferred, created_at=event.time)
-        with db.session(self.db) as s:
-            s.add(row)
-            s.commit()
-        self.on_record("sandbox_event", row)
-        return row.id
-
-    def save_transcript(self, messages: list[dict], *, steps: int, prompt_tokens: int, completion_tokens: int,
-                        llm_seconds: float, tokens_estimated: bool = False) -> None:
-        with db.session(self.db) as s:
-            row = s.get(PersonaRun, self.persona_run_id)
-            row.transcript = json.dumps(messages, default=str)
-            row.steps, row.prompt_tokens, row.completion_tokens = steps, prompt_tokens, completion_tokens
-            row.llm_seconds, row.tokens_estimated = llm_seconds, tokens_estimated
-            s.add(row)
-            s.commit()
-
-
-def update_row(db_path: str, model, row_id: int, **values) -> None:
-    with db.session(db_path) as s:
-        row = s.get(model, row_id)
-        for k, v in values.items():
-            setattr(row, k, v)
-        s.add(row)
-        s.commit()
-
-
-def machine_fingerprint(isolation_mode: str = "bwrap") -> dict:
-    """What the measurements were taken on: enough to tell two machines (or two container limits) apart."""
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    memory = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory = round(int(line.split()[1]) / 1024 / 1024, 1)
-    quota = None
-    with contextlib.suppress(OSError, ValueError):
-        q, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        quota = None if q == "max" else round(int(q) / int(period), 2)
-    return {
-        "hostname": socket.gethostname(),
-        "cpu": cpu or platform.machine(),
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_quota": quota,
-        "memory_gib": memory,
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "isolation": isolation_mode,
-    }
-
-
-# --- what the LLM personas are told --------------------------------------------------------------------------------
-
-def build_task(persona: Persona, ws: Workspace, target: Target, *, max_steps: int, baseline: list[str]) -> str:
-    """The first user message of an LLM persona: where it is, what it has, what is known already, what to do."""
-    top = sorted(p.name + ("/" if p.is_dir() else "") for p in ws.root.iterdir() if p.name != ".git")
-    readme = next((p for p in sorted(ws.root.iterdir()) if p.is_file() and p.name.lower().startswith("readme")), None)
-    lines = [
-        "Review this repository the way a new user would, with your focus: " + (", ".join(persona.focus) or persona.description) + ".",
-        "",
-        f"Repository: {target.url}",
-        f"Commit: {target.commit}" + (f" ({target.ref})" if target.ref else f" (default branch {target.branch})" if target.branch else ""),
-        f"Working directory (a fresh clone; every path you give is relative to it): {ws.root}",
-        f"A fresh virtual environment is active: `python` and `pip` are {ws.venv}/bin/python and {ws.venv}/bin/pip. "
-        "Nothing is installed in it yet: install the project the way its README says.",
-        f"Each bash command runs in a new shell in the working directory (a `cd` does not carry over) with at most "
-        f"{ws.command_timeout:g} s; whatever it started in the background is stopped when it returns.",
-        f"Top of the repository: {', '.join(top)}",
-    ]
-    lines += [f"Note: {n}" for n in ws.notes]
-    if readme:
-        text = readme.read_text(errors="replace")
-        cut = f"\n[... {len(text) - README_CHARS} more characters: read_file {readme.name} ...]" if len(text) > README_CHARS else ""
-        lines += ["", f"{readme.name}:", "-----", text[:README_CHARS] + cut, "-----"]
-    else:
-        lines += ["", "The repository has no README."]
-    if baseline:
-        lines += ["", "Already known from the deterministic smoke check of this commit (do not repeat it; go further):"]
-        lines += [f"- {b}" for b in baseline]
-    lines += [
-        "",
-        f"You have {max_steps} steps. Confirm each problem by running something, then record it at once with "
-        "record_finding (evidence: the command output; repro_command: one command that shows it). Record every number "
-        "you measure with record_measurement (repeat timings and give `repeats`). When done, call finish with a short "
-        "summary.",
-    ]
-    return "\n".join(lines)
-
-
-# --- on screen -----------------------------------------------------------------------------------------------------
-
-@dataclass
-class PersonaState:
-    name: str
-    status: str = "waiting"
-    step: int = 0
-    max_steps: int | None = None
-    tool: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    llm_seconds: float = 0.0
-    started: float | None = None
-    ended: float | None = None
-    findings: int = 0
-    measurements: int = 0
-    note: str = ""
-    streamed: int = 0  # characters of the reply being generated
-    estimated: bool = False  # the token counts are estimates (the server reported none)
-
-
-STATUS_MARK = {"waiting": " ", "running": "▶", "completed": "✓", "step_budget": "◼", "token_budget": "◼",
-               "timeout": "◼", "failed": "✗", "interrupted": "✗"}
-STATUS_STYLE = {"completed": "green", "failed": "red", "interrupted": "red", "running": "bold cyan",
-                "step_budget": "yellow", "token_budget": "yellow", "timeout": "yellow", "waiting": "dim"}
-
-
-@dataclass
-class LiveView:
-    """Persona, step, last tool, tokens and tokens/s while the review runs: a live table on a terminal, one plain line
-    per event elsewhere (CI logs, pipes, tests)."""
-
-    console: Console
-    header: str
-    personas: list[PersonaState] = field(default_factory=list)
-    live: Live | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __enter__(self) -> LiveView:
-        if self.console.is_terminal:
-            self.live = Live(console=self.console, get_renderable=self.render, refresh_per_second=4, transient=False)
-            self.live.__enter__()
-        else:
-            self.console.print(self.header, highlight=False)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.live is not None:
-            self.live.__exit__(*exc)
-            self.live = None
-
-    def state(self, name: str) -> PersonaState:
-        return next(p for p in self.personas if p.name == name)
-
-    def say(self, text: str) -> None:
-        (self.live.console if self.live else self.console).print(text, highlight=False, markup=False, soft_wrap=True)
-
-    def start(self, name: str, max_steps: int | None) -> None:
-        p = self.state(name)
-        p.status, p.started, p.max_steps, p.note = "running", time.monotonic(), max_steps, "preparing workspace"
-        if not self.live:
-            self.say(f"▶ {name}: fresh clone and virtual environment ...")
-
-    def step(self, name: str, step: int, tool: str | None, detail: str = "", *, prompt_tokens: int = 0,
-             completion_tokens: int = 0, llm_seconds: float = 0.0, estimated: bool = False) -> None:
-        p = self.state(name)
-        p.step, p.tool, p.note, p.streamed = step, tool or "", detail, 0
-        p.prompt_tokens, p.completion_tokens, p.llm_seconds = prompt_tokens, completion_tokens, llm_seconds
-        p.estimated = estimated
-        if not self.live:
-            tokens = f"  {token_count(p)} tok  {tokens_per_s(p)}" if p.llm_seconds else ""
-            self.say(f"  {name} step {step}: {tool or '-'}{' ' + detail if detail else ''}{tokens}")
-
-    def delta(self, name: str, text: str) -> None:
-        """Streamed text of the reply being generated: the live view shows it growing."""
-        p = self.state(name)
-        p.streamed += len(text)
-        p.note = f"generating ({p.streamed} characters)"
-
-    def recorded(self, name: str, kind: str, row) -> None:
-        p = self.state(name)
-        # Printed in both modes: on a terminal the line scrolls by above the live table.
-        if kind == "finding":
-            p.findings += 1
-            self.say(f"  {name} found [{row.severity}] {row.title}")
-        elif kind == "sandbox_event":
-            self.say(f"  {name} sandbox: {row.kind}: {row.detail}")
-        else:
-            p.measurements += 1
-            self.say(f"  {name} measured {row.name} = {row.value:.4g} {row.unit}")
-
-    def end(self, name: str, status: str, note: str = "") -> None:
-        p = self.state(name)
-        p.status, p.ended, p.note = status, time.monotonic(), note
-        if not self.live:
-            self.say(f"{STATUS_MARK.get(status, '?')} {name} {status} in {elapsed(p)} ({p.step} steps, "
-                     f"{p.findings} findings, {p.measurements} measurements){': ' + note if note else ''}")
-
-    def render(self):
-        table = Table(box=None, pad_edge=False, show_header=True, header_style="dim")
-        for col in ("", "persona", "status", "step", "last tool", "tokens", "tok/s", "time", "findings", "measured", ""):
-            table.add_column(col, no_wrap=col != "")
-        for p in self.personas:
-            style = STATUS_STYLE.get(p.status, "")
-            step = f"{p.step}/{p.max_steps}" if p.max_steps and p.status == "running" else (str(p.step) if p.step else "")
-            table.add_row(
-                STATUS_MARK.get(p.status, "?"), Text(p.name, style="bold"), Text(p.status, style=style), step,
-                p.tool, token_count(p) if p.llm_seconds else "",
-                tokens_per_s(p) if p.llm_seconds else "", elapsed(p) if p.started else "",
-                str(p.findings) if p.started else "", str(p.measurements) if p.started else "",
-                Text(p.note[:70], style="dim"),
-            )
-        return Group(Text.from_markup(self.header), table)
-
-
-def token_count(p: PersonaState) -> str:
-    return f"~{p.prompt_tokens + p.completion_tokens}" if p.estimated else str(p.prompt_tokens + p.completion_tokens)
-
-
-def tokens_per_s(p: PersonaState) -> str:
-    """From the server's own counts; from estimates only marked as such (`~`, "estimated")."""
-    if p.llm_seconds <= 0:
-        return "-"
-    rate = f"{p.completion_tokens / p.llm_seconds:.1f} tok/s"
-    return f"~{rate} (estimated)" if p.estimated else rate
-
-
-def elapsed(p: PersonaState) -> str:
-    if p.started is None:
-        return ""
-    s = int((p.ended or time.monotonic()) - p.started)
-    return f"{s // 60}:{s % 60:02d}"
-
-
 # --- the run -----------------------------------------------------------------------------------------------------------
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".strip(": ")
-
 
 def error_exit(message: str, code: int = EXIT_USAGE) -> int:
     """One line on stderr, like every other `reviewer` error."""
@@ -374,37 +77,6 @@ def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona],
         return personas, resolve_target(target, ref)
     except WorkspaceError as e:
         raise UserError(str(e)) from None
-
-
-_sigterm_received = threading.Event()
-
-
-def stop_requested() -> bool:
-    """True once SIGTERM has arrived under sigterm_as_interrupt. Its KeyboardInterrupt can be lost on the way: raised
-    in the middle of a database call, it leaves the connection busy, and a library's cleanup that then fails raises an
-    ordinary error in its place (SQLAlchemy's pool pre-ping restoring psycopg's autocommit: "can't change 'autocommit'
-    now: connection in transaction status ACTIVE"). Code that handles an error and carries on asks this first."""
-    return _sigterm_received.is_set()
-
-
-def _on_sigterm(signum, frame):
-    _sigterm_received.set()  # first: the exception below may not survive, the flag does
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """`kill PID` stops a review like Ctrl-C does: rows marked interrupted, workspace removed, lock released."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    if signal.getsignal(signal.SIGTERM) is not _on_sigterm:
-        _sigterm_received.clear()  # the outermost command of this process: a signal from an earlier one is done with
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool = False, json_output: bool = False,
@@ -438,9 +110,8 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
             try:
                 db.get_engine(settings.db)
             except Exception as e:  # noqa: BLE001 - unwritable path, newer schema: one line, nothing written
-                raise UserError(f"cannot open the database {db.display_url(settings.db)}: {one_line(e)}") from None
-            from reviewer.run.loop import recover, remove_orphans
-
+                raise UserError(f"cannot open the database {db.display_url(settings.db)}: "
+                                f"{first_line(e, with_type=True)}") from None
             recover(settings.db, [], ui)  # runs a killed reviewer left `running` on this machine: interrupted
             remove_orphans([settings.workdir], ui)  # and the workspaces and sandbox folders it left behind
             run_id = create_run(settings, tgt, ref, llm, worker)
@@ -459,8 +130,8 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
         if run_id is None:
             raise
         status = "interrupted" if stop_requested() else "failed"  # interrupted: a SIGTERM came out as `e`
-        close_open_rows(settings.db, run_id, status, one_line(e))
-        ui.print(f"[red]error:[/red] {escape(one_line(e))}")
+        close_open_rows(settings.db, run_id, status, first_line(e, with_type=True))
+        ui.print(f"[red]error:[/red] {escape(first_line(e, with_type=True))}")
     return finish(run_id, status, settings, console, ui, json_output)
 
 
@@ -479,8 +150,6 @@ def close_open_rows(db_path: str, run_id: int, status: str, error: str) -> None:
 
 def open_llm_or_fail(stack: contextlib.ExitStack, settings, ui: Console, llm_personas: list[Persona]):
     """The LLM client for the review (kept open by `stack`); UserError when it cannot be reached."""
-    from reviewer.llm.client import LLMError, open_llm
-
     try:
         return stack.enter_context(open_llm(settings, ui))
     except LLMError as e:
@@ -551,8 +220,6 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
                 ws, recorder, timeout=settings.timeout, probes=settings.probes,
                 on_step=lambda step, tool, detail: view.step(persona.name, step, tool, detail))
         else:
-            from reviewer.persona.agent import run_agent
-
             def on_step(e) -> None:
                 view.step(persona.name, e.step, e.tool, prompt_tokens=e.prompt_tokens,
                           completion_tokens=e.completion_tokens, llm_seconds=e.llm_seconds, estimated=e.tokens_estimated)
@@ -571,8 +238,6 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
             baseline.append(f"{persona.name}: {summary}")
             baseline.extend(f"{persona.name} found: {t}" for t in recorder.titles)
         # Findings are checked, not trusted: each repro_command is re-run in a fresh clone of the same commit.
-        from reviewer.run.verify import verify_findings
-
         verify_findings(settings.db, run_id, persona=persona.name, settings=settings,
                         on_progress=lambda msg: view.step(persona.name, result.steps, "verify", msg,
                                                           prompt_tokens=result.prompt_tokens,
@@ -583,7 +248,7 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
         status, error = "interrupted", "interrupted by the user"
         update_row(settings.db, PersonaRun, persona_run_id, status=status, error=error, finished_at=db.utcnow())
     except Exception as e:  # noqa: BLE001 - a persona's crash is recorded and the review goes on with the next one
-        status, error = "failed", one_line(e)
+        status, error = "failed", first_line(e, with_type=True)
         detail = "".join(traceback.format_exception(e)[-3:]).strip() if not isinstance(e, WorkspaceError) else error
         update_row(settings.db, PersonaRun, persona_run_id, status=status, error=detail, finished_at=db.utcnow())
     finally:
@@ -602,16 +267,13 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
 
 def finish(run_id: int, status: str, settings, console: Console, ui: Console, json_output: bool) -> int:
     """Assign finding states against earlier runs, then show the run from the database."""
-    from reviewer.report import report
-
     try:
-        from reviewer.store import lifecycle
-
         with db.session(settings.db) as s:
             lifecycle.assign_states(s, run_id)
             s.commit()
     except Exception as e:  # noqa: BLE001 - the findings are stored; only their new/persisting state is missing
-        ui.print(f"[yellow]warning:[/yellow] could not compare findings with earlier runs: {escape(one_line(e))}")
+        ui.print(f"[yellow]warning:[/yellow] could not compare findings with earlier runs: "
+                 f"{escape(first_line(e, with_type=True))}")
     runs = report.collect_runs(settings.db, report.ReportFilter(run_id=run_id))
     if json_output:
         print(json.dumps({"runs": runs}, indent=2))

@@ -1,9 +1,9 @@
 """Findings checked instead of trusted: re-run each finding's `repro_command` in a fresh sandbox.
 
 Small local models hallucinate problems. A finding that comes with a command is re-run, after its persona finished, in a
-fresh workspace (a new clone of the same commit and a new virtual environment, reviewer/sandbox/workspace.py) where the project
-is first installed the way this run's smoke persona installed it (its "install time" measurement names the command), so
-that "pytest is missing" never passes for "the tests fail". The rule, exactly:
+fresh workspace (a new clone of the same commit and a new virtual environment, reviewer/sandbox/workspace.py) where the
+project is first installed the way this run's smoke persona installed it (its "install time" measurement names the
+command), so that "pytest is missing" never passes for "the tests fail". The rule, exactly:
 
 - `verified = True`  when the repro command exits non-zero or times out: the problem reproduces;
 - `verified = False` when it exits 0: it does not;
@@ -21,19 +21,16 @@ from collections.abc import Callable
 
 from sqlmodel import select
 
-from reviewer.store import db
-from reviewer.store.db import Finding, Measurement, Repository, ReviewRun
 from reviewer.sandbox import isolation
 from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace
+from reviewer.store import db
+from reviewer.store.db import Finding, Measurement, Repository, ReviewRun
+from reviewer.text import tail
 
 MAX_PER_PERSONA = 10
 REPRO_TIMEOUT = 300.0
 SETUP_TIMEOUT = 600.0
 OUTPUT_TAIL = 3000
-
-
-def tail(text: str, limit: int = OUTPUT_TAIL) -> str:
-    return text if len(text) <= limit else f"[... {len(text) - limit} characters left out ...]\n" + text[-limit:]
 
 
 def setup_command(s, run_id: int) -> str | None:
@@ -98,7 +95,7 @@ def check(repro: str, target: Target, setup: str | None, settings) -> tuple[bool
         lines.append(f"repro `{repro}`: {outcome(result)} -> "
                      + ("reproduces" if verified else "does not reproduce (exit code 0)"))
         lines.append("--- output ---")
-        lines.append(tail(result.output.strip()))
+        lines.append(tail(result.output.strip(), OUTPUT_TAIL))
         return verified, "\n".join(lines)
     finally:
         ws.remove()

@@ -8,20 +8,20 @@ disturb the next persona's measurements. Output is stdout and stderr merged, cap
 Given a `sandbox` (reviewer.sandbox.isolation.Sandbox), the command runs confined instead: bubblewrap, the allowlisting
 network proxy and the resource limits (docs/sandbox.md), and what they blocked comes back as `events`. Without one,
 this is the bare baseline above, which is not a security boundary (`--isolation none` still goes through the sandbox
-module, with its limits, and says so in an event).
+module, with its limits, and says so in an event). Both run under the one supervisor, reviewer/sandbox/supervisor.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import selectors
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from reviewer.sandbox.isolation import run_sandboxed
+from reviewer.sandbox.limits import Limits
+from reviewer.sandbox.supervisor import run_supervised
 
 # Variables a build needs to find tools, registries and certificates. Values are passed through unchanged; anything
 # not listed here (including every API key and token in the user's environment) never reaches a command.
@@ -85,123 +85,18 @@ def sandbox_env(*, home: Path, tmp: Path, venv: Path | None = None, extra: dict[
     return env
 
 
-def cap_output(text: str, limit: int, dropped: int = 0) -> tuple[str, bool]:
-    """Keep the first and last limit/2 characters; say how many were left out in between."""
-    if len(text) <= limit and not dropped:
-        return text, False
-    half = max(limit // 2, 1)
-    head, tail = text[:half], text[-half:] if len(text) > half else ""
-    left_out = len(text) - len(head) - len(tail) + dropped
-    return f"{head}\n[... {left_out} characters left out ...]\n{tail}", True
-
-
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def run_command(command: str, *, cwd: Path, env: dict[str, str], timeout: float, max_output: int = 200_000,
-                sandbox=None) -> CommandResult:
+def run_shell(command: str, *, cwd: Path, env: dict[str, str], timeout: float, max_output: int = 200_000,
+              sandbox=None) -> CommandResult:
     """Run `command` with bash in `cwd`; kill its whole process group on timeout (or Ctrl-C) and when it returns.
-    With `sandbox` (reviewer.sandbox.isolation.Sandbox): confined, limited, and with the events it recorded."""
+    With `sandbox` (reviewer.sandbox.isolation.Sandbox): confined, limited, and with the events it recorded. Without,
+    the bare baseline runs under the same supervisor with only the timeout and the output cap: no init, no cgroup, no
+    disk watch, no output size limit."""
     if sandbox is not None:
-        from reviewer.sandbox.isolation import run_sandboxed
-
         box = replace(sandbox, limits=replace(sandbox.limits, timeout=timeout, keep_output=max_output))
         o = run_sandboxed(command, sandbox=box, cwd=cwd, env=env)
-        return CommandResult(exit_code=o.exit_code, output=o.output, seconds=o.seconds, timed_out=o.timed_out,
-                             truncated=o.truncated, events=o.events)
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        ["bash", "-c", command],
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # own session and process group: killpg reaches every child, Ctrl-C does not
-    )
-    # Bytes are kept as head + tail while reading, so a runaway `yes` costs bounded memory.
-    head, tail, dropped = bytearray(), bytearray(), 0
-    byte_cap = max_output * 2  # characters are decoded later; utf-8 needs at most a few bytes each
-
-    def keep(chunk: bytes) -> None:
-        nonlocal tail, dropped
-        room = byte_cap - len(head)
-        if room > 0:
-            head.extend(chunk[:room])
-            chunk = chunk[room:]
-        tail.extend(chunk)
-        if len(tail) > byte_cap:
-            dropped += len(tail) - byte_cap
-            del tail[: len(tail) - byte_cap]
-
-    timed_out = False
-    deadline = start + timeout
-    drain_until = None  # after the main process exits: a moment to read what is still in the pipe
-    fd = proc.stdout.fileno()
-    os.set_blocking(fd, False)
-    sel = selectors.DefaultSelector()
-    sel.register(fd, selectors.EVENT_READ)
-    try:
-        while True:
-            now = time.monotonic()
-            if drain_until is None and now >= deadline:
-                timed_out = True
-                kill_group(proc.pid)
-                drain_until = now + 1.0
-            if drain_until is not None and now >= drain_until:
-                break
-            wait = min(0.1, max((drain_until or deadline) - now, 0.0))
-            eof = False
-            for _ in sel.select(wait):
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
-                    continue
-                if chunk:
-                    keep(chunk)
-                else:
-                    eof = True
-            if eof:
-                break
-            if drain_until is None and proc.poll() is not None:
-                # The command is done; whatever it left running in the background goes with it.
-                kill_group(proc.pid)
-                drain_until = time.monotonic() + 1.0
-    except BaseException:  # Ctrl-C or an error here: never leave the command running behind us
-        kill_group(proc.pid)
-        proc.wait()
-        raise
-    finally:
-        sel.close()
-        proc.stdout.close()
-    if drain_until is None:
-        # End of output comes a moment before the shell exits (it closes the pipe, then exits): let it finish on its
-        # own, or a kill here turns a clean exit into -9 (seen in the tests under load)
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except BaseException:  # Ctrl-C while waiting: never leave the command running behind us
-            kill_group(proc.pid)
-            proc.wait()
-            raise
-    kill_group(proc.pid)
-    proc.wait()
-    seconds = time.monotonic() - start
-    # Decoded apart when bytes were dropped between them, so a character cut in two spoils only one side.
-    text = (head.decode("utf-8", "replace") + tail.decode("utf-8", "replace")) if dropped else (head + tail).decode(
-        "utf-8", "replace")
-    output, truncated = cap_output(text, max_output, dropped)
-    if timed_out:
-        output += f"\n[killed: the command ran past its {timeout:g} s timeout]"
-    return CommandResult(
-        exit_code=None if timed_out else proc.returncode,
-        output=output,
-        seconds=seconds,
-        timed_out=timed_out,
-        truncated=truncated,
-    )
+    else:
+        bare = Limits(timeout=timeout, keep_output=max_output, max_output_bytes=sys.maxsize, disk_bytes=None,
+                      max_files=None)
+        o = run_supervised(["bash", "-c", command], cwd=cwd, env=env, limits=bare, watch=[], count_leftovers=False)
+    return CommandResult(exit_code=o.exit_code, output=o.output, seconds=o.seconds, timed_out=o.timed_out,
+                         truncated=o.truncated, events=o.events)

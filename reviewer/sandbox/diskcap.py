@@ -1,6 +1,6 @@
 """A hard cap on a workspace's disk use, enforced by the kernel: the workspace folder becomes the mount point of its own
 small ext4 file system, kept in a sparse image file beside it and mounted through a loop device. A write past the cap
-fails with "No space left on device" however fast the writer is, which the supervisor's polling (limits.DiskWatch)
+fails with "No space left on device" however fast the writer is, which the supervisor's polling (supervisor.DiskWatch)
 cannot promise: under load a disk-filling repository got 144-355 MiB past a 100 MiB allowance between two polls, and
 up to 4.4 GB in a review. The polling stays, as the second line and for the event it records.
 

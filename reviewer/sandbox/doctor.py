@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from reviewer.sandbox import diskcap, egress_proxy, isolation, limits
+from reviewer.sandbox import cgroups, diskcap, egress_proxy, isolation, limits
 from reviewer.sandbox.isolation import Check
 
 # Runs inside the sandbox: each line "name ok|FAIL detail". Standard library only.
@@ -88,7 +88,7 @@ def sandbox_checks(db_path: Path | None) -> list[Check]:
 
 def limit_checks() -> tuple[list[Check], list[Check]]:
     """(required, advisory) checks about resource limits."""
-    cg, why = limits.create_cgroup(limits.Limits())
+    cg, why = cgroups.create_cgroup(limits.Limits())
     if cg is not None:
         cg.remove()
     root = os.geteuid() == 0

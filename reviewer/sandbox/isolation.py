@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from reviewer.sandbox import egress_proxy, limits as limits_mod
+from reviewer.sandbox import cgroups, egress_proxy, supervisor
+from reviewer.sandbox import limits as limits_mod
 from reviewer.sandbox.limits import Event, Limits, Outcome
 
 INIT_SCRIPT = Path(__file__).with_name("init.py")
@@ -349,7 +350,7 @@ def file_size_limit(limits: Limits) -> int | None:
     return limits.disk_bytes + limits_mod.MiB if limits.disk_bytes else None
 
 
-def init_argv(command: str, *, limits: Limits, cgroup: limits_mod.Cgroup | None, report_fd: int | None,
+def init_argv(command: str, *, limits: Limits, cgroup: cgroups.Cgroup | None, report_fd: int | None,
               python: str, script: str, forward: str | None, reap: bool) -> list[str]:
     a = [python, "-I", "-S", script]
     if report_fd is not None:
@@ -383,7 +384,7 @@ def run_sandboxed(command: str, *, sandbox: Sandbox, cwd: Path, env: dict[str, s
     lim = sandbox.limits
     env, events = withhold_secrets(env)
     python = os.path.realpath(sys.executable)
-    cgroup, _why = limits_mod.create_cgroup(lim)
+    cgroup, _why = cgroups.create_cgroup(lim)
     r, w = os.pipe()
     os.set_inheritable(w, True)
     # Short path: unix socket names are limited to 107 bytes. The pid tells an orphan (reviewer killed) from one in use.
@@ -413,9 +414,9 @@ def run_sandboxed(command: str, *, sandbox: Sandbox, cwd: Path, env: dict[str, s
                              "extra_ro": [*setup.ro_paths, *toolchain_paths(inner_env), *sandbox.extra_ro]})
             argv = bwrap_argv(inner, sandbox=box, cwd=cwd, env=inner_env, proxy_socket=sock)
             outer_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}  # bwrap's own; readable inside
-        argv = limits_mod.enter_cgroup_argv(cgroup, argv)
+        argv = cgroups.enter_cgroup_argv(cgroup, argv)
         fds, r, w = (r, w), -1, -1  # run_supervised owns them from here
-        outcome = limits_mod.run_supervised(argv, cwd=cwd, env=outer_env, limits=lim, watch=watch, cgroup=cgroup,
+        outcome = supervisor.run_supervised(argv, cwd=cwd, env=outer_env, limits=lim, watch=watch, cgroup=cgroup,
                                             report_fd=fds[0], pass_fds=(fds[1],), count_leftovers=sandbox.mode == "none")
     finally:
         for fd in (r, w):

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reviewer.sandbox import diskcap
+from reviewer.sandbox.command import CommandResult, run_shell, sandbox_env
 from reviewer.sandbox.isolation import Policy, Sandbox
-from reviewer.sandbox.command import CommandResult, run_command, sandbox_env
 
 LS_REMOTE_TIMEOUT = 60.0
 FETCH_TIMEOUT = 600.0
@@ -65,8 +65,8 @@ class Workspace:
         return self.venv / "bin" / "python"
 
     def run(self, command: str, timeout: float) -> CommandResult:
-        result = run_command(command, cwd=self.root, env=self.env, timeout=min(float(timeout), self.command_timeout),
-                             sandbox=self.sandbox)
+        result = run_shell(command, cwd=self.root, env=self.env, timeout=min(float(timeout), self.command_timeout),
+                           sandbox=self.sandbox)
         if self.on_event is not None:
             for event in result.events:
                 if event.kind == "isolation_disabled":  # true of every command: recorded once per persona
@@ -281,7 +281,7 @@ def create_workspace(target: Target, *, parent: Path | None, name: str, command_
     confined by `policy` (default: bubblewrap with the default limits; IsolationError where it is unavailable).
     Where the machine allows (root), the folder is its own file system of the policy's disk size (diskcap), so the
     kernel stops a disk-filling command at the limit; the name carries our pid, so that a later review can tell an
-    orphan (its process killed) from a workspace in use, and remove it (reviewer.run.loop.remove_orphans)."""
+    orphan (its process killed) from a workspace in use, and remove it (reviewer.run.recovery.remove_orphans)."""
     policy = policy or Policy.from_settings(None)
     parent = Path(parent) if parent else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)

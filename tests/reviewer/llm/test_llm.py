@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 from reviewer.config import Settings
-from reviewer.llm.client import (ContextOverflow, EndpointDown, FailoverClient, LLMError, ToolsUnsupported, open_llm,
-                          to_anthropic_messages)
+from reviewer.llm.anthropic_chat import to_anthropic_messages
+from reviewer.llm.client import FailoverClient
+from reviewer.llm.endpoints import open_llm
+from reviewer.llm.errors import ContextOverflow, EndpointDown, LLMError, ToolsUnsupported
 from reviewer.persona.tools import TOOLS
 from tests.scripted_llm import ScriptedLLM, fail, scripted_llm, text, tool  # noqa: F401  (scripted_llm is a fixture)
 

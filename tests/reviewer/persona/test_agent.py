@@ -9,13 +9,13 @@ import time
 import pytest
 from sqlmodel import select
 
-from reviewer.store import db
-from reviewer.persona.agent import ELIDED, fit_context, parse_text_calls, run_agent
 from reviewer.config import Settings
-from reviewer.llm.client import open_llm
+from reviewer.llm.endpoints import open_llm
+from reviewer.persona.agent import ELIDED, fit_context, parse_text_calls, run_agent
 from reviewer.persona.files import Persona, load_personas
 from reviewer.sandbox.command import sandbox_env
 from reviewer.sandbox.workspace import Workspace
+from reviewer.store import db
 from tests.scripted_llm import fail, raw_tool, scripted_llm, text, tool  # noqa: F401  (scripted_llm is a fixture)
 
 PERSONA = Persona(name="tester", description="test persona", system_prompt="You are a careful tester. SYSTEM-MARKER",
@@ -282,7 +282,7 @@ def test_llm_failure_mid_run_is_a_failed_persona_with_one_line(scripted_llm, wor
 
 
 def test_with_the_database_recorder_of_reviewer_run(scripted_llm, workspace, tmp_path):
-    from reviewer.run.review import DbRecorder
+    from reviewer.run.recorder import DbRecorder
 
     path = str(tmp_path / "reviews.db")
     with db.session(path) as s:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from sqlmodel import select
 
+from reviewer.examples import git, make_example_repo
+from reviewer.persona.smoke import detect, importtime_us, pytest_counts, run_smoke
+from reviewer.run.recorder import DbRecorder
+from reviewer.sandbox.workspace import create_workspace, resolve_target
 from reviewer.store import db
 from reviewer.store.db import Finding, Measurement, PersonaRun, ReviewRun
-from reviewer.examples import git, make_example_repo
-from reviewer.run.review import DbRecorder
-from reviewer.persona.smoke import detect, importtime_us, pytest_counts, run_smoke
-from reviewer.sandbox.workspace import create_workspace, resolve_target
 
 
 def make_repo(path: Path, files: dict[str, str]) -> Path:
@@ -42,7 +42,7 @@ def smoke_review(repo: Path, tmp_path: Path, timeout: float = 300):
     recorder = DbRecorder(dbp, run.id, prun.id, "smoke")
     ws = create_workspace(target, parent=tmp_path / "work", name="smoke")
     steps = []
-    result = run_smoke(ws, recorder, timeout=timeout, probes=False,  # the probes: tests/reviewer/probes/test_probes.py
+    result = run_smoke(ws, recorder, timeout=timeout, probes=False,  # the probes: tests/reviewer/persona/test_probes.py
                        on_step=lambda step, tool, detail: steps.append((step, detail)))
     assert [s for s, _ in steps] == list(range(1, result.steps + 1))
     with db.session(dbp) as s:

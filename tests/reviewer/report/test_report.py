@@ -9,7 +9,6 @@ from typer.testing import CliRunner
 
 from reviewer.cli import app
 from reviewer.report.report import ReportFilter, collect_runs, measurement_history, report_command
-
 from tests.report_data import COMMITS, OTHER, REPO, fill
 
 runner = CliRunner()

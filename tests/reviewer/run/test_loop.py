@@ -18,11 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 from reviewer import cli
-
-from reviewer.store import db
 from reviewer.examples import git, make_example_repo
-from reviewer.run.loop import Watched, poll, read_repos_file, LoopError
+from reviewer.run.loop import LoopError, Watched, poll, read_repos_file
 from reviewer.run.verify import verify_findings
+from reviewer.store import db
 
 ROOT = Path(__file__).resolve().parents[3]
 runner = CliRunner()

@@ -22,11 +22,13 @@ import pytest
 from rich.console import Console
 from sqlalchemy import inspect, text
 
+from reviewer.run.loop import LoopError, lease_seconds
+from reviewer.run.queue import Heartbeat, claim, enqueue
+from reviewer.run.recovery import recover
 from reviewer.store import db
-from reviewer.run.loop import Heartbeat, claim, enqueue, lease_seconds, LoopError, recover
 from tests.postgres import pg_database, postgres  # noqa: F401  (fixtures)
-from tests.scripted_llm import scripted_llm  # noqa: F401  (fixture)
 from tests.reviewer.run.test_loop import commit_change, make_project
+from tests.scripted_llm import scripted_llm  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[3]
 LOOP_CLI = "import sys; from reviewer import cli; sys.argv = ['reviewer'] + sys.argv[1:]; cli.main()"
@@ -500,7 +502,7 @@ def test_run_sends_the_api_key_from_config_to_a_server_that_requires_one(tmp_pat
     assert not dbp.exists() or rows(str(dbp), "SELECT id FROM reviewrun") == []
     (tmp_path / "reviewer.toml").write_text('api_key = "s3cret"\n')
     from reviewer.config import load_settings
-    from reviewer.llm.client import open_llm
+    from reviewer.llm.endpoints import open_llm
 
     with open_llm(load_settings(llm=[server.base_url])) as llm:  # the key comes from reviewer.toml
         reply = llm.chat([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)

@@ -12,8 +12,8 @@ Set REVIEWER_HOSTILE_TABLE=path.md to get the results table (action, outcome, ev
 from __future__ import annotations
 
 import hashlib
-import io
 import http.server
+import io
 import json
 import os
 import shutil
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from reviewer.sandbox import diskcap, isolation, limits
-from reviewer.sandbox.isolation import Sandbox, run_sandboxed
-from reviewer.sandbox.limits import MiB, Limits
+from reviewer.sandbox import cgroups, diskcap, isolation, limits, supervisor
 from reviewer.sandbox.command import sandbox_env
+from reviewer.sandbox.isolation import Sandbox, run_sandboxed
+from reviewer.sandbox.limits import Limits, MiB
 
 pytestmark = pytest.mark.skipif(not isolation.probe_bwrap().ok, reason=f"no sandbox: {isolation.probe_bwrap().detail}")
 
@@ -175,7 +175,7 @@ def workspace_for(name: str, tmp_path: Path, host: dict, template_venv: Path, ro
     if room is not None:
         staged = ws.rename(tmp_path / "ws-staged")
         ws.mkdir()
-        why = diskcap.mount_capped(ws, limits.disk_usage([staged]) + room)
+        why = diskcap.mount_capped(ws, supervisor.disk_usage([staged]) + room)
         if why:
             ws.rmdir()
             staged.rename(ws)
@@ -194,7 +194,7 @@ def run_phase(ws: Path, command: str, lim: Limits, host: dict) -> limits.Outcome
 def hostile_run(name: str, tmp_path: Path, host: dict, template_venv: Path, room: int | None = None,
                 **limit_args) -> dict[str, limits.Outcome]:
     ws = workspace_for(name, tmp_path, host, template_venv, room)
-    base = limits.disk_usage([ws])
+    base = supervisor.disk_usage([ws])
     lim = Limits(**{"timeout": 20, "cpu_seconds": 4, "memory_bytes": 512 * MiB, "max_processes": 64,
                     "disk_bytes": base + 100 * MiB, "max_output_bytes": 8 * MiB, "keep_output": 20_000, **limit_args})
     LIMITS[name] = lim
@@ -225,7 +225,7 @@ def attempts(o: limits.Outcome, phase: str) -> dict[str, str]:
 
 
 def cgroup_has(controller: str) -> bool:
-    cg, _ = limits.create_cgroup(Limits())
+    cg, _ = cgroups.create_cgroup(Limits())
     if cg is None:
         return False
     cg.remove()
@@ -321,7 +321,7 @@ def test_disk_fill_is_stopped_within_the_cap_on_a_loaded_machine(tmp_path, host,
     free_before = shutil.disk_usage(tmp_path).free
     try:
         out = hostile_run("disk_fill", tmp_path, host, template_venv, room=100 * MiB)
-        used = limits.disk_usage([tmp_path / "ws"])
+        used = supervisor.disk_usage([tmp_path / "ws"])
     finally:
         diskcap.release(tmp_path / "ws")
     for o in out.values():
@@ -379,11 +379,10 @@ def test_review_of_a_hostile_repository(tmp_path, host, monkeypatch):
     every attempt is a sandbox event on the persona run, shown in the report, and no secret reaches the database."""
     from rich.console import Console
 
-    from reviewer.store import db
-
-    from reviewer.report import report
     from reviewer.config import load_settings
+    from reviewer.report import report
     from reviewer.run.review import run_command
+    from reviewer.store import db
 
     repo = hostile_repo("combined", tmp_path / "combined", host)
     monkeypatch.setenv("REVIEWER_LOCK_FILE", str(tmp_path / "review.lock"))

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from reviewer.store import db
-
-from reviewer.sandbox import egress_proxy, isolation, limits
+from reviewer.sandbox import egress_proxy, isolation, limits, supervisor
 from reviewer.sandbox.egress_proxy import EgressProxy, host_allowed
 from reviewer.sandbox.isolation import IsolationError, Sandbox, run_sandboxed, withhold_secrets
-from reviewer.sandbox.limits import MiB, Limits
+from reviewer.sandbox.limits import Limits, MiB
+from reviewer.store import db
 
 needs_bwrap = pytest.mark.skipif(not isolation.probe_bwrap().ok, reason=f"no sandbox: {isolation.probe_bwrap().detail}")
 
@@ -246,7 +245,7 @@ def test_timeout_kills_everything_and_says_what(ws):
     assert o.timed_out and o.exit_code is None and "[killed: the command ran past its 1.5 s timeout]" in o.output
     [event] = [e for e in o.events if e.kind == "timeout"]
     assert "sleep 300" in event.detail and "sleep 301" in event.detail
-    assert not any("sleep 30" in limits.command_line(p) for p in limits.descendant_pids(os.getpid()))
+    assert not any("sleep 30" in supervisor.command_line(p) for p in supervisor.descendant_pids(os.getpid()))
 
 
 @needs_bwrap
@@ -275,7 +274,7 @@ def test_many_empty_files_hit_the_file_limit(ws):
 
 
 def test_output_buffer_keeps_head_and_tail():
-    buf = limits.OutputBuffer(100)
+    buf = supervisor.OutputBuffer(100)
     buf.add(b"A" * 60)
     for _ in range(1000):
         buf.add(b"m" * 100)

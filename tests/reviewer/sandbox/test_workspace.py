@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from reviewer.examples import git, make_example_repo
-from reviewer.sandbox.command import run_command, sandbox_env
+from reviewer.sandbox.command import run_shell, sandbox_env
 from reviewer.sandbox.workspace import Workspace, WorkspaceError, clone_commit, create_workspace, resolve_target
 
 
@@ -201,13 +201,14 @@ def test_background_processes_do_not_outlive_the_command(tmp_path):
 
 def test_output_is_capped_to_head_and_tail(tmp_path):
     ws = bare_workspace(tmp_path)
-    result = run_command("echo FIRST; yes middle | head -c 3000000; echo; echo LAST", cwd=ws.root, env=ws.env,
-                         timeout=30, max_output=2000)
+    result = run_shell("echo FIRST; yes middle | head -c 3000000; echo; echo LAST", cwd=ws.root, env=ws.env,
+                       timeout=30, max_output=2000)
     assert result.exit_code == 0 and result.truncated
     assert result.output.startswith("FIRST")
     assert result.output.rstrip().endswith("LAST")
     assert len(result.output) < 2200
-    left_out = int(result.output.split("[... ")[1].split(" characters left out")[0])
+    # The one supervisor's head + tail (reviewer/sandbox/supervisor.py OutputBuffer), as in the sandbox.
+    left_out = int(result.output.split("[... ")[1].split(" bytes left out")[0])
     assert 2_990_000 < left_out < 3_000_100
 
 

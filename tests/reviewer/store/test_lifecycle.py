@@ -6,8 +6,14 @@ from types import SimpleNamespace
 from sqlmodel import select
 
 from reviewer.store import db
-from reviewer.store.lifecycle import (assign_states, fingerprint, lifecycle_of, merge_near_duplicates, normalize_file,
-                                normalize_title)
+from reviewer.store.lifecycle import (
+    assign_states,
+    fingerprint,
+    lifecycle_of,
+    merge_near_duplicates,
+    normalize_file,
+    normalize_title,
+)
 
 
 def test_normalized_title_drops_the_variable_parts():

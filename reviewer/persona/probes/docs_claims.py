@@ -17,10 +17,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from reviewer.probes import doctext, prelude
-from reviewer.probes.runner import Probe, command, data, run, script
-from reviewer.probes.thresholds import DOC_COMMAND_TIMEOUT_S, DOCS_SCRIPT_TIMEOUT
-from reviewer.persona.smoke import EVIDENCE_CHARS, tail
+from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes.runner import Probe, command, data, run, script
+from reviewer.persona.probes.thresholds import DOC_COMMAND_TIMEOUT_S, DOCS_SCRIPT_TIMEOUT
+from reviewer.persona.project import EVIDENCE_CHARS
+from reviewer.text import tail
 
 PATHLIKE = re.compile(r"/|\.(txt|csv|tsv|json|jsonl|ya?ml|toml|ini|cfg|xml|html?|md|rst|py|dat|log|png|jpe?g)$", re.I)
 

@@ -16,10 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reviewer.probes import prelude
-from reviewer.probes.thresholds import PROBES_BUDGET_S, RESULT_MARK
+from reviewer.persona.probes import callsites, doctext, prelude
+from reviewer.persona.probes.thresholds import RESULT_MARK
 from reviewer.sandbox.command import CommandResult
-from reviewer.persona.smoke import SmokeTimeout
 
 DELIMITER = "REVIEWER_PROBE"
 
@@ -52,24 +51,18 @@ class Probe:
         return self.deadline - time.monotonic()
 
     def blocks(self):
-        """The docs' code blocks (reviewer.probes.doctext.Block), read once."""
-        from reviewer.probes import doctext
-
+        """The docs' code blocks (reviewer.persona.probes.doctext.Block), read once."""
         if "blocks" not in self._cache:
             self._cache["blocks"] = doctext.all_blocks(self.root)
         return self._cache["blocks"]
 
     def sentences(self):
-        from reviewer.probes import doctext
-
         if "sentences" not in self._cache:
             self._cache["sentences"] = doctext.sentences(self.root)
         return self._cache["sentences"]
 
     def sites(self):
-        """Where the tests and docs call the package's public functions (reviewer.probes.callsites.Sites)."""
-        from reviewer.probes import callsites
-
+        """Where the tests and docs call the package's public functions (reviewer.persona.probes.callsites.Sites)."""
         if "sites" not in self._cache:
             self._cache["sites"] = callsites.find(self.root, self.package, self.blocks())
         return self._cache["sites"]
@@ -124,12 +117,6 @@ def run(probe: Probe, label: str, code: str, timeout: float, env: str = "") -> t
     return got, res, cmd
 
 
-def from_smoke(smoke, package: str | None) -> Probe:
-    """The probes inside the smoke persona: its sandbox steps, its transcript, its recorder, its notes."""
-    return Probe(root=smoke.workspace.root, sh=smoke.sh, finding=smoke.finding, measure=smoke.measure,
-                 deadline=smoke.deadline, package=package, notes=smoke.notes)
-
-
 INFO = """
 from importlib import metadata
 here = os.path.realpath(os.getcwd())
@@ -164,57 +151,3 @@ def installed(probe: Probe) -> None:
         probe.package = None
 
 
-def run_probes(probe: Probe, *, import_ms: float | None = None) -> None:
-    """All probes, cheapest first; each bounded by the probe budget. A probe's own bug is a note, never a crash."""
-    from reviewer.probes import docs_claims, edge_inputs, scaling, timing_claims
-
-    probe.deadline = min(probe.deadline - 10, time.monotonic() + PROBES_BUDGET_S)
-    steps = [("console scripts", lambda: installed(probe)),
-             ("docs", lambda: docs_claims.probe_docs(probe)),
-             ("timing", lambda: timing_claims.probe_timing(probe, import_ms=import_ms)),
-             ("edge inputs", lambda: edge_inputs.probe_edges(probe)),
-             ("scaling", lambda: scaling.probe_scaling(probe))]
-    for name, step in steps:
-        try:
-            step()
-        except SmokeTimeout:
-            raise  # the persona's own time is up: smoke says so
-        except OutOfTime as e:
-            probe.notes.append(f"probes stopped at '{e}': their time ran out")
-            return
-        except Exception as e:  # noqa: BLE001 - a probe's bug must not cost the review; it is said in the summary
-            probe.notes.append(f"probe {name} failed: {type(e).__name__}: {e}")
-
-
-PROBES = ("docs", "timing", "scaling", "edges")
-
-
-def run_tool(kind: str, workspace, recorder, *, deadline: float | None = None, function: str | None = None) -> str:
-    """One probe as an LLM persona's tool, on its workspace (where it installed the project): the findings go to its
-    recorder; the text that comes back says what was found."""
-    from reviewer.probes import docs_claims, edge_inputs, scaling, timing_claims
-    from reviewer.persona.smoke import import_name, python_metadata
-
-    root = workspace.root
-    package = import_name(root, python_metadata(root)[0])
-    end = time.monotonic() + PROBES_BUDGET_S
-    probe = Probe(root=root, sh=lambda label, cmd, timeout: workspace.run(cmd, timeout),
-                  finding=recorder.record_finding, measure=recorder.record_measurement,
-                  deadline=min(deadline, end) if deadline else end, package=package)
-    try:
-        installed(probe)
-        if probe.package is None and (kind != "docs" or not probe.scripts):
-            return ("error: the project's package does not import in this workspace"
-                    + (f" ({package})" if package else "") + "; install it first (e.g. `pip install -e .`)")
-        if function:  # only the call sites of this function
-            sites = probe.sites()
-            sites.calls = {t: c for t, c in sites.calls.items() if t == function or t.rsplit(".", 1)[-1] == function}
-            if not sites.calls:
-                return f"error: the tests and docs never call {function!r} with literal arguments; nothing to probe"
-        {"docs": docs_claims.probe_docs, "timing": timing_claims.probe_timing, "scaling": scaling.probe_scaling,
-         "edges": lambda p: edge_inputs.probe_edges(p, cli=not function)}[kind](probe)
-    except OutOfTime as e:
-        probe.notes.append(f"stopped at '{e}': out of time")
-    found = "\n".join(f"- {t}" for t in probe.titles) or "- nothing"
-    notes = "".join(f"\nnote: {n}" for n in probe.notes)
-    return f"{kind} probe recorded {len(probe.titles)} finding(s) (each with a repro command):\n{found}{notes}"

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import re
 
-from reviewer.probes import doctext, prelude
-from reviewer.probes.callsites import Arg, CallSite
-from reviewer.probes.docs_claims import PATHLIKE, run_cli, short
-from reviewer.probes.runner import Probe, command, data, run, script
-from reviewer.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, EDGE_CALL_LIMIT_S, EDGE_MAX_FUNCTIONS,
-                                        EDGE_SCRIPT_TIMEOUT, FIT_CONTRACT, NON_ASCII, NON_EMPTY_CONTRACT,
-                                        POSITIVE_CONTRACT)
-from reviewer.persona.smoke import EVIDENCE_CHARS, tail
+from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes.callsites import Arg, CallSite
+from reviewer.persona.probes.docs_claims import PATHLIKE, run_cli, short
+from reviewer.persona.probes.runner import Probe, command, data, run, script
+from reviewer.persona.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, EDGE_CALL_LIMIT_S, EDGE_MAX_FUNCTIONS,
+                                                EDGE_SCRIPT_TIMEOUT, FIT_CONTRACT, NON_ASCII, NON_EMPTY_CONTRACT,
+                                                POSITIVE_CONTRACT)
+from reviewer.persona.project import EVIDENCE_CHARS
+from reviewer.text import tail
 
 # Malformed content for a file argument, by its extension: what a user's broken file looks like.
 MALFORMED = {".json": '{"unclosed": [1, 2\n', ".jsonl": '{"a": 1}\n{not json\n', ".csv": 'a,b,c\n1,2\n"unterminated\n',

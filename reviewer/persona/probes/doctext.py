@@ -8,7 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reviewer.probes.thresholds import MAX_DOC_BYTES, MAX_DOC_FILES, NOT_DOCS
+from reviewer.persona.probes.thresholds import MAX_DOC_BYTES, MAX_DOC_FILES, NOT_DOCS
 
 DOC_SUFFIXES = (".md", ".markdown", ".rst", ".txt", "")
 PYTHON_LANGS = {"python", "py", "python3", "pycon", "pytb", "ipython", "doctest", "pyrepl"}

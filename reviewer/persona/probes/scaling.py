@@ -15,14 +15,15 @@ by EXCESS_UNCLAIMED otherwise.
 from __future__ import annotations
 
 from reviewer import stats
-from reviewer.probes import doctext, prelude
-from reviewer.probes.callsites import CallSite
-from reviewer.probes.runner import Probe, command, run, script
-from reviewer.probes.thresholds import (EXCESS_CLAIMED, EXCESS_UNCLAIMED, LINEAR_CLAIM, OUTPUT_CAP,
-                                        SCALING_BATCH_S, SCALING_CALL_LIMIT_S, SCALING_ENOUGH_S, SCALING_MAX,
-                                        SCALING_MAX_FUNCTIONS, SCALING_POINTS, SCALING_REPEATS,
-                                        SCALING_SCRIPT_BUDGET_S, SCALING_SCRIPT_TIMEOUT, SCALING_START)
-from reviewer.persona.smoke import EVIDENCE_CHARS, tail
+from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes.callsites import CallSite
+from reviewer.persona.probes.runner import Probe, command, run, script
+from reviewer.persona.probes.thresholds import (EXCESS_CLAIMED, EXCESS_UNCLAIMED, LINEAR_CLAIM, OUTPUT_CAP,
+                                                SCALING_BATCH_S, SCALING_CALL_LIMIT_S, SCALING_ENOUGH_S, SCALING_MAX,
+                                                SCALING_MAX_FUNCTIONS, SCALING_POINTS, SCALING_REPEATS,
+                                                SCALING_SCRIPT_BUDGET_S, SCALING_SCRIPT_TIMEOUT, SCALING_START)
+from reviewer.persona.project import EVIDENCE_CHARS
+from reviewer.text import tail
 
 SIZED = ("seq", "str", "bytes", "range", "listrange", "iter")
 

@@ -1,4 +1,4 @@
-"""The deterministic probes (reviewer/probes) on small real git repositories: `statly` has one planted defect of each
+"""The deterministic probes (reviewer/persona/probes) on small real git repositories: `statly` has one planted defect of each
 kind the probes look for, its clean twin has the same docs and tests with every defect fixed and must give no
 finding. Real installs in the real sandbox, real subprocesses; each finding's repro command is run again, and must
 fail on the defective project and pass on the fixed one. No timing is asserted (speed figures: bench/probes.py)."""
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from sqlmodel import select
 
-from reviewer.store import db
-from reviewer.store.db import Finding, Measurement, PersonaRun, ReviewRun
 from reviewer.examples import git, make_example_repo
-from reviewer.probes import callsites, docs_claims, doctext
-from reviewer.run.review import DbRecorder
+from reviewer.persona.probes import callsites, docs_claims, doctext
 from reviewer.persona.smoke import run_smoke
 from reviewer.persona.tools import TOOL_NAMES, TOOLS, Toolbox
+from reviewer.run.recorder import DbRecorder
 from reviewer.sandbox.workspace import create_workspace, resolve_target
+from reviewer.store import db
+from reviewer.store.db import Finding, Measurement, PersonaRun, ReviewRun
 
 PYPROJECT = """[build-system]
 requires = ["setuptools>=61"]
@@ -299,7 +299,7 @@ def run_examples_script(tmp_path: Path, package_files: dict[str, str], doc: str,
     code = docs_claims.examples_script(blocks, "pkg")
     done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=60)
-    from reviewer.probes.runner import result_line
+    from reviewer.persona.probes.runner import result_line
 
     return done.returncode, result_line(done.stdout)
 
@@ -457,8 +457,8 @@ def test_a_probe_script_as_repro_keeps_its_lines_in_the_reports(tmp_path):
 
 
 def test_a_call_that_hangs_is_abandoned_and_not_reported(tmp_path):
-    from reviewer.probes import edge_inputs
-    from reviewer.probes.runner import result_line
+    from reviewer.persona.probes import edge_inputs
+    from reviewer.persona.probes.runner import result_line
 
     (tmp_path / "hangs").mkdir()
     (tmp_path / "hangs" / "__init__.py").write_text(
@@ -477,7 +477,8 @@ def test_a_call_that_hangs_is_abandoned_and_not_reported(tmp_path):
 def test_the_probes_stop_when_their_time_is_spent(tmp_path):
     import time
 
-    from reviewer.probes.runner import Probe, run_probes
+    from reviewer.persona.probes.runner import Probe
+    from reviewer.persona.probes.suite import run_probes
 
     def never(*args):
         raise AssertionError("no command may start once the probes' time is spent")

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reviewer.probes.doctext import Block
-from reviewer.persona.smoke import NOT_PACKAGES
+from reviewer.persona.probes.doctext import Block
+from reviewer.persona.project import NOT_PACKAGES
 
 MAX_TEST_FILES = 200
 MAX_FILE_BYTES = 1_000_000

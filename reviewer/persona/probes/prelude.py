@@ -1,6 +1,6 @@
 """Helpers that run inside the sandbox, in the project's own Python: the probes copy the source of the ones a check
-script needs into that script (`reviewer.probes.runner.script`), so each script, and each finding's repro command,
-stands alone in a fresh clone. Standard library only; Python 3.8+; nothing here imports reviewer.
+script needs into that script (`reviewer.persona.probes.runner.script`), so each script, and each finding's repro
+command, stands alone in a fresh clone. Standard library only; Python 3.8+; nothing here imports reviewer.
 """
 
 import contextlib

@@ -5,10 +5,12 @@ light, fast or instant: the finding quotes where."""
 from __future__ import annotations
 
 from reviewer import stats
-from reviewer.probes import doctext, prelude
-from reviewer.probes.runner import Probe, command, data, run, script
-from reviewer.probes.thresholds import (CLI_REPEATS, CLI_START_SLOW_S, IMPORT_REPEATS, IMPORT_SLOW_MS, SPEED_CLAIM)
-from reviewer.persona.smoke import EVIDENCE_CHARS, tail
+from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes.runner import Probe, command, data, run, script
+from reviewer.persona.probes.thresholds import (CLI_REPEATS, CLI_START_SLOW_S, IMPORT_REPEATS, IMPORT_SLOW_MS,
+                                                SPEED_CLAIM)
+from reviewer.persona.project import EVIDENCE_CHARS
+from reviewer.text import tail
 
 # Each figure is the wall time of one fresh interpreter doing it, after one warm-up run that writes the .pyc files.
 IMPORT_BODY = """
