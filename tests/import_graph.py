@@ -164,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             # `from pkg.a import b` also runs pkg/__init__.py; name only the module the line is for.
             if not any(o.source == e.source and o.line == e.line and o.target.startswith(e.target + ".") for o in lazy):
                 print(f"lazy: {e.source}:{e.line} imports {e.target}")
-    print(f"{args.package}: {len(modules)} modules, {len(edges)} imports inside the package "
-          f"({sum(e.lazy for e in edges)} inside functions), {len(found)} circle(s)")
+    statements = {(e.source, e.line) for e in edges}
+    lazy_statements = {(e.source, e.line) for e in edges if e.lazy}
+    print(f"{args.package}: {len(modules)} modules, {len(statements)} import statements within the package "
+          f"({len(lazy_statements)} inside functions), {len(found)} circle(s)")
     return 1 if found else 0
 
 
