@@ -3,7 +3,8 @@
 Every import statement counts, at module level and inside functions alike: an import moved into a function hides a
 circle from Python's start-up but not from the reader, so this checker reads the source (ast) instead of importing
 it. `--lazy` also lists the function-level imports, for a look at which of them still have a reason (a heavy
-dependency kept out of start-up) and which only hid a circle.
+dependency kept out of start-up) and which only hid a circle. Imports under `if TYPE_CHECKING:` count too, unless
+`--skip-type-checking` (they never run, but the two modules still know each other).
 
 An import names a module of the package when it is `import pkg.a.b`, `from pkg.a import b` (b a module or a name in
 pkg.a) or the relative forms of these; importing `pkg.a.b` also runs `pkg/__init__.py` and `pkg/a/__init__.py`, so
@@ -51,13 +52,24 @@ def _with_parents(name: str, modules: dict[str, Path]) -> list[str]:
     return [m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in modules]
 
 
-def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
+def is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports that only annotations see, never run."""
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path], *, type_checking: bool = True) -> list[Import]:
     tree = ast.parse(path.read_text(), filename=str(path))
     is_package = path.name == "__init__.py"
     found: list[Import] = []
 
     def visit(node: ast.AST, lazy: bool) -> None:
         for child in ast.iter_child_nodes(node):
+            if not type_checking and is_type_checking(child):
+                for orelse in child.orelse:  # the `else:` of `if TYPE_CHECKING:` does run
+                    visit(ast.Module(body=[orelse], type_ignores=[]), lazy)
+                continue
             inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
                 for alias in child.names:
@@ -84,9 +96,12 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
     return [i for i in found if i.target != module and not module.startswith(i.target + ".")]
 
 
-def import_graph(package: str, root: Path | None = None) -> list[Import]:
+def import_graph(package: str, root: Path | None = None, *, type_checking: bool = True) -> list[Import]:
+    """Every import between the package's modules. `type_checking=False` leaves out those under `if TYPE_CHECKING:`
+    (annotations only: no circle at run time, though the two modules still know each other)."""
     modules = package_modules(package, root)
-    return [imp for module, path in modules.items() for imp in imports_of(module, path, modules)]
+    return [imp for module, path in modules.items()
+            for imp in imports_of(module, path, modules, type_checking=type_checking)]
 
 
 def circles(edges: list[Import]) -> list[list[str]]:
@@ -152,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.import_graph", description=__doc__.splitlines()[0])
     parser.add_argument("package", help="the package to walk, e.g. reviewer")
     parser.add_argument("--lazy", action="store_true", help="also list the imports made inside functions")
+    parser.add_argument("--skip-type-checking", action="store_true",
+                        help="leave out imports under `if TYPE_CHECKING:` (they never run)")
     args = parser.parse_args(argv)
-    edges = import_graph(args.package)
+    edges = import_graph(args.package, type_checking=not args.skip_type_checking)
     modules = {e.source for e in edges} | set(package_modules(args.package))
     found = circles(edges)
     for circle in found:

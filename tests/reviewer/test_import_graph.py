@@ -72,3 +72,16 @@ def test_a_circle_hidden_inside_a_function_is_found(tmp_path):
     assert circles(edges) == [["pkg.a", "pkg.sub.b"]]
     assert [(e.target, e.lazy) for e in edges if e.source == "pkg.sub.b"] == [("pkg.a", True)]
     assert [(e.source, e.target) for e in edges if e.source == "pkg.c"] == [("pkg.c", "pkg.a")]
+
+
+def test_type_checking_imports_count_unless_left_out(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+                              "else:\n    import pkg.c\n")
+    (pkg / "c.py").write_text("")
+    assert circles(import_graph("pkg", root=pkg)) == [["pkg.a", "pkg.b"]]
+    edges = import_graph("pkg", root=pkg, type_checking=False)
+    assert circles(edges) == [] and ("pkg.b", "pkg.c") in {(e.source, e.target) for e in edges}
