@@ -18,7 +18,8 @@ conversations, README questions and coding tasks to it (bench/train_extra_prompt
 the same, so responses generated for them earlier are reused by id.
 
 Every record: {"id", "category", "split": "train" | "heldout", "messages": [...], "tools": "agent" | null}.
-"agent" refers to backend/prompts/agent_tools.json (a copy of reviewer.tools.TOOLS, checked by tests/backend/train/test_train.py).
+"agent" refers to backend/prompts/agent_tools.json (a copy of reviewer.persona.tools.TOOLS, checked by
+tests/backend/train/test_train.py).
 Deterministic: the same machine and seed give the same file.
 
     .venv/bin/python bench/train_build_prompts.py            # writes backend/prompts/builtin.jsonl
@@ -298,8 +299,8 @@ def readmes(limit_chars: int) -> list[tuple[str, str]]:
 
 
 def agent_records(rng: random.Random, docs: list[tuple[str, str]], n: int) -> list[dict]:
-    """First turns of persona agents, shaped exactly like reviewer.review.build_task's message."""
-    from reviewer.personas import load_personas
+    """First turns of persona agents, shaped exactly like reviewer.run.task.build_task's message."""
+    from reviewer.persona.files import load_personas
     from train_extra_prompts import task_text
 
     personas = [p for p in load_personas().values() if not p.deterministic]
@@ -462,7 +463,7 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_gzip_jsonl(out, records)
     else:
-        from reviewer.tools import TOOLS
+        from reviewer.persona.tools import TOOLS
 
         out = a.out or OUT / "builtin.jsonl"
         records = build(a.seed)

@@ -65,7 +65,7 @@ def project_files(folder: Path, limit: int = 400) -> list[Path]:
 
 
 def read_file_output(rel: str, text: str, limit: int, max_output: int = 10_000) -> str:
-    """What reviewer.tools' read_file returns for the first `limit` lines of a file: the same header, the same cut
+    """What reviewer.persona.tools' read_file returns for the first `limit` lines of a file: the same header, the same cut
     at `max_output` characters (the Toolbox default), the same footer."""
     lines = text.splitlines()
     body, used = [], 0
@@ -92,7 +92,7 @@ def listing(folder: Path, rng: random.Random) -> str:
 
 
 def bash_output(code: int, output: str, rng: random.Random) -> str:
-    """reviewer.tools' bash result: status line with the time it took, then the output."""
+    """reviewer.persona.tools' bash result: status line with the time it took, then the output."""
     return f"exit code: {code} ({rng.uniform(0.1, 40):.1f} s)\n{output if output.strip() else '(no output)'}"
 
 
@@ -153,8 +153,8 @@ def tool_turn(folder: Path, slug: str, rng: random.Random, funcs: list[tuple[str
 
 
 def task_text(persona, slug: str, top: str, readme_name: str, readme: str) -> str:
-    """A persona's first user message, shaped like reviewer.review.build_task's (both prompt sets use it)."""
-    from reviewer.review import README_CHARS
+    """A persona's first user message, shaped like reviewer.run.task.build_task's (both prompt sets use it)."""
+    from reviewer.run.task import README_CHARS
 
     return "\n".join([
         "Review this repository the way a new user would, with your focus: " + ", ".join(persona.focus) + ".",
@@ -174,8 +174,8 @@ def task_text(persona, slug: str, top: str, readme_name: str, readme: str) -> st
 
 
 def agent_prompts(rng: random.Random, docs: list[tuple[Path, str]], funcs: list[tuple[str, str]], n: int) -> list[dict]:
-    """Persona agents' conversations, the first turn shaped like reviewer.review.build_task's message."""
-    from reviewer.personas import load_personas
+    """Persona agents' conversations, the first turn shaped like reviewer.run.task.build_task's message."""
+    from reviewer.persona.files import load_personas
 
     personas = [p for p in load_personas().values() if not p.deterministic]
     out = []

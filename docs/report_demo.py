@@ -20,8 +20,8 @@ from rich.console import Console
 
 from reviewer.config import load_settings
 from reviewer.examples import git, make_example_repo
-from reviewer.loop import loop_command
-from reviewer.report import ReportFilter, report_command
+from reviewer.run.loop import loop_command
+from reviewer.report.report import ReportFilter, report_command
 
 BUG = "    rank = round(q / 100 * (len(values) - 1))\n    return values[rank]\n"
 FIX = "    rank = round(q / 100 * (len(values) - 1))\n    return sorted(values)[rank]\n"

@@ -1,7 +1,10 @@
 """The `reviewer` command line: parse options, load settings, hand over to the module that does the work.
 
 Nothing here imports torch or the backend at import time: the worker box installs `reviewer` without them, and the
-backend commands (`serve`, `bench`, `train`) import it only when called.
+backend commands (`serve`, `bench`, `train`) import it only when called. Each command imports its own module (run,
+loop, report, doctor, personas) inside its function for the same reason at a smaller scale: `reviewer --help` and a
+bad option answer at once, without loading the SDKs, SQLAlchemy and rich's live view that the work needs. These
+imports hide no circle (tests/import_graph.py counts them).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def run(
         llm=llm, model=model, context_window=context_window, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
         personas_dir=personas_dir, isolation=isolation, probes=False if no_probes else None,
     )
-    from reviewer.review import run_command
+    from reviewer.run.review import run_command
 
     raise typer.Exit(run_command(target, settings, ref=ref, no_wait=no_wait, json_output=json_output, console=console))
 
@@ -127,7 +130,7 @@ def loop(
     Several loops (on one or many machines) can share one database queue: `--db postgresql://...`."""
     settings = settings_or_exit(llm=llm, model=model, context_window=context_window, db=db, personas=persona,
                                 personas_dir=personas_dir, worker=worker, lease_seconds=lease)
-    from reviewer.loop import LoopError, loop_command
+    from reviewer.run.loop import LoopError, loop_command
 
     try:
         code = loop_command(settings, repos=repo or [], repos_file=repos_file, interval=interval, once=once,
@@ -152,7 +155,7 @@ def report(
 ) -> None:
     """Show stored reviews: findings by severity, their state and verification, and measurements. Runs of this
     machine whose process is gone (killed) are marked interrupted first, so none shows as running."""
-    from reviewer.report import ReportError, ReportFilter, report_command
+    from reviewer.report.report import ReportError, ReportFilter, report_command
 
     settings = settings_or_exit(db=db)
     flt = ReportFilter(repo=repo, run_id=run_id, persona=persona, severity=severity, state=state, since=since,
@@ -253,7 +256,7 @@ def personas(
     """List the personas available to `reviewer run`: built in, and from --personas-dir or config."""
     from rich.table import Table
 
-    from reviewer.personas import PersonaError, load_personas
+    from reviewer.persona.files import PersonaError, load_personas
 
     settings = settings_or_exit(personas_dir=personas_dir)
     try:
@@ -275,7 +278,7 @@ def personas(
 def doctor(db: DbOption = None) -> None:
     """Report what isolation this machine offers the sandbox (bubblewrap, namespaces, cgroups, the egress proxy) and
     why not; exit 0 when full isolation is available."""
-    from reviewer.doctor import doctor_command
+    from reviewer.sandbox.doctor import doctor_command
 
     raise typer.Exit(doctor_command(settings_or_exit(db=db), console))
 

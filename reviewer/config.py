@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     personas_dir: Annotated[list[Path], NoDecode] = Field(default_factory=list, description="extra folders of persona .md files")
     max_steps: int | None = Field(None, ge=1, le=1000, description="override every persona's step budget")
     timeout: float = Field(1800.0, gt=0, description="wall-clock limit per persona, seconds")
-    probes: bool = Field(True, description="run the deterministic probes (reviewer/probes) after the smoke install")
+    probes: bool = Field(True, description="run the deterministic probes (reviewer/persona/probes) after the smoke install")
     command_timeout: int = Field(600, gt=0, description="upper bound for one sandboxed command, seconds")
     isolation: Literal["auto", "bwrap", "none"] = "auto"
     network_allow: Annotated[list[str], NoDecode] = Field(

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-# The deterministic probes (reviewer/probes) add a minute or more to every smoke review of a Python project, and
-# findings that tests of other features do not expect; tests/test_probes.py turns them on where they are the subject.
+# The deterministic probes (reviewer/persona/probes) add a minute or more to every smoke review of a Python project, and
+# findings that tests of other features do not expect; tests/reviewer/persona/test_probes.py turns them on where they are the subject.
 os.environ.setdefault("REVIEWER_PROBES", "false")
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -1,4 +1,4 @@
-"""A review history written through reviewer/db.py and reviewer/lifecycle.py, for the report tests.
+"""A review history written through reviewer/store/db.py and reviewer/store/lifecycle.py, for the report tests.
 
 Four commits of one repository reviewed by `smoke` and `performance`: a test failure that persists, an install
 problem that is fixed at the third commit, a README finding that regresses; `import_seconds` measured 5 times per commit
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import random
 
-from reviewer import db
-from reviewer.lifecycle import assign_states
+from reviewer.store import db
+from reviewer.store.lifecycle import assign_states
 
 REPO = "file:///srv/git/tinystats"
 OTHER = "https://example.org/other.git"

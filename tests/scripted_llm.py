@@ -32,7 +32,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from reviewer.serverinfo import TOOLS_PROBE_MESSAGES
+if __name__ == "__main__":
+    # Run as a program, tests/ is sys.path[0], where tests/reviewer/ (the reviewer's tests) would shadow the package.
+    sys.path[0] = __file__.rsplit("/tests/", 1)[0]
+
+from reviewer.llm.serverinfo import TOOLS_PROBE_MESSAGES
 
 
 @dataclass
@@ -86,7 +90,7 @@ class ScriptedLLM:
         self.paths: list[str] = []  # every request path, in order
         self.headers: list[dict] = []
         self.errors: list[str] = []  # turns that raised
-        self.probes: list[dict] = []  # the client's tools probes (reviewer.serverinfo): answered, never scripted
+        self.probes: list[dict] = []  # the client's tools probes (reviewer.llm.serverinfo): answered, never scripted
         self.uds, self.health_delay, self.started_at = uds, health_delay, time.monotonic()
         self.app = self._make_app()
         self._server: uvicorn.Server | None = None

@@ -22,17 +22,18 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from reviewer import db
-from reviewer.agent import run_agent
+from reviewer.store import db
+from reviewer.persona.agent import run_agent
 from reviewer.cli import app
 from reviewer.config import Settings
-from reviewer.embedded import free_port, log_tail, stop_process
+from reviewer.llm.embedded import free_port, log_tail, stop_process
 from reviewer.examples import make_example_repo
-from reviewer.llm import ContextOverflow, ToolsUnsupported, open_llm
-from reviewer.personas import Persona
-from reviewer.sandbox import sandbox_env
-from reviewer.tools import TOOLS
-from reviewer.workspace import Workspace
+from reviewer.llm.endpoints import open_llm
+from reviewer.llm.errors import ContextOverflow, ToolsUnsupported
+from reviewer.persona.files import Persona
+from reviewer.sandbox.command import sandbox_env
+from reviewer.persona.tools import TOOLS
+from reviewer.sandbox.workspace import Workspace
 from tests.scripted_llm import scripted_llm, text, tool  # noqa: F401  (scripted_llm is a fixture)
 
 N_CTX = 4096  # what the peer server is started with; the reviewer is not told

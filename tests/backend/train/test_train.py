@@ -59,9 +59,9 @@ def _transcript(i: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reviews_db(tmp_path_factory):
-    """A reviews.db written by reviewer/db.py: 24 persona runs with two assistant turns each, plus a smoke run and
+    """A reviews.db written by reviewer/store/db.py: 24 persona runs with two assistant turns each, plus a smoke run and
     a transcript cut mid-write (both must be skipped)."""
-    from reviewer import db
+    from reviewer.store import db
 
     path = tmp_path_factory.mktemp("db") / "reviews.db"
     with db.session(str(path)) as s:
@@ -154,7 +154,7 @@ def test_extra_prompt_set_is_training_only_and_shares_no_code_with_the_held_out_
 
 
 def test_agent_tools_copy_matches_the_reviewer():
-    from reviewer.tools import TOOLS
+    from reviewer.persona.tools import TOOLS
 
     assert json.loads(td.AGENT_TOOLS.read_text()) == TOOLS, "rerun bench/train_build_prompts.py"
 

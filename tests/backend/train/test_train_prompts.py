@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from reviewer.tools import ReadFileArgs, Toolbox
-from reviewer.workspace import Workspace
+from reviewer.persona.tools import ReadFileArgs, Toolbox
+from reviewer.sandbox.workspace import Workspace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 import train_extra_prompts as tx  # noqa: E402
@@ -48,7 +48,7 @@ def test_doc_files_finds_readmes_and_leaves_out_excluded_texts(project):
 
 
 def test_agent_conversations_pair_tool_calls_with_results(project):
-    from reviewer.tools import TOOLS
+    from reviewer.persona.tools import TOOLS
 
     docs = tx.doc_files([project.parent])
     funcs = [("parse_duration", "def parse_duration(text):\n    return 0\n")]

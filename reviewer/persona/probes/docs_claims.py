@@ -1,0 +1,403 @@
+"""The README and docs as executable claims.
+
+- Python examples: each doc file's Python blocks run in order in one namespace, as a reader would type them. A `>>>`
+  example whose output differs from the one shown (doctest's own comparison, whitespace and `...` forgiven) and an
+  `expr  # value` line whose value differs from the literal in its comment are findings; so is an example that
+  raises from the project's own code or imports a name the project does not have. What the docs leave to the reader
+  is not: undefined names, missing files, the network, modules the project does not install. Each file runs twice
+  with different hash seeds; only failures that agree are kept (set order, ids, randomness).
+- Console scripts: `--help` must work. A documented command line of a console script is checked for a subcommand
+  the CLI rejects and for a flag its help does not list and its parser rejects; when it needs nothing the reader must
+  supply (no placeholders, its files exist) it is run, and a traceback, a failure or output other than the docs show
+  is a finding.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes.runner import Probe, command, data, run, script
+from reviewer.persona.probes.thresholds import DOC_COMMAND_TIMEOUT_S, DOCS_SCRIPT_TIMEOUT
+from reviewer.persona.project import EVIDENCE_CHARS
+from reviewer.text import tail
+
+PATHLIKE = re.compile(r"/|\.(txt|csv|tsv|json|jsonl|ya?ml|toml|ini|cfg|xml|html?|md|rst|py|dat|log|png|jpe?g)$", re.I)
+
+
+# --- runs inside the sandbox (copied into the check scripts) --------------------------------------------------------
+
+def same_value(got, want):
+    """Equal as a reader means it: floats to the digits shown, lists and tuples alike."""
+    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        shown = repr(want).split("e")[0]
+        digits = len(shown.split(".")[1]) if "." in shown else 0
+        return abs(got - want) <= 0.5 * 10 ** -digits + 1e-12 * abs(want)
+    if isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)):
+        return len(got) == len(want) and all(same_value(g, w) for g, w in zip(got, want))
+    if isinstance(want, dict) and isinstance(got, dict):
+        return got.keys() == want.keys() and all(same_value(got[k], want[k]) for k in want)
+    try:
+        return bool(got == want)
+    except Exception:  # noqa: BLE001 - an object that cannot compare is not equal
+        return False
+
+
+def from_project(error, namespace_names, package, code):
+    """Did the project fail (not the reader's missing context)? Its own frames in the traceback, or a bad call or
+    import of one of its names right in the example."""
+    import traceback as tb
+
+    if isinstance(error, (NameError, OSError, EOFError, Overtime)) and not isinstance(error, UnboundLocalError):
+        return False  # an undefined name, a file or the network the reader must supply
+    if isinstance(error, ImportError):
+        return (error.name or "").split(".")[0] == package or f"from '{package}" in str(error)
+    try:
+        home = os.path.dirname(os.path.realpath(resolve(package).__file__))
+    except Exception:  # noqa: BLE001
+        home = None
+    for frame in tb.extract_tb(error.__traceback__):
+        if home and os.path.realpath(frame.filename).startswith(home + os.sep):
+            return True
+    return isinstance(error, (TypeError, AttributeError)) and any(re.search(rf"\b{n}\b", code) for n in namespace_names)
+
+
+def project_names(namespace, package):
+    return [k for k, v in namespace.items() if not k.startswith("__") and
+            (getattr(v, "__module__", None) or getattr(v, "__name__", "") or "").split(".")[0] == package]
+
+
+def run_examples(blocks, package, only=None):
+    """Run the doc file's Python blocks in order, in one namespace; the outcome of each claim or failing example."""
+    import ast
+    import doctest
+    import io
+
+    ns = {"__name__": "__main__"}
+    outcomes = []
+    checker = doctest.OutputChecker()
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.IGNORE_EXCEPTION_DETAIL
+
+    def record(block, line, code, kind, **kw):
+        if only is None or line == only:
+            outcomes.append(dict(file=block["file"], line=line, code=code.strip(), kind=kind, **kw))
+
+    def attempt(code, filename, mode):
+        """(printed output, value for mode 'eval', exception or None)."""
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf), limit(20):
+                value = eval(compile(code, filename, mode), ns)
+            return buf.getvalue(), value, None
+        except BaseException as e:  # noqa: BLE001 - whatever the example raises is judged below
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return buf.getvalue(), None, e
+
+    def run_block(block):
+        if block["doctest"]:
+            for ex in doctest.DocTestParser().get_examples(block["text"]):
+                line = block["line"] + ex.lineno
+                if ex.options.get(doctest.SKIP) or (only is not None and line > only):
+                    continue
+                got, _, error = attempt(ex.source, block["file"], "single")
+                if error is None and ex.exc_msg is None:
+                    ok = checker.check_output(ex.want, got, flags)
+                    if not ok:
+                        try:
+                            ok = same_value(ast.literal_eval(got.strip()), ast.literal_eval(ex.want.strip()))
+                        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                            pass
+                    record(block, line, ex.source, "ok" if ok else "mismatch", want=ex.want.strip(), got=got.strip())
+                elif error is not None and ex.exc_msg is not None:
+                    shown = "".join(__import__("traceback").format_exception_only(type(error), error))
+                    named = ex.exc_msg.split(":")[0].strip().rsplit(".", 1)[-1]  # the type is what must agree
+                    ok = checker.check_output(ex.exc_msg, shown, flags) or named == type(error).__name__
+                    record(block, line, ex.source, "ok" if ok else "mismatch", want=ex.exc_msg.strip(),
+                           got=shown.strip())
+                elif error is None:
+                    record(block, line, ex.source, "mismatch", want=ex.exc_msg.strip(), got=got.strip() or "(nothing)")
+                elif from_project(error, project_names(ns, package), package, ex.source):
+                    record(block, line, ex.source, "error", error=exception_line(error))
+                else:
+                    record(block, line, ex.source, "skipped", error=exception_line(error))
+            return
+        try:
+            tree = ast.parse(block["text"])
+        except SyntaxError:
+            return  # pseudo-code, or output shown as code
+        if any(isinstance(n, ast.Constant) and n.value is Ellipsis for n in ast.walk(tree)):
+            return  # `f(...)`: a placeholder for the reader
+        lines = block["text"].splitlines()
+        for stmt in tree.body:
+            line = block["line"] + stmt.lineno - 1
+            if only is not None and line > only:
+                break
+            code = ast.get_source_segment(block["text"], stmt) or ""
+            rest = lines[stmt.end_lineno - 1][stmt.end_col_offset:]
+            claim = re.match(r"\s*#\s*(?:->|=>|==|=|returns?|gives?|result:|output:)?\s*(.+?)\s*$", rest)
+            want = None
+            if claim and isinstance(stmt, (ast.Expr, ast.Assign)):
+                try:
+                    want = (ast.literal_eval(claim.group(1)),)
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    want = None
+            if want is not None and isinstance(stmt, ast.Assign) and not (
+                    len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+                want = None
+            if want is not None and isinstance(stmt, ast.Expr):
+                _, value, error = attempt(ast.Expression(stmt.value), block["file"], "eval")
+            else:
+                _, _, error = attempt(ast.Module([stmt], type_ignores=[]), block["file"], "exec")
+                value = ns.get(stmt.targets[0].id) if want is not None else None
+            if error is not None:
+                kind = "error" if from_project(error, project_names(ns, package), package, code) else "skipped"
+                record(block, line, code, kind, error=exception_line(error))
+                break  # what follows builds on this statement
+            if want is None:
+                continue
+            if hasattr(value, "__next__") and isinstance(want[0], (list, tuple)):
+                value = list(itertools.islice(value, 10000))
+            ok = same_value(value, want[0])
+            record(block, line, code, "ok" if ok else "mismatch", want=claim.group(1), got=repr(value)[:2000])
+
+    for block in blocks:
+        if only is not None and block["line"] > only:
+            break
+        before = dict(ns)
+        run_block(block)
+        # `import pkg` in one snippet (to set an option) must not turn `from pkg import pkg` of the others into the
+        # module: a snippet's rebinding of a name to a module stays in that snippet.
+        for name, old in before.items():
+            if ns.get(name) is not old and isinstance(ns.get(name), type(os)) and not isinstance(old, type(os)):
+                ns[name] = old
+    return outcomes
+
+
+def run_cli(args, timeout, shell=False):
+    """(exit code or None on timeout, stdout, stderr) of a command, stdin closed."""
+    import subprocess
+
+    try:
+        p = subprocess.run(args, shell=shell, executable="/bin/bash" if shell else None, capture_output=True,
+                           text=True, errors="replace", timeout=timeout, stdin=subprocess.DEVNULL)
+        return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        return None, str(e.stdout or ""), str(e.stderr or "")
+    except OSError as e:
+        return 127, "", str(e)
+
+
+def check_command(cmd, checks, timeout):
+    """The problems of one documented command line: a rejected subcommand, a rejected flag, and (when it can run as
+    written) a traceback, a failure or output other than the docs show."""
+    import doctest
+
+    argv, k = cmd["argv"], cmd["prefix"]
+    problems = []
+    helps = [run_cli(argv[:k] + ["--help"], timeout)[1]]
+    word = argv[k] if len(argv) > k and not argv[k].startswith("-") else None
+    if word and "subcommand" in checks:
+        code, out, err = run_cli(argv[:k + 1] + ["--help"], timeout)
+        pattern = r"(no such command|invalid choice|unknown command|unrecognized command)[^\n]*" + re.escape(word)
+        if code not in (0, None) and re.search(pattern, out + err, re.I):
+            problems.append({"check": "subcommand", "word": word, "output": (out + err)[-1500:]})
+        elif code == 0:
+            helps.append(out)
+    for token in argv[k:] if "flags" in checks else []:
+        flag = token.split("=")[0]
+        if not flag.startswith("--") or flag == "--" or any(
+                re.search(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])", h) for h in helps):
+            continue
+        code, out, err = run_cli(argv, timeout)
+        unknown = r"(unrecognized arguments?|no such option|unknown option|invalid option|unexpected argument)"
+        if code not in (0, None) and re.search(unknown + r"[^\n]*" + re.escape(flag), out + err, re.I):
+            problems.append({"check": "flags", "flag": flag, "output": (out + err)[-1500:]})
+    if "run" in checks:
+        code, out, err = run_cli(cmd["text"], timeout, shell=True)
+        offline = re.search(r"Name or service not known|Temporary failure in name resolution|Network is unreachable|"
+                            r"Connection refused|Could not resolve host|Max retries exceeded|ProxyError|SSLError",
+                            out + err)
+        flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+        if "Traceback (most recent call last)" in out + err:
+            problems.append({"check": "run", "what": "traceback", "output": (out + err)[-1500:]})
+        elif code is None or offline:
+            pass  # too slow to judge, or it needs the network the sandbox does not give
+        elif code != 0:
+            problems.append({"check": "run", "what": f"exit code {code}", "output": (out + err)[-1500:]})
+        elif cmd.get("expected") and not doctest.OutputChecker().check_output(cmd["expected"] + "\n", out, flags):
+            again = run_cli(cmd["text"], timeout, shell=True)[1]
+            if again == out:  # the same both times: not a clock, a random value or an id
+                problems.append({"check": "run", "what": "output", "output": out[-1500:]})
+    return problems
+
+
+COMMAND_BODY = """
+problems = check_command(CMD, CHECKS, TIMEOUT)
+emit({"problems": problems})
+sys.exit(1 if problems else 0)
+"""
+
+HELP_BODY = """
+problems = []
+for name in SCRIPTS:
+    code, out, err = run_cli([name, "--help"], TIMEOUT)
+    if code is None or "Traceback (most recent call last)" in out + err or (code != 0 and "usage" not in (out + err).lower()):
+        problems.append({"script": name, "code": code, "output": (out + err)[-1500:]})
+emit({"problems": problems})
+sys.exit(1 if problems else 0)
+"""
+
+
+EXAMPLES_BODY = """
+outcomes = run_examples(BLOCKS, PACKAGE, ONLY)
+bad = [o for o in outcomes if o["kind"] in ("mismatch", "error")]
+emit({"outcomes": [o for o in outcomes if o["kind"] != "ok"][:200], "checked": len(outcomes)})
+sys.exit(1 if bad else 0)
+"""
+
+
+def examples_script(blocks: list[dict], package: str, only: int | None = None) -> str:
+    head = f"BLOCKS = {data(blocks)}\nPACKAGE = {package!r}\nONLY = {only!r}\n"
+    return script(head + EXAMPLES_BODY, prelude.emit, prelude.resolve, prelude.Overtime, prelude.limit,
+                  prelude.exception_line, same_value, from_project, project_names, run_examples,
+                  imports=("re",))
+
+
+# --- the host side ----------------------------------------------------------------------------------------------------
+
+def check_examples(probe: Probe, blocks: list[doctext.Block]) -> None:
+    by_file: dict[str, list[dict]] = {}
+    for b in blocks:
+        if b.is_python:
+            by_file.setdefault(b.file, []).append({"file": b.file, "line": b.line, "doctest": b.is_doctest,
+                                                   "text": b.text})
+    for file, file_blocks in by_file.items():
+        code = examples_script(file_blocks, probe.package)
+        first, res, _ = run(probe, f"probe: the Python examples of {file}", code, DOCS_SCRIPT_TIMEOUT,
+                            env="PYTHONHASHSEED=0")
+        if not first or res.exit_code == 0:
+            if first is None:
+                probe.notes.append(f"docs probe: no result from {file}'s examples ({tail(res.output, 200)})")
+            continue
+        second, _, _ = run(probe, f"probe: the Python examples of {file} (again, another hash seed)", code,
+                           DOCS_SCRIPT_TIMEOUT, env="PYTHONHASHSEED=1")
+        again = {(o["line"], o["kind"], o.get("got"), o.get("error")) for o in (second or {}).get("outcomes", [])}
+        stable = [o for o in first["outcomes"] if o["kind"] in ("mismatch", "error")
+                  and (o["line"], o["kind"], o.get("got"), o.get("error")) in again]
+        groups: dict[str, list[dict]] = {}  # one finding per distinct error: a renamed function breaks many examples
+        for o in stable:
+            groups.setdefault(o["error"] if o["kind"] == "error" else f"line {o['line']}", []).append(o)
+        for same in groups.values():
+            example_finding(probe, file_blocks, same[0], also=[o["line"] for o in same[1:]])
+
+
+def short(text: str, limit: int) -> str:
+    """One line of at most `limit` characters, for a title."""
+    lines = text.strip().splitlines() or [""]
+    first = lines[0] if len(lines[0]) <= limit else lines[0][:limit - 4].rstrip() + " ..."
+    return first + (" ..." if len(lines) > 1 and not first.endswith("...") else "")
+
+
+def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[int] = ()) -> None:
+    code = short(o["code"], 80)
+    if o["kind"] == "mismatch":
+        title = f"{o['file']} example `{code}` gives {short(o['got'], 60)}, the docs say {short(o['want'], 60)}"
+        details = (f"{o['file']}:{o['line']} shows\n    {o['code']}\nwith the result {o['want']}; run after the "
+                   f"examples before it in that file, it gives {o['got']}.")
+        severity = "medium"
+    else:
+        more = f" (and {len(also)} more examples)" if also else ""
+        title = f"{o['file']} example `{code}` fails: {short(o['error'], 100)}{more}"
+        details = (f"{o['file']}:{o['line']}:\n    {o['code']}\nraises {o['error']} (run after the examples before it)."
+                   + (f"\nThe examples at lines {', '.join(map(str, also))} fail the same way." if also else ""))
+        severity = "high" if "Import" in o["error"] else "medium"
+    before = [b for b in file_blocks if b["line"] <= o["line"]]  # the repro needs only what comes before the example
+    repro = command(examples_script(before, probe.package, only=o["line"]), env="PYTHONHASHSEED=0")
+    probe.record(title=title, severity=severity, category="docs", details=details,
+                 evidence=tail(f"doc line: {o['code']}\nexpected: {o.get('want', '-')}\n"
+                               f"got: {o.get('got') or o.get('error')}", EVIDENCE_CHARS),
+                 repro_command=repro, file=o["file"], line=o["line"])
+
+
+def command_script(cmd: dict, checks: list[str]) -> str:
+    head = f"CMD = {data(cmd)}\nCHECKS = {data(checks)}\nTIMEOUT = {DOC_COMMAND_TIMEOUT_S!r}\n"
+    return script(head + COMMAND_BODY, prelude.emit, run_cli, check_command, imports=("re",))
+
+
+def help_script(scripts: list[str]) -> str:
+    head = f"SCRIPTS = {data(scripts)}\nTIMEOUT = {DOC_COMMAND_TIMEOUT_S!r}\n"
+    return script(head + HELP_BODY, prelude.emit, run_cli, imports=("re",))
+
+
+def check_help(probe: Probe) -> None:
+    """`--help` of every console script must answer."""
+    names = sorted(probe.scripts)
+    if not names:
+        return
+    got, res, _ = run(probe, "probe: --help of the console scripts", help_script(names), 60 + 30 * len(names))
+    for p in (got or {}).get("problems", []):
+        what = "does not return" if p["code"] is None else ("crashes" if "Traceback" in p["output"]
+                                                              else f"fails (exit code {p['code']})")
+        probe.record(title=f"`{p['script']} --help` {what}", severity="high", category="docs",
+                     details=f"The console script `{p['script']}` (entry point {probe.scripts[p['script']]}) "
+                             f"{what} when asked for its help, right after a successful install.",
+                     evidence=tail(p["output"], EVIDENCE_CHARS), repro_command=command(help_script([p["script"]])))
+
+
+def runnable(cmd: doctext.Command, root: Path) -> bool:
+    """Can the documented line run as written: nothing for the reader to fill in, every file it names exists?"""
+    for stage in cmd.text.split("|"):
+        for token in stage.split():
+            token = token.strip("'\"")
+            if doctext.is_placeholder(token) or "://" in token:
+                return False
+            if PATHLIKE.search(token) and not token.startswith("-") and not (root / token).exists():
+                return False
+    return True
+
+
+def check_commands(probe: Probe, blocks: list[doctext.Block]) -> None:
+    seen = set()
+    for cmd in doctext.commands(blocks, set(probe.scripts), probe.package)[:20]:
+        if cmd.text in seen:
+            continue
+        seen.add(cmd.text)
+        prefix = 3 if cmd.argv[0].startswith("python") else 1
+        checks = ["subcommand", "flags"] + (["run"] if runnable(cmd, probe.root) else [])
+        spec = {"text": cmd.text, "argv": cmd.argv, "prefix": prefix, "expected": cmd.expected}
+        got, res, _ = run(probe, f"probe: documented command `{cmd.text[:60]}`", command_script(spec, checks),
+                          DOC_COMMAND_TIMEOUT_S * 4 + 20)
+        for p in (got or {}).get("problems", []):
+            command_finding(probe, cmd, spec, p)
+
+
+def command_finding(probe: Probe, cmd: doctext.Command, spec: dict, p: dict) -> None:
+    where = f"{cmd.file}:{cmd.line}"
+    if p["check"] == "subcommand":
+        title, severity = f"{cmd.file} uses `{' '.join(cmd.argv[:spec['prefix'] + 1])}`: no such subcommand", "medium"
+        details = f"{where} documents `{cmd.text}`, but the CLI rejects the subcommand `{p['word']}`."
+    elif p["check"] == "flags":
+        title, severity = f"{cmd.file} uses `{p['flag']}`, which `{cmd.argv[0]}` does not accept", "medium"
+        details = (f"{where} documents `{cmd.text}`; `{p['flag']}` is not in the command's --help and the parser "
+                   "rejects it.")
+    elif p["what"] == "output":
+        title, severity = f"{cmd.file}: `{cmd.text[:60]}` prints something else than the docs show", "medium"
+        details = f"{where} documents `{cmd.text}` printing:\n{cmd.expected}\nIt prints:\n{p['output']}"
+    else:
+        title = f"{cmd.file}: documented command `{cmd.text[:60]}` " + ("crashes" if p["what"] == "traceback"
+                                                                         else f"fails ({p['what']})")
+        severity = "high"
+        details = f"{where} documents `{cmd.text}`; run as written after the install it {p['what']}."
+    probe.record(title=title, severity=severity, category="docs", details=details,
+                 evidence=tail(p["output"], EVIDENCE_CHARS),
+                 repro_command=command(command_script(spec, [p["check"]])), file=cmd.file, line=cmd.line)
+
+
+def probe_docs(probe: Probe) -> None:
+    blocks = probe.blocks()
+    if probe.package:
+        check_examples(probe, blocks)
+    check_help(probe)
+    check_commands(probe, blocks)

@@ -1,0 +1,257 @@
+"""Reading the docs: which files, their code blocks (Markdown and reStructuredText), the commands and Python examples
+in them, and the sentences that claim something. Pure text work on the host; nothing here runs the project."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reviewer.persona.probes.thresholds import MAX_DOC_BYTES, MAX_DOC_FILES, NOT_DOCS
+
+DOC_SUFFIXES = (".md", ".markdown", ".rst", ".txt", "")
+PYTHON_LANGS = {"python", "py", "python3", "pycon", "pytb", "ipython", "doctest", "pyrepl"}
+SHELL_LANGS = {"", "bash", "sh", "shell", "console", "shell-session", "zsh", "terminal", "text", "none", "cli"}
+# Pipeline stages that only shape text: a documented `echo x | tool | head` may run. Anything else in a documented
+# command line (pip, git, curl, make, ...) sets up or fetches rather than uses the project, and is left alone.
+TEXT_WORDS = {"echo", "printf", "cat", "head", "tail", "grep", "sort", "uniq", "wc", "cut", "tr", "jq"}
+UNLABELED = {"", "text", "none"}
+# First words of the lines of an untyped block that make it a block of commands.
+COMMAND_WORDS = {"pip", "pip3", "pipx", "python", "python3", "py", "pytest", "uv", "conda", "git", "cd", "export",
+                 "source", "make", "docker", "curl", "wget", "echo", "cat", "mkdir", "sudo", "apt", "apt-get", "brew",
+                 "npm", "poetry", "tox", "nox"}
+# A documented argument that stands for something the reader supplies.
+PLACEHOLDER = re.compile(r"^<.*>$|^\[.*\]$|^\{.*\}$|^[A-Z][A-Z0-9_]{2,}$|path/to|your[-_]|my[-_]|\.\.\.|example\.(com|org)|^\$")
+
+
+@dataclass
+class Block:
+    file: str  # relative to the repository root
+    line: int  # first line of the block's content, 1-based
+    lang: str
+    text: str  # dedented content
+
+    @property
+    def is_python(self) -> bool:
+        return self.lang in PYTHON_LANGS or bool(re.search(r"^\s*>>> ", self.text, re.MULTILINE))
+
+    @property
+    def is_doctest(self) -> bool:
+        return bool(re.search(r"^\s*>>> ", self.text, re.MULTILINE))
+
+
+@dataclass
+class Command:
+    file: str
+    line: int
+    text: str  # the command line as documented (prompt removed, continuations joined)
+    expected: str | None = None  # the output the docs show after it (only after a `$ ` prompt)
+    argv: list[str] = field(default_factory=list)  # the stage that runs the project's script, split
+
+
+def doc_files(root: Path) -> list[Path]:
+    """README* at the top, then docs/ and doc/ (Markdown, reST, text), skipping changelogs and the like."""
+    found = [p for p in sorted(root.iterdir()) if p.is_file() and p.name.lower().startswith("readme")
+             and p.suffix.lower() in DOC_SUFFIXES]
+    for folder in ("docs", "doc"):
+        base = root / folder
+        if base.is_dir():
+            found += sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in (".md", ".rst")
+                            and not any(part.startswith((".", "_")) for part in p.relative_to(base).parts))
+    found = [p for p in found if not NOT_DOCS.search(p.stem) and p.stat().st_size <= MAX_DOC_BYTES]
+    return found[:MAX_DOC_FILES]
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def dedent(lines: list[str]) -> str:
+    widths = [len(ln) - len(ln.lstrip()) for ln in lines if ln.strip()]
+    cut = min(widths) if widths else 0
+    return "\n".join(ln[cut:] for ln in lines).strip("\n") + "\n"
+
+
+def blocks(path: Path, root: Path) -> list[Block]:
+    rel = str(path.relative_to(root))
+    lines = read(path).splitlines()
+    return rst_blocks(rel, lines) if path.suffix.lower() == ".rst" else markdown_blocks(rel, lines)
+
+
+def markdown_blocks(rel: str, lines: list[str]) -> list[Block]:
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*\{?\.?([\w+-]*)", lines[i])
+        if m:
+            fence, start = m.group(2), i + 1
+            j = start
+            while j < len(lines) and not lines[j].strip().startswith(fence):
+                j += 1
+            out.append(Block(rel, start + 1, m.group(3).lower(), dedent(lines[start:j])))
+            i = j + 1
+            continue
+        # An indented block after a blank line (not inside a list item: those are indented prose).
+        if lines[i].startswith("    ") and lines[i].strip() and (i == 0 or not lines[i - 1].strip()) and \
+                not (i >= 2 and re.match(r"^\s*([-*+]|\d+\.)\s", lines[i - 2])):
+            j = i
+            while j < len(lines) and (lines[j].startswith("    ") or not lines[j].strip()):
+                j += 1
+            out.append(Block(rel, i + 1, "", dedent(lines[i:j])))
+            i = j
+            continue
+        i += 1
+    return out
+
+
+def rst_blocks(rel: str, lines: list[str]) -> list[Block]:
+    out: list[Block] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        directive = re.match(r"^(\s*)\.\. (code-block|code|sourcecode|doctest|testcode)::\s*(\S*)", line)
+        literal = not directive and line.rstrip().endswith("::") and not line.lstrip().startswith("..")
+        doctest_para = line.lstrip().startswith(">>> ") and (i == 0 or not lines[i - 1].strip())
+        if not (directive or literal or doctest_para):
+            i += 1
+            continue
+        indent = len(line) - len(line.lstrip())
+        if doctest_para:  # a bare doctest paragraph: up to the next blank line
+            j = i
+            while j < len(lines) and lines[j].strip():
+                j += 1
+            out.append(Block(rel, i + 1, "python", dedent(lines[i:j])))
+            i = j
+            continue
+        lang = (directive.group(3) or ("python" if directive.group(2) in ("doctest", "testcode") else "")).lower() \
+            if directive else ""
+        j = i + 1
+        while j < len(lines) and re.match(r"^\s+:[\w-]+:", lines[j]):  # directive options
+            j += 1
+        start = j
+        while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip()) > indent):
+            j += 1
+        body = lines[start:j]
+        if any(ln.strip() for ln in body):
+            first = next(k for k, ln in enumerate(body) if ln.strip())
+            out.append(Block(rel, start + first + 1, lang, dedent(body)))
+        i = j
+    return out
+
+
+def all_blocks(root: Path) -> list[Block]:
+    return [b for path in doc_files(root) for b in blocks(path, root)]
+
+
+def commands(blocks_: list[Block], scripts: set[str], package: str | None) -> list[Command]:
+    """Documented command lines that run the project: one of its console scripts, or `python -m` its package."""
+    found: list[Command] = []
+    for block in blocks_:
+        if block.is_python or block.lang not in SHELL_LANGS:
+            continue
+        lines = block.text.splitlines()
+        prompted = any(re.match(r"^\s*[$%] ", ln) for ln in lines)
+        if not prompted and block.lang in UNLABELED and not all(
+                looks_like_command(ln, scripts) for ln in lines if ln.strip() and not ln.strip().startswith("#")):
+            continue  # an untyped block of output, a table, a help text: not commands
+        k = 0
+        while k < len(lines):
+            raw, line_no = lines[k], block.line + k
+            k += 1
+            text = raw.strip()
+            if prompted:
+                if not re.match(r"^[$%] ", text):
+                    continue
+                text = text[2:].strip()
+            while text.endswith("\\") and k < len(lines):  # continuation lines
+                text = text[:-1].rstrip() + " " + lines[k].strip().removeprefix("> ")
+                k += 1
+            if not text or text.startswith("#"):
+                continue
+            argv = project_stage(text, scripts, package)
+            if argv is None:
+                continue
+            expected = None
+            if prompted:
+                out = []
+                while k < len(lines) and not re.match(r"^\s*[$%] ", lines[k]):
+                    out.append(lines[k])
+                    k += 1
+                expected = "\n".join(out).strip() or None
+            found.append(Command(block.file, line_no, text, expected, argv))
+    return found
+
+
+def project_stage(text: str, scripts: set[str], package: str | None) -> list[str] | None:
+    """The argv of the pipeline stage that runs the project, or None when the line does not run it (or runs
+    something that sets up, fetches, or that we cannot tell is harmless)."""
+    bare = re.sub(r"'[^']*'|\"[^\"]*\"", "", text)  # what is outside quotes
+    if re.search(r"[;&`()]|\$\(|>|<", bare.replace("->", "")):  # sequences, redirections, substitutions, a table row
+        return None
+    stages = []
+    for stage in text.split("|"):
+        try:
+            stages.append(shlex.split(stage))
+        except ValueError:
+            return None
+    if not stages or not all(stages):
+        return None
+    mine = None
+    for argv in stages:
+        word = argv[0]
+        if word in scripts or (word in ("python", "python3") and len(argv) > 2 and argv[1] == "-m"
+                               and package and argv[2].split(".")[0] == package):
+            if mine is not None:
+                return None
+            mine = argv
+        elif word not in TEXT_WORDS:
+            return None
+    return mine
+
+
+def looks_like_command(line: str, scripts: set[str]) -> bool:
+    word = line.strip().split()[0]
+    return word in scripts or word in COMMAND_WORDS
+
+
+def sentences(root: Path) -> list[tuple[str, int, str]]:
+    """(file, line, sentence) of the prose in the doc files: code blocks left out."""
+    out = []
+    for path in doc_files(root):
+        rel = str(path.relative_to(root))
+        in_fence = False
+        para: list[tuple[int, str]] = []
+        for n, line in enumerate(read(path).splitlines(), start=1):
+            if re.match(r"^\s*(`{3,}|~{3,})", line):
+                in_fence = not in_fence
+                continue
+            if in_fence or line.startswith("    ") or line.lstrip().startswith(">>>"):
+                continue
+            if line.strip():
+                para.append((n, line.strip()))
+                continue
+            out += split_sentences(rel, para)
+            para = []
+        out += split_sentences(rel, para)
+    return out
+
+
+def split_sentences(rel: str, para: list[tuple[int, str]]) -> list[tuple[str, int, str]]:
+    if not para:
+        return []
+    text = " ".join(t for _, t in para)
+    return [(rel, para[0][0], s.strip()) for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+
+
+def claims(sentences_: list[tuple[str, int, str]], pattern: re.Pattern, name: str | None = None) -> list[str]:
+    """Sentences matching `pattern` (and naming `name` as a word, when given), as 'file:line: sentence'."""
+    found = []
+    for rel, line, s in sentences_:
+        if pattern.search(s) and (name is None or re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", s)):
+            found.append(f"{rel}:{line}: {s[:300]}")
+    return found
+
+
+def is_placeholder(token: str) -> bool:
+    return bool(PLACEHOLDER.search(token))

@@ -1,0 +1,109 @@
+"""Helpers that run inside the sandbox, in the project's own Python: the probes copy the source of the ones a check
+script needs into that script (`reviewer.persona.probes.runner.script`), so each script, and each finding's repro
+command, stands alone in a fresh clone. Standard library only; Python 3.8+; nothing here imports reviewer.
+"""
+
+import contextlib
+import importlib
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+IMPORTS = ("contextlib", "importlib", "itertools", "json", "math", "os", "signal", "sys", "time")
+
+
+def emit(obj):
+    """The result line the probe reads (the project's own output may come before it)."""
+    sys.__stdout__.write("@@reviewer-probe@@ " + json.dumps(obj, default=repr) + "\n")
+    sys.__stdout__.flush()
+
+
+def resolve(target):
+    """'pkg.sub.name' -> the object, as `from pkg.sub import name` finds it: an attribute first, else a submodule."""
+    parts = target.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(".".join(parts[:i]))
+    return obj
+
+
+class Overtime(BaseException):
+    """A call ran past its limit (a BaseException, so the project's `except Exception` does not swallow it)."""
+
+
+@contextlib.contextmanager
+def limit(seconds):
+    """SIGALRM after `seconds`: interrupts Python code at once and C code when it returns (the sandbox's timeout on
+    the whole script backs this up)."""
+    def on_alarm(signum, frame):
+        raise Overtime()
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@contextlib.contextmanager
+def quiet():
+    """The project's own prints go nowhere while it is called (they would bury the result line)."""
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        yield
+
+
+def consume(result, cap):
+    """Materialize what a call returned, the way a caller would use it, and say how big it is: (elements, capped).
+    Iterators are drained (at most `cap` items; an infinite one comes back capped), one level of nesting counted, so
+    that all windows of a sequence weigh n^2 while a list of n numbers weighs n."""
+    sized = (str, bytes, bytearray, list, tuple, dict, set, frozenset, range)
+    if isinstance(result, (str, bytes, bytearray)):
+        return len(result), False
+    if not (isinstance(result, sized) or hasattr(result, "__next__")):
+        return (len(result) if hasattr(result, "__len__") else 1), False
+    size, count = 0, 0
+    for item in itertools.islice(result, cap + 1):
+        count += 1
+        if count > cap:
+            return size, True
+        if hasattr(item, "__next__"):  # groupby's groups, ichunked's chunks
+            item = list(itertools.islice(item, cap))
+        size += max(1, len(item)) if isinstance(item, sized) else 1
+    return size, False
+
+
+def grow(lit, f):
+    """The literal a test or the docs used, about f times as long, cycling its elements (so the values stay the kind
+    the function expects)."""
+    n = max(1, round(len(lit) * f))
+    if isinstance(lit, (str, bytes)):
+        return (lit * (n // len(lit) + 1))[:n]
+    items = [lit[i % len(lit)] for i in range(n)]
+    return tuple(items) if isinstance(lit, tuple) else items
+
+
+def scale(value, f):
+    """An integer argument f times as large (at least 1)."""
+    return max(1, round(value * f))
+
+
+def slope(xs, ys):
+    """Least-squares slope of log(y) against log(x): the exponent b in y ~ x^b."""
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-12)) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    den = sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den if den else 0.0
+
+
+def exception_line(e):
+    text = str(e).strip().splitlines()
+    return type(e).__name__ + (": " + text[0][:300] if text else "")

@@ -1,0 +1,427 @@
+"""The smoke persona: a deterministic first user that needs no LLM.
+
+It looks at the files at the top of the repository to tell what kind of project it is (Python, Node, Rust, Go, make),
+installs it into the fresh workspace the way its ecosystem expects, runs its test command and, for Python, times the
+import of the top-level package. What it finds (install fails, tests fail — with the failing test ids and a command
+that reproduces them —, no tests) and what it measures (install, test and import times) give every review a baseline
+that does not depend on how good the model is. After a Python install it runs the probes (reviewer/persona/probes: the
+docs as executable claims, timing claims, scaling, edge inputs) in the same workspace.
+
+Every command goes through `Workspace.run` (the sandbox), and the transcript is saved after each one in the same
+OpenAI message shape the agent personas use, so one viewer reads both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reviewer import stats
+from reviewer.persona.probes.suite import from_smoke, run_probes
+from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, python_metadata
+from reviewer.sandbox.command import CommandResult
+from reviewer.sandbox.workspace import Workspace
+from reviewer.text import tail
+
+IMPORT_REPEATS = 5
+TRANSCRIPT_OUTPUT_CHARS = 20_000  # per command, in the stored transcript
+TEST_EXTRAS = ("test", "tests", "testing", "dev")
+REQUIREMENT_FILES = ("requirements.txt", "requirements-dev.txt", "requirements-test.txt", "requirements_test.txt",
+                     "test-requirements.txt", "requirements/test.txt", "requirements/dev.txt")
+MARKERS = (  # project kind, the file that tells, in the order they are tried
+    ("python", "pyproject.toml"), ("python", "setup.py"), ("python", "setup.cfg"),
+    ("node", "package.json"), ("rust", "Cargo.toml"), ("go", "go.mod"), ("make", "Makefile"),
+)
+
+
+@dataclass
+class SmokeResult:
+    status: str  # completed | timeout | failed | interrupted (same vocabulary as the agent's result)
+    steps: int
+    summary: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    llm_seconds: float = 0.0
+
+
+@dataclass
+class Smoke:
+    """One smoke pass over one workspace: runs commands, keeps the transcript, records through the recorder."""
+
+    workspace: Workspace
+    recorder: object  # reviewer.run.recorder.DbRecorder, or anything with record_finding/_measurement, save_transcript
+    timeout: float
+    on_step: Callable[[int, str, str], None] = lambda step, tool, detail: None
+    steps: int = 0
+    messages: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # becomes the summary
+    deadline: float = 0.0
+    probes: bool = True  # run reviewer/persona/probes after a Python install (settings.probes)
+
+    def sh(self, label: str, command: str, timeout: float | None = None) -> CommandResult:
+        """Run one command in the workspace as a step: progress, transcript, saved at once."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 1:
+            raise SmokeTimeout(label)
+        self.steps += 1
+        first = command.splitlines()[0] if command.strip() else command  # a probe's script: its first line on screen
+        self.on_step(self.steps, "bash", f"{label}: {first}" + (" ..." if first != command else ""))
+        call_id = f"smoke-{self.steps}"
+        self.messages.append({"role": "assistant", "content": label, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "bash", "arguments": json.dumps({"command": command})}}]})
+        result = self.workspace.run(command, timeout=min(timeout or remaining, remaining))
+        status = "timed out" if result.timed_out else f"exit code {result.exit_code}"
+        self.messages.append({"role": "tool", "tool_call_id": call_id,
+                              "content": f"[{status}, {result.seconds:.1f} s]\n{tail(result.output, TRANSCRIPT_OUTPUT_CHARS)}"})
+        self.save()
+        return result
+
+    def save(self) -> None:
+        self.recorder.save_transcript(self.messages, steps=self.steps, prompt_tokens=0, completion_tokens=0, llm_seconds=0.0)
+
+    def finding(self, **kw) -> None:
+        self.recorder.record_finding(**kw)
+
+    def measure(self, **kw) -> None:
+        self.recorder.record_measurement(**kw)
+
+
+def detect(root: Path) -> list[tuple[str, str]]:
+    """(kind, marker file) for every kind of project found at the top of the repository, most specific first."""
+    found, kinds = [], set()
+    for kind, marker in MARKERS:
+        if (root / marker).is_file() and kind not in kinds:
+            found.append((kind, marker))
+            kinds.add(kind)
+    return found
+
+
+def run_smoke(workspace: Workspace, recorder, *, timeout: float,
+              on_step: Callable[[int, str, str], None] = lambda step, tool, detail: None,
+              probes: bool = True) -> SmokeResult:
+    smoke = Smoke(workspace=workspace, recorder=recorder, timeout=timeout, on_step=on_step,
+                  deadline=time.monotonic() + timeout, probes=probes)
+    kinds = detect(workspace.root)
+    try:
+        if not kinds:
+            smoke.finding(title="No recognised build or install file", severity="medium", category="install",
+                          details="None of pyproject.toml, setup.py, setup.cfg, package.json, Cargo.toml, go.mod or "
+                                  "Makefile is at the top of the repository, so a new user has no standard way to "
+                                  "install or test it.")
+            smoke.notes.append("no pyproject.toml, setup.py, package.json, Cargo.toml, go.mod or Makefile found")
+        else:
+            kind, marker = kinds[0]
+            smoke.notes.append(f"{kind} project ({marker})")
+            {"python": smoke_python, "node": smoke_node, "rust": smoke_rust, "go": smoke_go, "make": smoke_make}[kind](
+                smoke, marker)
+        status = "completed"
+    except SmokeTimeout as e:
+        smoke.notes.append(f"stopped at '{e}': the persona's {timeout:g} s ran out")
+        status = "timeout"
+    smoke.save()
+    return SmokeResult(status=status, steps=smoke.steps, summary="; ".join(smoke.notes))
+
+
+# --- Python -----------------------------------------------------------------------------------------------------------
+
+
+def has_tests(root: Path) -> bool:
+    if any((root / d).is_dir() for d in ("tests", "test", "testing")):
+        return True
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).parts
+        if any(p.startswith(".") or p in ("node_modules", "build", "dist") for p in parts):
+            continue
+        if path.name.startswith("test_") or path.name.endswith("_test.py"):
+            return True
+    return False
+
+
+def first_line_matching(text: str, pattern: str) -> str | None:
+    for line in text.splitlines():
+        if re.search(pattern, line):
+            return line.strip()
+    return None
+
+
+def pip_error(output: str) -> str:
+    """The most telling line of a failed pip run."""
+    error = first_line_matching(output, r"^ERROR:")
+    if error and not error.endswith(":"):  # "ERROR: Exception:" only introduces pip's own traceback
+        return error
+    return (output.strip().splitlines() or ["(no output)"])[-1].strip()
+
+
+def smoke_python(smoke: Smoke, marker: str) -> None:
+    root = smoke.workspace.root
+    dist_name, extras = python_metadata(root)
+    extra = next((e for e in TEST_EXTRAS if e in extras), None)
+    if extra is None and marker != "pyproject.toml":
+        extra = "test"  # setup.py projects rarely say in a file we can read; pip only warns if it is missing
+    spec = f".[{extra}]" if extra else "."
+    editable = f"python -m pip install -e {shlex.quote(spec)}"
+    install = smoke.sh("install (editable, with test extras)", editable)
+    installed_with = editable
+    if install.exit_code != 0:
+        plain = "python -m pip install ."
+        fallback = smoke.sh("install (plain)", plain)
+        if fallback.exit_code == 0:
+            installed_with = plain
+            smoke.finding(title=f"Editable install fails: `pip install -e {spec}`", severity="medium", category="install",
+                          details=f"`{editable}` fails in a fresh virtual environment ({pip_error(install.output)}); "
+                                  f"`{plain}` works.",
+                          evidence=tail(install.output, EVIDENCE_CHARS), repro_command=editable)
+        else:
+            smoke.finding(title="Install fails in a fresh virtual environment", severity="critical", category="install",
+                          details=f"Neither `{editable}` nor `{plain}` works: {pip_error(fallback.output)}",
+                          evidence=tail(fallback.output, EVIDENCE_CHARS), repro_command=editable)
+            smoke.measure(name="install time (failed)", value=round(install.seconds, 3), unit="s", command=editable)
+            smoke.notes.append(f"install failed: {pip_error(fallback.output)}")
+            return
+        install = fallback
+    smoke.measure(name="install time", value=round(install.seconds, 3), unit="s", command=installed_with)
+    smoke.notes.append(f"installed in {install.seconds:.1f} s")
+    for req in REQUIREMENT_FILES[1:]:
+        if (root / req).is_file():
+            cmd = f"python -m pip install -r {shlex.quote(req)}"
+            res = smoke.sh(f"install {req}", cmd)
+            if res.exit_code != 0:
+                smoke.finding(title=f"`pip install -r {req}` fails", severity="medium", category="install",
+                              details=pip_error(res.output), evidence=tail(res.output, EVIDENCE_CHARS), repro_command=cmd)
+    package = import_name(root, dist_name)
+    import_ms = measure_import(smoke, package) if package else None
+    python_tests(smoke)
+    if smoke.probes:  # docs as executable claims, timing claims, edge inputs, scaling: persona/probes/README.md
+        run_probes(from_smoke(smoke, package), import_ms=import_ms)
+
+
+def measure_import(smoke: Smoke, package: str) -> float | None:
+    """Import time of the top-level package from `python -X importtime` (cumulative, interpreter start excluded):
+    one warm-up run (it writes the .pyc files), then IMPORT_REPEATS runs; median and spread. Returns the median in
+    ms (None when it could not be measured)."""
+    command = f"python -X importtime -c {shlex.quote(f'import {package}')}"
+    warm = smoke.sh(f"import {package} (warm-up)", command, timeout=120)
+    if warm.exit_code != 0:
+        error = (warm.output.strip().splitlines() or ["(no output)"])[-1]
+        smoke.finding(title=f"`import {package}` fails after a successful install", severity="high", category="install",
+                      details=f"In a fresh virtual environment with the project installed: {error}",
+                      evidence=tail(warm.output, EVIDENCE_CHARS), repro_command=f"python -c 'import {package}'")
+        smoke.notes.append(f"import {package} failed")
+        return None
+    samples = []
+    for i in range(IMPORT_REPEATS):
+        res = smoke.sh(f"import {package} ({i + 1}/{IMPORT_REPEATS})", command, timeout=120)
+        us = importtime_us(res.output, package)
+        if res.exit_code != 0 or us is None:
+            return None
+        samples.append(us / 1000.0)
+    median, spread = stats.median(samples), stats.spread(samples)  # the report computes both the same way
+    smoke.measure(name=f"import time ({package})", value=round(median, 3), unit="ms", command=command,
+                  repeats=len(samples), spread=round(spread, 3) if math.isfinite(spread) else None, samples=[round(s, 3) for s in samples])
+    smoke.notes.append(f"import {package}: {median:.1f} ms (median of {len(samples)}, spread {spread:.0%})")
+    return median
+
+
+def importtime_us(output: str, package: str) -> int | None:
+    """The cumulative microseconds of the top-level `package` line (exactly one space of nesting)."""
+    for line in output.splitlines():
+        m = re.match(r"import time:\s+\d+ \|\s+(\d+) \| (\S.*)$", line)
+        if m and m.group(2).strip() == package:
+            return int(m.group(1))
+    return None
+
+
+PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
+
+
+def pytest_counts(output: str) -> dict[str, int]:
+    """Counts from pytest's last summary line ('1 failed, 7 passed in 0.05s'); {} if there is none."""
+    for line in reversed(output.splitlines()):
+        if re.search(r"\bin [\d.]+s\b", line) and (PYTEST_COUNT.search(line) or "no tests ran" in line):
+            counts = {}
+            for n, what in PYTEST_COUNT.findall(line):
+                counts["errors" if what.startswith("error") else what] = int(n)
+            return counts
+    return {}
+
+
+def pytest_problems(output: str) -> list[tuple[str, str, str]]:
+    """(FAILED|ERROR, test id, message) from pytest's `-rfE` short summary."""
+    found = []
+    for line in output.splitlines():
+        m = re.match(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", line.strip())
+        if m:
+            found.append((m.group(1), m.group(2), m.group(3) or ""))
+    return found
+
+
+def failure_location(output: str, test_file: str) -> tuple[str | None, int | None]:
+    """Where the first failure happened: the first 'path.py:LINE: Error' traceback line, preferring the test's file."""
+    hits = re.findall(r"^([\w./\\-]+\.py):(\d+): \w", output, flags=re.MULTILINE)
+    for path, line in hits:
+        if path == test_file:
+            return path, int(line)
+    return (hits[0][0], int(hits[0][1])) if hits else (test_file or None, None)
+
+
+def failures_excerpt(output: str) -> str:
+    """The FAILURES/ERRORS section pytest prints, which says what was expected and what came back."""
+    start = re.search(r"^=+ (FAILURES|ERRORS) =+$", output, flags=re.MULTILINE)
+    end = re.search(r"^=+ short test summary info =+$", output, flags=re.MULTILINE)
+    if not start:
+        return ""
+    return output[start.start(): end.start() if end and end.start() > start.start() else None].strip()
+
+
+def python_tests(smoke: Smoke) -> None:
+    root = smoke.workspace.root
+    if not has_tests(root):
+        smoke.finding(title="No tests found", severity="medium", category="tests",
+                      details="The repository has no tests/ folder and no test_*.py or *_test.py files, so a user "
+                              "cannot check that an install works.")
+        smoke.notes.append("no tests found")
+        return
+    if smoke.sh("is pytest installed?", "python -c 'import pytest'").exit_code != 0:
+        got = smoke.sh("install pytest (the project does not install it)", "python -m pip install pytest")
+        if got.exit_code != 0:
+            smoke.notes.append(f"pytest could not be installed: {pip_error(got.output)}")
+            return
+        smoke.notes.append("pytest was not installed by the project's test extras; installed it")
+    command = "python -m pytest -q -rfE --color=no"
+    result = smoke.sh("run the tests", command)
+    smoke.measure(name="test suite time", value=round(result.seconds, 3), unit="s", command=command)
+    if result.timed_out:
+        smoke.finding(title="Test suite does not finish", severity="high", category="tests",
+                      details=f"`{command}` was still running after {result.seconds:.0f} s and was killed.",
+                      evidence=tail(result.output, EVIDENCE_CHARS), repro_command=command)
+        smoke.notes.append(f"tests did not finish in {result.seconds:.0f} s")
+        return
+    counts = pytest_counts(result.output)
+    problems = pytest_problems(result.output)
+    counted = ", ".join(f"{n} {what}" for what, n in counts.items()) or "no summary line"
+    if result.exit_code == 5 or (result.exit_code == 0 and not counts.get("passed") and not problems):
+        smoke.finding(title="pytest collects no tests", severity="medium", category="tests",
+                      details=f"The repository looks like it has tests, but `{command}` ran none ({counted}).",
+                      evidence=tail(result.output, EVIDENCE_CHARS), repro_command=command)
+        smoke.notes.append("pytest collected no tests")
+        return
+    if result.exit_code == 0:
+        smoke.notes.append(f"tests pass ({counted}, {result.seconds:.1f} s)")
+        return
+    bad = counts.get("failed", 0) + counts.get("errors", 0)
+    total = bad + counts.get("passed", 0)
+    ids = [tid for _, tid, _ in problems]
+    if ids:
+        first_file = ids[0].split("::")[0]
+        file, line = failure_location(result.output, first_file)
+        shown = ids[0] + (f" and {len(ids) - 1} more" if len(ids) > 1 else "")
+        title = f"{bad} of {total} tests fail ({shown})" if total else f"Tests fail ({shown})"
+        repro = "python -m pytest -x " + " ".join(shlex.quote(t) for t in ids[:5])
+    else:  # pytest itself failed (bad config, internal error): no test ids to point at
+        file, line = None, None
+        title = f"pytest fails before running the tests (exit code {result.exit_code})"
+        repro = command
+    lines = [f"{kind} {tid}" + (f" - {msg}" if msg else "") for kind, tid, msg in problems[:50]]
+    details = (f"`{command}` in a fresh install: {counted} ({result.seconds:.1f} s)."
+               + ("\nFailing:\n" + "\n".join(lines) if lines else ""))
+    evidence = "\n".join(lines) + "\n\n" + (failures_excerpt(result.output) or result.output)
+    smoke.finding(title=title, severity="high", category="tests", details=details,
+                  evidence=tail(evidence.strip(), EVIDENCE_CHARS) if len(evidence) > EVIDENCE_CHARS
+                  else evidence.strip(), repro_command=repro, file=file, line=line)
+    smoke.notes.append(f"tests: {counted} ({result.seconds:.1f} s)")
+
+
+# --- Other ecosystems: install, then the ecosystem's test command ----------------------------------------------------
+
+def tool_missing(smoke: Smoke, kind: str, tool: str) -> bool:
+    if shutil.which(tool, path=smoke.workspace.env.get("PATH")):
+        return False
+    smoke.finding(title=f"Not tested: `{tool}` is not available on the review machine", severity="info",
+                  category="environment",
+                  details=f"This is a {kind} project; the reviewing machine has no `{tool}`, so smoke could not install "
+                          "or test it. This says nothing about the project.")
+    smoke.notes.append(f"{tool} not available here")
+    return True
+
+
+def build_and_test(smoke: Smoke, kind: str, install: str | None, test: str | None,
+                   failed_ids: Callable[[str], list[str]]) -> None:
+    if install:
+        res = smoke.sh("install / build", install)
+        if res.exit_code != 0:
+            reason = (res.output.strip().splitlines() or ["(no output)"])[-1]
+            smoke.finding(title=f"Build fails: `{install}`", severity="critical", category="install",
+                          details=f"`{install}` fails on a fresh clone: {reason}",
+                          evidence=tail(res.output, EVIDENCE_CHARS), repro_command=install)
+            smoke.notes.append(f"`{install}` failed")
+            return
+        smoke.measure(name="install time" if kind == "Node.js" else "build time", value=round(res.seconds, 3), unit="s",
+                      command=install)
+        smoke.notes.append(f"`{install}` took {res.seconds:.1f} s")
+    if not test:
+        smoke.finding(title="No test command", severity="medium", category="tests",
+                      details=f"This {kind} project declares no test command a new user could run.")
+        smoke.notes.append("no test command")
+        return
+    res = smoke.sh("run the tests", test)
+    smoke.measure(name="test suite time", value=round(res.seconds, 3), unit="s", command=test)
+    if res.exit_code == 0:
+        smoke.notes.append(f"`{test}` passes ({res.seconds:.1f} s)")
+        return
+    ids = failed_ids(res.output)
+    what = "does not finish" if res.timed_out else "fails"
+    title = ("Tests do not finish" if res.timed_out else "Tests fail") + (f" ({ids[0]}" + (f" and {len(ids) - 1} more)" if len(ids) > 1 else ")") if ids else "")
+    smoke.finding(title=title, severity="high", category="tests",
+                  details=f"`{test}` {what} on a fresh clone" + (": " + ", ".join(ids[:20]) if ids else "."),
+                  evidence=tail(res.output, EVIDENCE_CHARS), repro_command=test)
+    smoke.notes.append(f"`{test}` {what}" + (f" ({len(ids)} failing)" if ids else ""))
+
+
+def smoke_node(smoke: Smoke, marker: str) -> None:
+    if tool_missing(smoke, "Node.js", "npm"):
+        return
+    try:
+        scripts = json.loads((smoke.workspace.root / marker).read_text()).get("scripts", {}) or {}
+    except (ValueError, AttributeError):
+        smoke.finding(title="package.json is not valid JSON", severity="critical", category="install",
+                      details="npm cannot read package.json.")
+        return
+    test = scripts.get("test", "")
+    has_test = bool(test) and "no test specified" not in test
+    install = "npm ci" if (smoke.workspace.root / "package-lock.json").is_file() else "npm install"
+    build_and_test(smoke, "Node.js", install, "npm test" if has_test else None,
+                   lambda out: re.findall(r"^\s*(?:✕|×|\d+\))\s+(.+?)\s*$", out, flags=re.MULTILINE)[:50])
+
+
+def smoke_rust(smoke: Smoke, marker: str) -> None:
+    if tool_missing(smoke, "Rust", "cargo"):
+        return
+    build_and_test(smoke, "Rust", "cargo build", "cargo test",
+                   lambda out: re.findall(r"^test (\S+) \.\.\. FAILED$", out, flags=re.MULTILINE))
+
+
+def smoke_go(smoke: Smoke, marker: str) -> None:
+    if tool_missing(smoke, "Go", "go"):
+        return
+    build_and_test(smoke, "Go", "go build ./...", "go test ./...",
+                   lambda out: re.findall(r"^\s*--- FAIL: (\S+)", out, flags=re.MULTILINE))
+
+
+def smoke_make(smoke: Smoke, marker: str) -> None:
+    if tool_missing(smoke, "make", "make"):
+        return
+    makefile = (smoke.workspace.root / marker).read_text(errors="replace")
+    targets = [t for t in re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", makefile, flags=re.MULTILINE)
+               if not t.startswith(".")]
+    test = next((t for t in ("test", "check") if t in targets), None)
+    # Plain `make` builds the first target; when that is the test target itself, running it twice tells nothing new.
+    build = "make" if targets and targets[0] != test else None
+    build_and_test(smoke, "make", build, f"make {test}" if test else None, lambda out: [])

@@ -1,0 +1,115 @@
+"""Findings checked instead of trusted: re-run each finding's `repro_command` in a fresh sandbox.
+
+Small local models hallucinate problems. A finding that comes with a command is re-run, after its persona finished, in a
+fresh workspace (a new clone of the same commit and a new virtual environment, reviewer/sandbox/workspace.py) where the
+project is first installed the way this run's smoke persona installed it (its "install time" measurement names the
+command), so that "pytest is missing" never passes for "the tests fail". The rule, exactly:
+
+- `verified = True`  when the repro command exits non-zero or times out: the problem reproduces;
+- `verified = False` when it exits 0: it does not;
+- `verified = None`  when no check could be made (no repro command, the workspace could not be made, or more than
+  MAX_PER_PERSONA findings of one persona were waiting).
+
+`verification` keeps what happened (setup and repro exit codes, seconds, the output's tail) so a reader can judge. A
+repro command that depends on files the persona made in its own workspace fails here for the wrong reason; the personas
+are told to give commands that work on a fresh clone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlmodel import select
+
+from reviewer.sandbox import isolation
+from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace
+from reviewer.store import db
+from reviewer.store.db import Finding, Measurement, Repository, ReviewRun
+from reviewer.text import tail
+
+MAX_PER_PERSONA = 10
+REPRO_TIMEOUT = 300.0
+SETUP_TIMEOUT = 600.0
+OUTPUT_TAIL = 3000
+
+
+def setup_command(s, run_id: int) -> str | None:
+    """How this run's smoke persona installed the project (None when it did not, or is not in the run)."""
+    row = s.exec(select(Measurement).where(Measurement.run_id == run_id, Measurement.persona == "smoke",
+                                           Measurement.name == "install time")).first()
+    return row.command if row and row.command else None
+
+
+def pending(s, run_id: int, persona: str | None) -> list[Finding]:
+    query = select(Finding).where(Finding.run_id == run_id, Finding.repro_command != None,  # noqa: E711
+                                  Finding.duplicate_of == None, Finding.verification == None)  # noqa: E711
+    rows = [f for f in s.exec(query.order_by(Finding.id)).all() if f.state != "fixed" and f.repro_command.strip()]
+    return [f for f in rows if persona is None or f.persona == persona]
+
+
+def verify_findings(db_path: str, run_id: int, *, persona: str | None = None, settings=None,
+                    on_progress: Callable[[str], None] = lambda msg: None) -> dict[str, int]:
+    """Re-run the repro commands of this run's findings (one persona's, or all) that were not checked yet.
+    Returns counts: reproduced, not_reproduced, unchecked."""
+    with db.session(db_path) as s:
+        run = s.get(ReviewRun, run_id)
+        if run is None:
+            raise ValueError(f"no run with id {run_id}")
+        url = s.get(Repository, run.repository_id).url
+        setup = setup_command(s, run_id)
+        todo = pending(s, run_id, persona)
+    target = Target(url=url, commit=run.commit_sha, ref=None)
+    counts = {"reproduced": 0, "not_reproduced": 0, "unchecked": 0}
+    seen: dict[str, int] = {}
+    for finding in todo:
+        seen[finding.persona] = seen.get(finding.persona, 0) + 1
+        if seen[finding.persona] > MAX_PER_PERSONA:
+            save(db_path, finding.id, None, f"not checked: over {MAX_PER_PERSONA} findings of {finding.persona} to verify")
+            counts["unchecked"] += 1
+            continue
+        lines = finding.repro_command.strip().splitlines()
+        shown = lines[0] + (" ..." if len(lines) > 1 else "")  # a probe's script: its first line
+        on_progress(f"verifying finding {finding.id} ({finding.persona}): {shown}")
+        verified, text = check(finding.repro_command, target, setup, settings)
+        save(db_path, finding.id, verified, text)
+        counts["unchecked" if verified is None else "reproduced" if verified else "not_reproduced"] += 1
+    return counts
+
+
+def check(repro: str, target: Target, setup: str | None, settings) -> tuple[bool | None, str]:
+    """One repro command in a fresh workspace: (verified, what happened)."""
+    command_timeout = float(getattr(settings, "command_timeout", REPRO_TIMEOUT))
+    try:
+        ws = create_workspace(target, parent=getattr(settings, "workdir", None), name="verify",
+                              policy=isolation.Policy.from_settings(settings),
+                              command_timeout=max(command_timeout, SETUP_TIMEOUT))
+    except WorkspaceError as e:
+        return None, f"not checked: no fresh workspace ({e})"
+    try:
+        lines = []
+        if setup:
+            done = ws.run(setup, timeout=SETUP_TIMEOUT)
+            lines.append(f"setup `{setup}`: " + outcome(done))
+        result = ws.run(repro, timeout=min(REPRO_TIMEOUT, command_timeout))
+        verified = result.timed_out or result.exit_code != 0
+        lines.append(f"repro `{repro}`: {outcome(result)} -> "
+                     + ("reproduces" if verified else "does not reproduce (exit code 0)"))
+        lines.append("--- output ---")
+        lines.append(tail(result.output.strip(), OUTPUT_TAIL))
+        return verified, "\n".join(lines)
+    finally:
+        ws.remove()
+
+
+def outcome(result) -> str:
+    if result.timed_out:
+        return f"timed out after {result.seconds:.1f} s"
+    return f"exit code {result.exit_code} in {result.seconds:.1f} s"
+
+
+def save(db_path: str, finding_id: int, verified: bool | None, text: str) -> None:
+    with db.session(db_path) as s:
+        row = s.get(Finding, finding_id)
+        row.verified, row.verification = verified, text
+        s.add(row)
+        s.commit()

@@ -1,0 +1,490 @@
+"""The deterministic probes (reviewer/persona/probes) on small real git repositories: `statly` has one planted defect of each
+kind the probes look for, its clean twin has the same docs and tests with every defect fixed and must give no
+finding. Real installs in the real sandbox, real subprocesses; each finding's repro command is run again, and must
+fail on the defective project and pass on the fixed one. No timing is asserted (speed figures: bench/probes.py)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlmodel import select
+
+from reviewer.examples import git, make_example_repo
+from reviewer.persona.probes import callsites, docs_claims, doctext
+from reviewer.persona.smoke import run_smoke
+from reviewer.persona.tools import TOOL_NAMES, TOOLS, Toolbox
+from reviewer.run.recorder import DbRecorder
+from reviewer.sandbox.workspace import create_workspace, resolve_target
+from reviewer.store import db
+from reviewer.store.db import Finding, Measurement, PersonaRun, ReviewRun
+
+PYPROJECT = """[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "statly"
+version = "1.0"
+requires-python = ">=3.9"
+optional-dependencies = {test = ["pytest"]}
+scripts = {statly = "statly.cli:main"}
+
+[tool.setuptools]
+packages = ["statly"]
+"""
+
+README = """# statly
+
+statly is a lightweight statistics library.
+
+```python
+from statly import middle, running_max
+
+middle([1, 2, 3, 4])          # 2.5
+data = load_your_data("measurements.csv")
+```
+
+`running_max` is linear in the length of its input.
+
+```
+statly numbers.txt --stat mean
+statly --stat middle --precision 2 numbers.txt
+```
+"""
+
+USAGE = """# Usage
+
+```pycon
+>>> from statly import first_gap, running_max
+>>> first_gap([1, 4, 9])
+3
+>>> running_max([3, 1, 4])
+[3, 3, 4]
+
+```
+"""
+
+CHANGELOG = """# Changes
+
+## 0.1
+```pycon
+>>> from statly import middle
+>>> middle([1, 2])
+99
+```
+"""
+
+TESTS = """from statly import first_gap, middle, running_max
+
+
+def test_middle_odd():
+    assert middle([3, 1, 2]) == 2
+
+
+def test_first_gap():
+    assert first_gap([1, 4, 9]) == 3
+
+
+def test_running_max():
+    assert running_max([3, 1, 4]) == [3, 3, 4]
+"""
+
+DEFECTIVE_CORE = """import time
+
+time.sleep(0.55)  # heavy work at import time: over the 0.5 s threshold, whatever the machine
+
+
+def middle(values):
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def first_gap(values):
+    return values[1] - values[0]
+
+
+def running_max(values):
+    return [max(values[: i + 1]) for i in range(len(values))]
+"""
+
+FIXED_CORE = """def middle(values):
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def first_gap(values):
+    if len(values) < 2:
+        raise ValueError("need two values")
+    return values[1] - values[0]
+
+
+def running_max(values):
+    out, best = [], None
+    for v in values:
+        best = v if best is None or v > best else best
+        out.append(best)
+    return out
+"""
+
+CLI = """import argparse
+from statly import core
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="statly")
+    parser.add_argument("file")
+    parser.add_argument("--stat", choices=["mean", "middle"], default="mean")
+    {precision}
+    args = parser.parse_args(argv)
+    with open(args.file) as f:
+        {read}
+    if not values:
+        raise SystemExit("statly: no numbers in " + args.file)
+    print(sum(values) / len(values) if args.stat == "mean" else core.middle(values))
+"""
+DEFECTIVE_CLI = CLI.format(precision="", read="values = [float(line) for line in f if line.strip()]")
+FIXED_CLI = CLI.format(precision='parser.add_argument("--precision", type=int, default=6)',
+                       read="""try:
+            values = [float(line) for line in f if line.strip()]
+        except ValueError as e:
+            raise SystemExit("statly: " + str(e))""")
+
+
+def project(core: str, cli: str) -> dict[str, str]:
+    return {"pyproject.toml": PYPROJECT, "README.md": README, "docs/usage.md": USAGE, "CHANGELOG.md": CHANGELOG,
+            "statly/__init__.py": "from statly.core import first_gap, middle, running_max\n",
+            "statly/core.py": core, "statly/cli.py": cli, "tests/test_core.py": TESTS}
+
+
+def make_repo(path: Path, files: dict[str, str]) -> Path:
+    for name, content in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(content)
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "statly")
+    return path
+
+
+def review(repo: Path, tmp_path: Path):
+    """The smoke persona with its probes, as `reviewer run` runs it; (findings, measurements, workspace)."""
+    dbp = str(tmp_path / "reviews.db")
+    target = resolve_target(str(repo))
+    with db.session(dbp) as s:
+        run = ReviewRun(repository_id=db.get_or_create_repository(s, target.url).id, commit_sha=target.commit)
+        s.add(run)
+        s.flush()
+        prun = PersonaRun(run_id=run.id, persona="smoke")
+        s.add(prun)
+        s.commit()
+    ws = create_workspace(target, parent=tmp_path / "work", name="smoke")
+    result = run_smoke(ws, DbRecorder(dbp, run.id, prun.id, "smoke"), timeout=600)
+    assert result.status == "completed", result
+    assert "gave no result" not in result.summary and " failed: " not in result.summary, result.summary  # no probe bug
+    with db.session(dbp) as s:
+        findings = s.exec(select(Finding).where(Finding.run_id == run.id)).all()
+        measurements = s.exec(select(Measurement).where(Measurement.run_id == run.id)).all()
+    return findings, measurements, ws
+
+
+@pytest.fixture(scope="module")
+def reviewed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probes")
+    bad = review(make_repo(tmp / "defective", project(DEFECTIVE_CORE, DEFECTIVE_CLI)), tmp / "a")
+    good = review(make_repo(tmp / "fixed", project(FIXED_CORE, FIXED_CLI)), tmp / "b")
+    yield bad, good
+    bad[2].remove()
+    good[2].remove()
+
+
+def test_each_planted_defect_is_found_once_with_a_repro_that_fails(reviewed):
+    (findings, measurements, ws), _ = reviewed
+    got = {f.category: f for f in findings}
+    titles = sorted(f"{f.category}: {f.title}" for f in findings)
+    assert len(findings) == 6, titles
+    docs = [f for f in findings if f.category == "docs"]
+    assert sorted(f.title for f in docs) == [
+        "README.md example `middle([1, 2, 3, 4])` gives 3, the docs say 2.5",
+        "README.md uses `--precision`, which `statly` does not accept"], titles
+    assert all(f.file == "README.md" and f.line for f in docs)
+    perf = sorted((f for f in findings if f.category == "performance"), key=lambda f: f.title)
+    assert perf[0].title.startswith("`import statly` takes 0.") and perf[0].severity == "high"  # the docs say lightweight
+    assert "README.md:3: statly is a lightweight statistics library." in perf[0].details
+    assert perf[1].title.startswith("`running_max` takes time ~n^") and "linear in the length" in perf[1].title
+    assert perf[1].file == "statly/core.py" and "Timings:" in perf[1].details
+    crashes = sorted((f for f in findings if f.category == "crash"), key=lambda f: f.title)
+    assert crashes[0].title.startswith("`first_gap([])` raises IndexError") and crashes[0].file == "statly/core.py"
+    assert crashes[1].title.startswith("`statly numbers.txt --stat mean` dies with a traceback on a malformed file")
+    assert "ValueError: could not convert string to float" in crashes[1].details
+    assert got["docs"] and not any(f.file == "CHANGELOG.md" for f in findings)  # the past is not a claim
+    assert "CLI start-up (statly --help)" in {m.name for m in measurements}
+    for f in findings:  # each repro shows the problem in the workspace it came from
+        again = ws.run(f.repro_command, 120)
+        assert again.exit_code == 1, (f.title, again.output[-2000:])
+
+
+def test_the_clean_twin_gives_no_finding_and_passes_every_repro(reviewed):
+    (bad_findings, _, _), (findings, measurements, ws) = reviewed
+    assert findings == [], [f.title for f in findings]
+    assert "import time (statly)" in {m.name for m in measurements}
+    for f in bad_findings:  # the same checks pass once the code is fixed: the repro says "fixed" by exiting 0
+        again = ws.run(f.repro_command, 120)
+        assert again.exit_code == 0, (f.title, again.output[-2000:])
+
+
+def test_the_probes_are_tools_an_agent_can_call(reviewed):
+    (_, _, ws), _ = reviewed
+    for name in ("probe_docs", "probe_timing", "probe_scaling", "probe_edges"):
+        tool = TOOLS[TOOL_NAMES.index(name)]["function"]
+        assert "\n" not in tool["description"] and len(tool["description"]) < 160  # one line in the tool list
+
+    class Recorder:
+        def __init__(self):
+            self.findings = []
+
+        def record_finding(self, **kw):
+            self.findings.append(kw)
+            return len(self.findings)
+
+        def record_measurement(self, **kw):
+            return 0
+
+    recorder = Recorder()
+    out = Toolbox(ws, recorder).execute("probe_edges", {"function": "first_gap"})
+    assert out.ok and "edges probe recorded 1 finding(s)" in out.output, out.output
+    assert "`first_gap([])` raises IndexError" in out.output
+    assert [f["category"] for f in recorder.findings] == ["crash"] and recorder.findings[0]["repro_command"]
+    missing = Toolbox(ws, recorder).execute("probe_scaling", {"function": "nowhere"})
+    assert not missing.ok and "never call 'nowhere'" in missing.output
+    bad = Toolbox(ws, recorder).execute("probe_docs", {"verbose": True})
+    assert not bad.ok and "bad arguments for probe_docs" in bad.output
+
+
+def test_the_four_defects_of_the_example_are_found(tmp_path):
+    """tinystats (examples/README.md): the smoke persona found one of its four defects; with the probes, all four.
+    `make demo` shows them verified in fresh clones; here each repro command is run again in the same workspace."""
+    findings, _, ws = review(make_example_repo(tmp_path / "tinystats"), tmp_path)
+    try:
+        titles = sorted(f.title for f in findings)
+        assert len(findings) == 5, titles
+        assert "README.md example `median([1, 2, 3, 4])` gives 3, the docs say 2.5" in titles  # even-length median
+        assert "1 of 8 tests fail (tests/test_core.py::test_percentile_unsorted)" in titles  # percentile: unsorted
+        assert "README.md example `percentile([5, 1, 3], 50)` gives 1, the docs say 3" in titles
+        assert any(t.startswith("`moving_average` takes time ~n^") and "linear in the length" in t
+                   for t in titles)  # O(n * window)
+        assert any(t.startswith("`tinystats data.txt --stat median` dies with a traceback on an empty file and a "
+                                "malformed file") for t in titles)  # the CLI on a non-numeric line
+        for f in findings:
+            assert ws.run(f.repro_command, 120).exit_code != 0, f.title
+    finally:
+        ws.remove()
+
+
+# --- the precision rules, on what real projects do (no install: the package lies on PYTHONPATH) ------------------------
+
+def run_examples_script(tmp_path: Path, package_files: dict[str, str], doc: str, name: str = "README.md"):
+    for rel, text in package_files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / name).write_text(doc)
+    blocks = [{"file": b.file, "line": b.line, "doctest": b.is_doctest, "text": b.text}
+              for b in doctext.all_blocks(tmp_path) if b.is_python]
+    code = docs_claims.examples_script(blocks, "pkg")
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=60)
+    from reviewer.persona.probes.runner import result_line
+
+    return done.returncode, result_line(done.stdout)
+
+
+PKG = {"pkg/__init__.py": "from pkg.core import pkg, half\nOPTION = 1\n",
+       "pkg/core.py": "def pkg(x):\n    return [x]\n\n\ndef half(x):\n    return x / 2\n"}
+
+
+def test_docs_examples_leave_alone_what_the_reader_must_supply(tmp_path):
+    doc = """# pkg
+```python
+from pkg import pkg, half
+import pkg as module_of_it          # fine
+half(1)                              # 0.5
+half(2)                              # 1.0 exactly, as shown
+```
+
+Set an option (this snippet imports the module under the function's name):
+
+```python
+import pkg
+pkg.OPTION = 2
+```
+
+```pycon
+>>> pkg(3)
+[3]
+>>> sorted({"b", "a"})
+['a', 'b']
+>>> half(1/3)
+0.16666...
+>>> read_my_file("data.csv")
+>>> half(1)  # doctest: +SKIP
+7
+```
+
+```python
+result = load(...)        # a placeholder
+```
+"""
+    code, got = run_examples_script(tmp_path, PKG, doc)
+    assert code == 0, got
+    assert [o["kind"] for o in got["outcomes"]] == ["skipped"]  # the undefined read_my_file: not the project's fault
+    assert got["checked"] == 5
+
+
+def test_docs_examples_that_are_wrong_or_raise_from_the_project_are_reported(tmp_path):
+    doc = """```python
+from pkg import half, pkg
+half(3)        # 1.4
+```
+
+```pycon
+>>> pkg(1)
+[2]
+>>> from pkg import missing
+>>> half("x")
+'x'
+```
+"""
+    code, got = run_examples_script(tmp_path, PKG, doc)
+    assert code == 1
+    kinds = [(o["line"], o["kind"], o.get("got") or o.get("error")) for o in got["outcomes"]]
+    assert kinds == [(3, "mismatch", "1.5"), (7, "mismatch", "[1]"),
+                     (9, "error", "ImportError: cannot import name 'missing' from 'pkg' (" + str(tmp_path)
+                      + "/pkg/__init__.py)"),
+                     (10, "error", "TypeError: unsupported operand type(s) for /: 'str' and 'int'")]
+
+
+def test_documented_commands_are_the_lines_that_run_the_project(tmp_path):
+    (tmp_path / "README.md").write_text("""```
+tool in.txt --fast
+pip install tool
+```
+
+    ==========  =====
+    tool (1.0)   12.5
+    ==========  =====
+
+```console
+$ echo "a b" | tool --stdin
+a-b
+$ git clone https://example.org/tool
+```
+
+```
+tool run FILE
+python -m tool.sub check
+```
+""")
+    found = doctext.commands(doctext.all_blocks(tmp_path), {"tool"}, "tool")
+    assert [(c.line, c.text, c.expected) for c in found] == [
+        (2, "tool in.txt --fast", None), (11, 'echo "a b" | tool --stdin', "a-b"), (17, "tool run FILE", None),
+        (18, "python -m tool.sub check", None)]
+    assert [doctext.is_placeholder(t) for t in found[2].argv] == [False, False, True]
+
+
+def test_call_sites_come_from_tests_and_docs_with_literal_arguments(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("""import pytest
+import pkg as p
+from pkg.core import half
+
+
+def test_half():
+    txt = "abc"
+    assert p.pkg(txt) == ["abc"]
+    assert half(range(4), n=2)
+    with pytest.raises(KeyError):
+        half({}, n=[1, 2])
+    half(some_variable)
+    p._private([1])
+""")
+    sites = callsites.find(tmp_path, "pkg", [])
+    assert {t: [s.text for s in c] for t, c in sites.calls.items()} == {
+        "pkg.pkg": ["p.pkg(txt)"], "pkg.core.half": ["half(range(4), n=2)", "half({}, n=[1, 2])"]}
+    assert [a.source for _, a in sites.calls["pkg.pkg"][0].all_args()] == ["'abc'"]  # the literal the name stands for
+    assert sites.expected == {"pkg.pkg": {"KeyError"}, "pkg.core.half": {"KeyError"}, "pkg._private": {"KeyError"}}
+
+
+def test_no_probes_option_and_setting(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from reviewer.cli import app
+    from reviewer.config import load_settings
+
+    assert "--no-probes" in CliRunner().invoke(app, ["run", "--help"]).output
+    monkeypatch.delenv("REVIEWER_PROBES")
+    assert load_settings().probes is True  # on by default
+    monkeypatch.setenv("REVIEWER_PROBES", "maybe")
+    bad = CliRunner().invoke(app, ["run", str(tmp_path)])
+    assert bad.exit_code == 2 and "REVIEWER_PROBES" in bad.output  # a bad value: one line naming the key
+    overridden = CliRunner().invoke(app, ["run", str(tmp_path), "--no-probes"])  # the command line wins
+    assert overridden.exit_code == 2 and "not a git repository" in overridden.output
+
+
+def test_a_probe_script_as_repro_keeps_its_lines_in_the_reports(tmp_path):
+    from reviewer.report import html_report, report
+
+    dbp = str(tmp_path / "reviews.db")
+    script = "python - <<'REVIEWER_PROBE'\nimport sys\nsys.exit(1)\nREVIEWER_PROBE"
+    with db.session(dbp) as s:
+        run = ReviewRun(repository_id=db.get_or_create_repository(s, "file:///x").id, commit_sha="a" * 40,
+                        status="completed")
+        s.add(run)
+        s.flush()
+        s.add(Finding(run_id=run.id, persona="smoke", title="t", severity="low", category="docs", details="d",
+                      repro_command=script))
+        s.commit()
+    runs = report.collect_runs(dbp)
+    markdown = report.render_markdown(runs, [], source=dbp)
+    assert "    ```\n    python - <<'REVIEWER_PROBE'\n    import sys\n    sys.exit(1)\n    REVIEWER_PROBE\n    ```" in markdown
+    html = html_report.finding_html(runs[0]["findings"][0])
+    assert "<pre>python - &lt;&lt;&#x27;REVIEWER_PROBE&#x27;\nimport sys\nsys.exit(1)\nREVIEWER_PROBE</pre>" in html
+
+
+def test_a_call_that_hangs_is_abandoned_and_not_reported(tmp_path):
+    from reviewer.persona.probes import edge_inputs
+    from reviewer.persona.probes.runner import result_line
+
+    (tmp_path / "hangs").mkdir()
+    (tmp_path / "hangs" / "__init__.py").write_text(
+        "def spin(values):\n    while not values:\n        pass\n    return values[0]\n")
+    one = callsites.classify(ast.parse("[1]", mode="eval").body)
+    site = callsites.CallSite("hangs.spin", "tests/test_x.py:1", "spin([1])", [one], [], False)
+    cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(site)
+             for src, shown in [edge_inputs.call_source(site, swaps)]]
+    assert [c[0] for c in cases] == ["spin([])"]
+    code = edge_inputs.edge_script(site, cases, set(), "")
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert done.returncode == 0 and result_line(done.stdout)["crashes"] == [], done.stdout + done.stderr
+
+
+def test_the_probes_stop_when_their_time_is_spent(tmp_path):
+    import time
+
+    from reviewer.persona.probes.runner import Probe
+    from reviewer.persona.probes.suite import run_probes
+
+    def never(*args):
+        raise AssertionError("no command may start once the probes' time is spent")
+
+    probe = Probe(root=tmp_path, sh=never, finding=never, measure=never, deadline=time.monotonic() + 12,
+                  package="pkg")
+    run_probes(probe)
+    assert probe.notes == ["probes stopped at 'probe: console scripts and import of the installed project': "
+                           "their time ran out"]

@@ -1,0 +1,148 @@
+"""The smoke persona on real repositories: really installs into a fresh venv, really runs the tests, stores what it
+finds in a real SQLite database through the same recorder `reviewer run` uses."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from sqlmodel import select
+
+from reviewer.examples import git, make_example_repo
+from reviewer.persona.smoke import detect, importtime_us, pytest_counts, run_smoke
+from reviewer.run.recorder import DbRecorder
+from reviewer.sandbox.workspace import create_workspace, resolve_target
+from reviewer.store import db
+from reviewer.store.db import Finding, Measurement, PersonaRun, ReviewRun
+
+
+def make_repo(path: Path, files: dict[str, str]) -> Path:
+    path.mkdir(parents=True)
+    for name, content in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(content)
+    git(path, "init", "-q", "-b", "main")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
+    return path
+
+
+def smoke_review(repo: Path, tmp_path: Path, timeout: float = 300):
+    """Run smoke on `repo` as `reviewer run` would; returns (result, findings, measurements, persona row, workspace)."""
+    dbp = str(tmp_path / "reviews.db")
+    target = resolve_target(str(repo))
+    with db.session(dbp) as s:
+        repository = db.get_or_create_repository(s, target.url)
+        run = ReviewRun(repository_id=repository.id, commit_sha=target.commit)
+        s.add(run)
+        s.flush()
+        prun = PersonaRun(run_id=run.id, persona="smoke")
+        s.add(prun)
+        s.commit()
+    recorder = DbRecorder(dbp, run.id, prun.id, "smoke")
+    ws = create_workspace(target, parent=tmp_path / "work", name="smoke")
+    steps = []
+    result = run_smoke(ws, recorder, timeout=timeout, probes=False,  # the probes: tests/reviewer/persona/test_probes.py
+                       on_step=lambda step, tool, detail: steps.append((step, detail)))
+    assert [s for s, _ in steps] == list(range(1, result.steps + 1))
+    with db.session(dbp) as s:
+        findings = s.exec(select(Finding).where(Finding.run_id == run.id)).all()
+        measurements = {m.name: m for m in s.exec(select(Measurement).where(Measurement.run_id == run.id)).all()}
+        prow = s.get(PersonaRun, prun.id)
+    return result, findings, measurements, prow, ws
+
+
+def test_smoke_on_the_example_project(tmp_path):
+    repo = make_example_repo(tmp_path / "tinystats")
+    result, findings, measurements, prow, ws = smoke_review(repo, tmp_path)
+    try:
+        assert result.status == "completed", result
+        assert "python project (pyproject.toml)" in result.summary
+        assert "1 failed, 7 passed" in result.summary
+        # The deliberate defect the example's own test suite catches, with its id, counts and a repro command.
+        assert len(findings) == 1, [f.title for f in findings]
+        f = findings[0]
+        assert f.severity == "high" and f.category == "tests"
+        assert f.title == "1 of 8 tests fail (tests/test_core.py::test_percentile_unsorted)"
+        assert "1 failed, 7 passed" in f.details
+        assert "FAILED tests/test_core.py::test_percentile_unsorted" in f.evidence
+        assert "assert 3 == 5" in f.evidence  # pytest's own explanation of the failure
+        assert f.file == "tests/test_core.py" and f.line == 23
+        assert f.repro_command == "python -m pytest -x tests/test_core.py::test_percentile_unsorted"
+        # The repro command really reproduces it, in the workspace the finding came from.
+        again = ws.run(f.repro_command, 120)
+        assert again.exit_code == 1 and "1 failed" in again.output
+        # Measurements: install and test times, and the import time with its repeats.
+        assert set(measurements) == {"install time", "test suite time", "import time (tinystats)"}
+        assert 0 < measurements["install time"].value < 300 and measurements["install time"].unit == "s"
+        assert measurements["install time"].command == "python -m pip install -e '.[test]'"
+        imp = measurements["import time (tinystats)"]
+        assert imp.unit == "ms" and imp.repeats == 5 and len(json.loads(imp.samples)) == 5
+        assert 0 < imp.value < 1000 and imp.spread is not None
+        # The transcript was saved, in OpenAI message shape, with the real tool output.
+        transcript = json.loads(prow.transcript)
+        assert prow.steps == result.steps and len(transcript) == 2 * result.steps
+        assert transcript[-1]["role"] == "tool" and "FAILED tests/test_core.py::test_percentile_unsorted" in transcript[-1]["content"]
+    finally:
+        ws.remove()
+
+
+def test_broken_install_is_a_critical_finding(tmp_path):
+    repo = make_repo(tmp_path / "broken", {"pyproject.toml": "[project\nname = 'broken'\n", "broken/__init__.py": ""})
+    result, findings, measurements, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    assert result.status == "completed"
+    assert [(f.severity, f.title) for f in findings] == [("critical", "Install fails in a fresh virtual environment")]
+    assert findings[0].repro_command == "python -m pip install -e ."
+    assert "TOMLDecodeError" in findings[0].details  # the line that says why, not pip's traceback
+    assert "TOMLDecodeError" in findings[0].evidence
+    assert "install time (failed)" in measurements and "test suite time" not in measurements
+
+
+def test_no_tests_is_a_finding(tmp_path):
+    repo = make_repo(tmp_path / "untested", {
+        "pyproject.toml": '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
+                          '[project]\nname = "untested"\nversion = "0.1"\n',
+        "untested/__init__.py": "VALUE = 1\n",
+    })
+    result, findings, measurements, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    assert [(f.severity, f.title) for f in findings] == [("medium", "No tests found")]
+    assert "install time" in measurements and "import time (untested)" in measurements
+
+
+def test_makefile_project(tmp_path):
+    repo = make_repo(tmp_path / "made", {
+        "Makefile": "all:\n\techo building\n\ncheck:\n\t@echo 'checking'; exit 2\n",
+    })
+    assert detect(repo) == [("make", "Makefile")]
+    result, findings, measurements, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    assert [(f.severity, f.title, f.repro_command) for f in findings] == [("high", "Tests fail", "make check")]
+    assert "checking" in findings[0].evidence
+    assert set(measurements) == {"build time", "test suite time"}
+
+
+@pytest.mark.skipif(not shutil.which("cargo"), reason="cargo is not installed")
+def test_rust_project_failing_test_is_named(tmp_path):
+    repo = make_repo(tmp_path / "crate", {
+        "Cargo.toml": '[package]\nname = "crate"\nversion = "0.1.0"\nedition = "2021"\n',
+        "src/lib.rs": "pub fn add(a: i32, b: i32) -> i32 { a - b }\n#[cfg(test)]\nmod tests {\n"
+                      "    #[test] fn adds() { assert_eq!(super::add(2, 2), 4); }\n"
+                      "    #[test] fn zero() { assert_eq!(super::add(0, 0), 0); }\n}\n",
+    })
+    result, findings, _, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    assert [(f.title, f.repro_command) for f in findings] == [("Tests fail (tests::adds)", "cargo test")]
+
+
+def test_pytest_summary_and_importtime_parsing():
+    # Real lines from pytest 8/9 and CPython 3.11's -X importtime.
+    assert pytest_counts("....F\n1 failed, 7 passed in 0.05s\n") == {"failed": 1, "passed": 7}
+    assert pytest_counts("==== 2 passed, 1 skipped, 3 errors in 1.20s ====") == {"passed": 2, "skipped": 1, "errors": 3}
+    assert pytest_counts("no tests ran in 0.01s") == {}
+    out = ("import time:       161 |        161 |       _json\n"
+           "import time:       246 |       1517 | json\n"
+           "import time:       300 |        900 |   json.tool\n")
+    assert importtime_us(out, "json") == 1517
+    assert importtime_us(out, "json.tool") is None  # only the top-level line counts

@@ -1,0 +1,90 @@
+"""What a review killed with SIGKILL leaves behind, and who cleans it up (issue 29): `reviewer report` shows its run as
+interrupted at once (it used to say `running` until some later `reviewer run`), and the next review removes its
+workspace (a disk-capped mount, where the machine allows) and its sandbox scratch folder, leaving alone what a live
+process owns. Real processes, a real database, a real sandbox; nothing mocked."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from reviewer.sandbox import diskcap
+from tests.reviewer.run.test_run import make_repo, running
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def reviewer(*args: str, env: dict, cwd: Path, wait: bool = True):
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    argv = [sys.executable, "-m", "reviewer.cli", *args]
+    if wait:
+        return subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def leftovers(folder: Path, pid: int) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if f"-pid{pid}-" in p.name)
+
+
+def mounted(path: Path) -> bool:
+    return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
+
+
+def test_sigkilled_review_is_reconciled_by_report_and_swept_by_the_next_review(tmp_path):
+    marker = f"300.{os.getpid()}{time.monotonic_ns() % 10**6}"
+    hang = make_repo(tmp_path / "hang", {"Makefile": f"test:\n\tsleep {marker}\n"})
+    quick = make_repo(tmp_path / "quick", {"Makefile": "test:\n\ttrue\n"})
+    work, scratch, db = tmp_path / "work", tmp_path / "tmp", tmp_path / "reviews.db"
+    scratch.mkdir()
+    env = {"REVIEWER_LOCK_FILE": str(tmp_path / "review.lock"), "REVIEWER_WORKDIR": str(work),
+           "TMPDIR": str(scratch), "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    proc = reviewer("run", str(hang), "--db", str(db), "--persona", "smoke", env=env, cwd=tmp_path, wait=False)
+    deadline = time.monotonic() + 120
+    while not running(marker) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running(marker), proc.communicate()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    deadline = time.monotonic() + 30
+    while running(marker) and time.monotonic() < deadline:  # bwrap --die-with-parent takes the command with it
+        time.sleep(0.1)
+
+    # What the kill left: the workspace and the sandbox's scratch folder, both named after the dead pid.
+    [workspace] = [p for p in leftovers(work, proc.pid) if p.is_dir()]
+    assert (workspace / "repo" / "Makefile").exists()
+    if diskcap.unavailable_reason() is None:  # root: the workspace is its own disk-capped file system
+        assert mounted(workspace) and Path(str(workspace) + ".img").is_file()
+    assert leftovers(scratch, proc.pid), list(scratch.iterdir())
+    # Folders of a live process, and folders without an owner's pid, are not ours to remove.
+    live = work / f"reviewer-other-pid{os.getpid()}-abc123"
+    unowned = work / "reviewer-old-abc123"
+    for folder in (live, unowned):
+        folder.mkdir()
+
+    shown = reviewer("report", "--db", str(db), "--format", "json", env=env, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    [run] = json.loads(shown.stdout)["runs"]  # stdout stays pure JSON; what was reconciled is said on stderr
+    assert run["status"] == "interrupted" and "ended without finishing" in run["error"], run
+    assert [(p["name"], p["status"]) for p in run["personas"]] == [("smoke", "interrupted")]
+    assert "marked interrupted" in shown.stderr
+
+    again = reviewer("run", str(quick), "--db", str(db), "--persona", "smoke", env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert not workspace.exists() and not mounted(workspace)
+    assert not Path(str(workspace) + ".img").exists()
+    assert leftovers(work, proc.pid) == [] and leftovers(scratch, proc.pid) == []
+    assert live.is_dir() and unowned.is_dir()
+    assert "left by killed reviews" in again.stdout
+
+
+def test_report_on_a_file_that_is_not_a_database_is_one_line(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database\n" * 100)
+    for path in ("/etc/passwd", str(notes)):
+        done = reviewer("report", "--db", path, env={"XDG_CONFIG_HOME": str(tmp_path / "config")}, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"cannot open the database {path}" in lines[0], done.stderr
+        assert "Traceback" not in done.stderr + done.stdout

@@ -1,0 +1,87 @@
+"""The reviewer's import graph (tests/import_graph.py): no circle, the folders import each other only downward (the
+data flow of reviewer/README.md), and imports inside functions only where they keep heavy modules out of start-up."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.import_graph import circles, import_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Folder -> the folders (and top-level modules) of reviewer it may import; reviewer/README.md draws the same picture.
+MAY_IMPORT = {
+    "cli": {"config", "run", "report", "persona", "sandbox"},
+    "run": {"persona", "llm", "sandbox", "store", "report", "text"},
+    "report": {"store", "stats", "text", "run"},  # run.recovery only (below)
+    "persona": {"llm", "sandbox", "store", "stats", "text"},
+    "llm": {"text"},
+    "sandbox": set(),
+    "store": set(),
+    "config": set(), "stats": set(), "text": set(), "examples": set(),
+}
+# Imports inside functions that keep something heavy out of start-up, each for its reason (the cli's docstring).
+LAZY_OK = {("reviewer.cli", "reviewer.run.review"), ("reviewer.cli", "reviewer.run.loop"),
+           ("reviewer.cli", "reviewer.report.report"), ("reviewer.cli", "reviewer.persona.files"),
+           ("reviewer.cli", "reviewer.sandbox.doctor")}
+
+
+def part(module: str) -> str:
+    """reviewer.run.review -> run; reviewer.cli -> cli."""
+    return module.split(".")[1] if "." in module else module
+
+
+def test_the_reviewer_has_no_import_circle():
+    assert circles(import_graph("reviewer")) == []
+
+
+def test_the_command_line_check_passes():
+    proc = subprocess.run([sys.executable, "-m", "tests.import_graph", "reviewer"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 circle(s)" in proc.stdout
+
+
+def test_folders_import_only_downward():
+    wrong = []
+    for e in import_graph("reviewer"):
+        source, target = part(e.source), part(e.target)
+        if source == target or e.target == "reviewer" or source not in MAY_IMPORT:
+            continue
+        if target not in MAY_IMPORT[source]:
+            wrong.append(f"{e.source}:{e.line} imports {e.target}")
+        elif (source, target) == ("report", "run") and e.target not in ("reviewer.run", "reviewer.run.recovery"):
+            wrong.append(f"{e.source}:{e.line} imports {e.target} (report may use run.recovery only)")
+    assert wrong == []
+
+
+def test_imports_inside_functions_only_keep_heavy_modules_out():
+    lazy = {(e.source, e.target) for e in import_graph("reviewer") if e.lazy and e.target.count(".") >= 2}
+    assert lazy <= LAZY_OK, sorted(lazy - LAZY_OK)
+
+
+def test_a_circle_hidden_inside_a_function_is_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .. import a\n    return a\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    edges = import_graph("pkg", root=pkg)
+    assert circles(edges) == [["pkg.a", "pkg.sub.b"]]
+    assert [(e.target, e.lazy) for e in edges if e.source == "pkg.sub.b"] == [("pkg.a", True)]
+    assert [(e.source, e.target) for e in edges if e.source == "pkg.c"] == [("pkg.c", "pkg.a")]
+
+
+def test_type_checking_imports_count_unless_left_out(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+                              "else:\n    import pkg.c\n")
+    (pkg / "c.py").write_text("")
+    assert circles(import_graph("pkg", root=pkg)) == [["pkg.a", "pkg.b"]]
+    edges = import_graph("pkg", root=pkg, type_checking=False)
+    assert circles(edges) == [] and ("pkg.b", "pkg.c") in {(e.source, e.target) for e in edges}
