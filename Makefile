@@ -11,7 +11,7 @@ BUILD_PACKAGES := g++ cmake
 # A CUDA machine gets the default torch; elsewhere the CPU wheel (an unpinned torch pulls a multi-GB CUDA build).
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo
-# llama-cpp-python's OpenAI server: the peer backend tests/test_peer_backends.py reviews through (docs/backends.md).
+# llama-cpp-python's OpenAI server: the peer backend tests/reviewer/llm/test_peer_backends.py reviews through (docs/backends.md).
 # PyPI has only its source, so it is compiled once per virtual environment, under its own stamp: a pyproject.toml
 # change does not rebuild it, and `make demo` does not need it. Only the shared libraries its Python package loads are
 # built: no llava/mtmd (multimodal), no tests, examples, tools or server binaries, no curl or OpenSSL; -march=native

@@ -2,23 +2,22 @@
 timeout (BodyGuard, an ASGI middleware), validation errors in plain words naming the field, the text checks (lone
 surrogates, prompts too long to tokenize), the one-at-a-time prompt slot, and the API-style error bodies (APIError).
 
-Split from the server and its routes (issue 29), which import from here; nothing here imports them (ServerState,
-from state.py, is only an annotation here).
+Split from the server and its routes (issue 29), which import from here; nothing here imports them (it reads the
+ServerState of state.py, which imports nothing of the server).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import re
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-if TYPE_CHECKING:  # annotations only: state.py imports this module's limits
-    from backend.server.state import ServerState
+from backend.server.state import ServerState
+
 
 # A request body larger than its prompt could ever be is refused before it is read (413). A token of the prompt is at
 # most a few dozen bytes of JSON (a long token, or a few characters as \uXXXX escapes), so 64 bytes per token of the
@@ -28,6 +27,13 @@ MIN_BODY_BYTES = 1 << 20
 LOADING_CONTEXT = 1 << 18  # the window assumed until the model has loaded (its real one is known then)
 DEFAULT_BODY_TIMEOUT = 60.0  # seconds a request body may take to arrive in full
 DRAIN_BYTES = 64 << 20  # an oversize body up to this size is read and dropped before the 413 (see BodyGuard)
+
+
+def body_cap(state: ServerState) -> int:
+    """The request body cap: --max-body-mb, else sized to the window (the assumed one while the model loads)."""
+    if state.max_body_arg:
+        return state.max_body_arg
+    return body_bytes_cap(state.loaded.max_context if state.loaded else (state.max_context_arg or LOADING_CONTEXT))
 
 
 def body_bytes_cap(window: int) -> int:
@@ -64,7 +70,7 @@ def error_response(request: Request, status: int, message: str, code: str | None
 # ---- request bodies --------------------------------------------------------------------------------------------------
 
 class BodyGuard:
-    """Request bodies: over the cap (ServerState.max_body_bytes, read per request because the window is known only
+    """Request bodies: over the cap (body_cap, read per request because the window is known only
     once the model has loaded) -> 413, from the Content-Length alone before a byte is read, or as soon as a chunked
     body passes it; not complete within body_timeout -> 408 (a body shorter than its Content-Length held the
     connection forever: uvicorn times out idle keep-alive connections, not a body in progress). Both are raised from
@@ -81,7 +87,7 @@ class BodyGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        cap, timeout = self.state.max_body_bytes, self.state.body_timeout
+        cap, timeout = body_cap(self.state), self.state.body_timeout
         headers = dict(scope["headers"])
         declared, expect = headers.get(b"content-length", b""), headers.get(b"expect", b"").lower()
         loop = asyncio.get_running_loop()
@@ -122,7 +128,7 @@ class BodyGuard:
 
 
 def body_too_large_message(state: ServerState) -> str:
-    cap = state.max_body_bytes
+    cap = body_cap(state)
     why = ("--max-body-mb" if state.max_body_arg else
            f"sized to the {state.loaded.max_context}-token context window: no longer prompt could be served; "
            "--max-body-mb changes it" if state.loaded else "the model is still loading")

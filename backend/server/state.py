@@ -13,7 +13,6 @@ import threading
 
 from backend import chat
 from backend.loading import LoadedModel, ModelLoadError, load_model
-from backend.server.guards import DEFAULT_BODY_TIMEOUT, LOADING_CONTEXT, body_bytes_cap
 from backend.server.metrics import Metrics
 from backend.server.worker import EngineWorker
 
@@ -52,7 +51,7 @@ class ServerState:
     """What the routes need: settings, metrics, and (once loading finished) the model and the engine worker."""
 
     def __init__(self, model, drafter: str, device: str, dtype: str, max_context: int | None, api_key: str | None,
-                 queue_timeout: float, max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT):
+                 queue_timeout: float, max_body_bytes: int | None, body_timeout: float):
         self.model_spec, self.drafter_spec = model, drafter
         self.device, self.dtype, self.max_context_arg = device, dtype, max_context
         self.api_key, self.queue_timeout = api_key, queue_timeout
@@ -109,13 +108,6 @@ class ServerState:
             log.error("model loading failed: %s", self.load_error)
             if self.on_load_failure:
                 self.on_load_failure()
-
-    @property
-    def max_body_bytes(self) -> int:
-        """The request body cap: --max-body-mb, else sized to the window (guards.body_bytes_cap)."""
-        if self.max_body_arg:
-            return self.max_body_arg
-        return body_bytes_cap(self.loaded.max_context if self.loaded else (self.max_context_arg or LOADING_CONTEXT))
 
     @property
     def model_ids(self) -> set[str]:

@@ -219,7 +219,7 @@ def test_a_review_through_the_peer_marks_its_counts_estimated_and_says_why(peer,
     reviews = tmp_path / "reviews.db"
     personas = tmp_path / "personas"
     personas.mkdir()
-    docs = (Path(__file__).resolve().parent.parent / "personas" / "docs.md").read_text()
+    docs = (Path(__file__).resolve().parents[3] / "personas" / "docs.md").read_text()
     # The built-in docs persona, with replies kept short.
     (personas / "docs.md").write_text(docs.replace("  temperature: 0.2\n", "  temperature: 0.0\n  max_tokens: 48\n"))
     result = runner.invoke(app, ["run", str(repo), "--db", str(reviews), "--persona", "docs", "--llm", peer.url,
