@@ -163,9 +163,10 @@ def main() -> None:
         lambda t: residual_add(x[t:t + 1], dout(core[t:t + 1], z[t:t + 1], d.norm, d.w_out, eps)),
         lambda: residual_add(x, dout(core, z, d.norm, d.w_out, eps))))
     fixed = model.expert_tiles(x)
-    record("MoE verify path, tiles fixed, at 1 row vs 16 (invariant mode)", rows_equal(
-        lambda t: moe(x[t:t + 1], y[t:t + 1], dn.norm2, eps, True, fixed),
-        lambda: moe(x, y, dn.norm2, eps, True, fixed)))
+    padded = lambda a: torch.cat([a, a.new_zeros(T - a.shape[0], a.shape[1])])  # noqa: E731 (16 rows, as _padded_rows)
+    record("MoE verify path, tiles fixed, at 1 row vs 16 (invariant mode: SparseMoE.padded)", rows_equal(
+        lambda t: dn.moe.padded(padded(x[t:t + 1]), padded(y[t:t + 1]), dn.norm2, eps, 1, True, fixed)[:1],
+        lambda: dn.moe.padded(x, y, dn.norm2, eps, T, True, fixed)))
     # block attention at the 35B-A3B head shape (16 query heads of 256 over 2 KV heads): a 16-token verify block
     # against 16 decode steps on a copy of the same cache (a 100-token prefix), each at its own span bucket
     from kernels.block_attention import block_attention

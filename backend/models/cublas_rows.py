@@ -16,15 +16,21 @@ import torch.nn.functional as F
 
 
 def linear_rows_invariant(weights: list[torch.Tensor], rows: int = 16, seed: int = 0) -> bool:
-    """True when for every weight F.linear gives each row of x the same bits for every row count 1..rows, at any
-    position among its neighbours, eagerly and replayed from a CUDA graph (on CUDA)."""
+    """True when for every weight F.linear gives each row of x the same bits for every row count 1..rows and
+    whatever its neighbours (rolled, or replaced by other values, as padded rows are), eagerly and replayed from a
+    CUDA graph (on CUDA). Padded 16-row steps need only the latter; the former is checked too, so that a build
+    whose algorithm depends on the row count is noticed."""
     for w in weights:
         gen = torch.Generator(device=w.device).manual_seed(seed)
         x = torch.randn(rows, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+        other = torch.randn(rows, w.shape[1], generator=gen, device=w.device).to(w.dtype)
         full = F.linear(x, w)
         if any(not torch.equal(F.linear(x[:m], w), full[:m]) for m in range(1, rows)):
             return False
         if not torch.equal(F.linear(x.roll(rows // 2 + 1, 0), w), full.roll(rows // 2 + 1, 0)):
+            return False
+        mixed = torch.cat([x[:1], other[1:]])  # row 0 among other neighbours
+        if not torch.equal(F.linear(mixed, w)[:1], full[:1]):
             return False
         if w.is_cuda and not _same_in_a_graph(x, w, full):
             return False

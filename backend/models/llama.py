@@ -184,8 +184,8 @@ class Llama(nn.Module):
     mma_projections: frozenset = frozenset()
     # How decode steps and verify blocks (T <= 16) run on CUDA:
     #   "rows": _rows' kernels, batch-invariant by construction; a 16-row verify costs ~3x a decode step
-    #   "glue": forward()'s compiled glue with cuBLAS projections, as a prefill runs; batch-invariant only where cuBLAS
-    #           computes a row the same for 1..16 rows, which setup_caches checks on this device
+    #   "glue": forward()'s compiled glue with cuBLAS projections on 16 padded rows (_padded_glue); batch-invariant
+    #           where cuBLAS computes a row independently of its neighbours, which setup_caches checks on this device
     #           (backend/models/cublas_rows.py; where it fails, steps take "rows"). A verify then costs about a step.
     step_path: str = "rows"
 
@@ -241,8 +241,10 @@ class Llama(nn.Module):
         c = self.config
         x, y = F.embedding(tokens, self.embed), None  # residual stream, and the MLP output not yet added to it
         T = tokens.numel()
+        if T <= ROW_KERNEL_ROWS and self.glue_steps:
+            return self._padded_glue(tokens, positions, kv_len, all_logits, hidden_ids, compiled)
         if T <= ROW_KERNEL_ROWS and self.one_token_kernels and triton_usable(x) and (
-                T == 1 or self.kv.block_kernel(T)) and not self.glue_steps:
+                T == 1 or self.kv.block_kernel(T)):
             return self._rows(x, positions, kv_len, hidden_ids)
         attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         cos, sin = self.cos[positions], self.sin[positions]
@@ -263,6 +265,39 @@ class Llama(nn.Module):
         features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
         logits = F.linear(x if all_logits else x[-1:], self.lm_head)
         return logits, features
+
+    def _padded_glue(self, tokens, positions, kv_len: int, all_logits: bool, hidden_ids: tuple[int, ...], compiled):
+        """A decode step or verify block (T <= 16) for step_path "glue": forward()'s glue functions on exactly
+        ROW_KERNEL_ROWS (16) rows, the block's first, padding after them; only attention takes the real rows (and
+        writes into the padded buffer). So a decode step and every verify size call the same compiled kernels and
+        the same cuBLAS algorithm with the same shapes, and a row's bits cannot depend on T (separately compiled for
+        1 and 16 rows, norms can round a row differently: kernels/README.md "The Qwen3.5/3.6-MoE path", whose
+        _padded_rows this mirrors). Padded rows hold token 0 at position 0 first, whatever the kernels leave after;
+        nothing reads them."""
+        c, eps = self.config, self.config.rms_norm_eps
+        T, pad = tokens.numel(), ROW_KERNEL_ROWS - tokens.numel()
+        x, y = F.embedding(F.pad(tokens, (0, pad)), self.embed), None
+        padded_positions = F.pad(positions, (0, pad))
+        cos, sin = self.cos[padded_positions], self.sin[padded_positions]
+        attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
+        feats = {}
+        last = c.num_layers - 1
+        for i, layer in enumerate(self.layers):
+            x, q, k, v = attn_in(x, y, layer.attn_norm, layer.wqkv, layer.bqkv, cos, sin, eps, c.num_heads,
+                                 c.num_kv_heads, c.head_dim)
+            if i - 1 in hidden_ids:  # x is now layer i - 1's output
+                feats[i - 1] = x[:T]
+            attn = x.new_empty(ROW_KERNEL_ROWS, c.num_heads * c.head_dim)
+            block_attention(q[:, :T], k[:, :T], v[:, :T], self.kv.k[i], self.kv.v[i], positions[:1], kv_len,
+                            positions=positions, use_triton=True, out=attn[:T])
+            x, y = attn_out_mlp(x, attn, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.b_gate_up,
+                                layer.w_down, layer.b_down, eps)
+        x = glue(final_norm, compiled)(x, y, self.norm, eps)
+        if last in hidden_ids:
+            feats[last] = x[:T]
+        features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
+        logits = F.linear(x, self.lm_head)  # all 16 rows: cuBLAS at 16 rows costs what one row does
+        return (logits[:T] if all_logits else logits[T - 1:T]), features
 
     @property
     def glue_steps(self) -> bool:

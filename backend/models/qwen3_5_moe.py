@@ -178,7 +178,6 @@ class GatedAttention(nn.Module):
             return gemv(attn, self.wo, gate, residual=x), None
         return x, glue(attention_out, compiled)(attn, gate, self.wo)
 
-
     def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled):
         """invariant_steps: x, cos, sin have PADDED_ROWS rows, of which the first T are the block's; returns the
         mixer's output for all of them (rows past T are never read)."""
@@ -279,7 +278,6 @@ class SparseMoE(nn.Module):
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
         weights, ids = self.route(h)
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
-
 
     def padded(self, x, y, norm, eps: float, T: int, compiled, fixed_config: dict) -> torch.Tensor:
         """invariant_steps: x + y + MoE(norm(x + y)) over PADDED_ROWS rows, the experts for the first T only (the

@@ -258,6 +258,52 @@ def test_llama_decode_step_through_triton_kernels_under_interpreter():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+LLAMA_GLUE_SCRIPT = textwrap.dedent("""
+    import torch
+    from transformers import DynamicCache
+    from backend.models import load_fast
+    from tests.backend.models.test_fast_models import TOL, hf_step, seeded, tiny_llama
+    seeded()
+    hf = tiny_llama(tie=False)
+    fast = load_fast(hf, max_context=64)
+    fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
+    fast.model.set_step_path("glue")  # the speculative engines' path, where the cuBLAS check passes
+    fast.model.glue_invariant = True  # CPU BLAS fails that check (row counts round differently): this checks the math
+    assert fast.model.glue_steps
+    calls = {"n": 0}
+    padded = fast.model._padded_glue
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return padded(*args, **kwargs)
+    fast.model._padded_glue = counted
+    prompt = torch.randint(0, 320, (20,))
+    cache = DynamicCache(config=hf.config)
+    fast.prefill(prompt)  # 20 tokens: the unpadded glue
+    token = int(hf_step(hf, prompt, cache).logits[0, -1].argmax())
+    for _ in range(2):
+        logits, feats = fast.decode(token, hidden_ids=(0, 2))
+        ref = hf_step(hf, [token], cache, hidden=True)
+        torch.testing.assert_close(logits, ref.logits[0, -1], **TOL)
+        torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1][0] for i in (0, 2)], -1), **TOL)
+        token = int(ref.logits[0, -1].argmax())
+    block = [token, 5, 6, 7]
+    logits, _ = fast.verify(block)
+    ref = hf_step(hf, block, cache)
+    torch.testing.assert_close(logits, ref.logits[0], **TOL)
+    assert calls["n"] == 3, calls
+    print("ok")
+""")
+
+
+def test_llama_glue_steps_compute_what_the_model_does_under_interpreter():
+    """step_path "glue" (_padded_glue: the glue on 16 padded rows, attention on the real ones, written into the
+    padded buffer) gives transformers' logits and features (fp32, every kernel interpreted) for decode steps and a
+    verify."""
+    pytest.importorskip("triton")
+    done = interpreter.run(LLAMA_GLUE_SCRIPT, timeout=600)  # usually computed in the background already
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def test_no_fast_path_for_other_architectures():
     seeded()
     dynamic = tiny_llama(rope={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
