@@ -57,8 +57,9 @@ def error_exit(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona], Target]:
-    """Everything that can be wrong with what the user typed, before the lock and before the database."""
+def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona], Target, isolation.Policy]:
+    """Everything that can be wrong with what the user typed, before the lock and before the database; the
+    personas, the target and the sandbox policy (built once: every persona's workspace and the verification use it)."""
     try:
         personas = select_personas(list(dict.fromkeys(settings.personas)), settings.personas_dir)  # each once
     except PersonaError as e:
@@ -70,11 +71,11 @@ def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona],
             raise UserError(f"persona {p.name!r} ({p.source}) says `deterministic: true`, but only "
                             f"{', '.join(DETERMINISTIC)} run without an LLM")
     try:
-        isolation.Policy.from_settings(settings)  # bubblewrap missing or broken: one line, before anything is written
+        policy = isolation.Policy.from_settings(settings)  # bubblewrap missing or broken: one line, nothing written
     except isolation.IsolationError as e:
         raise UserError(str(e)) from None
     try:
-        return personas, resolve_target(target, ref)
+        return personas, resolve_target(target, ref), policy
     except WorkspaceError as e:
         raise UserError(str(e)) from None
 
@@ -87,7 +88,7 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
     console = console or Console()
     ui = Console(stderr=True) if json_output else console  # with --json, stdout carries only the JSON
     try:
-        personas, tgt = check_inputs(target, settings, ref)
+        personas, tgt, policy = check_inputs(target, settings, ref)
     except UserError as e:
         return error_exit(str(e))
     llm_personas = [p for p in personas if not p.deterministic]
@@ -114,8 +115,8 @@ def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool 
                                 f"{first_line(e, with_type=True)}") from None
             recover(settings.db, [], ui)  # runs a killed reviewer left `running` on this machine: interrupted
             remove_orphans([settings.workdir], ui)  # and the workspaces and sandbox folders it left behind
-            run_id = create_run(settings, tgt, ref, llm, worker)
-            status = review_personas(run_id, personas, tgt, settings, llm, ui, where)
+            run_id = create_run(settings, tgt, ref, llm, policy, worker)
+            status = review_personas(run_id, personas, tgt, settings, llm, ui, where, policy)
     except LockBusy as e:
         return error_exit(str(e), EXIT_BUSY)
     except UserError as e:
@@ -156,12 +157,13 @@ def open_llm_or_fail(stack: contextlib.ExitStack, settings, ui: Console, llm_per
         raise UserError(str(e)) from None
 
 
-def create_run(settings, tgt: Target, ref: str | None, llm, worker: str | None = None) -> int:
+def create_run(settings, tgt: Target, ref: str | None, llm, policy: isolation.Policy, worker: str | None = None) -> int:
     with db.session(settings.db) as s:
         repo = db.get_or_create_repository(s, tgt.url)
         run = ReviewRun(repository_id=repo.id, ref=ref or tgt.branch, commit_sha=tgt.commit, status="running",
                         llm=llm.name if llm else None, model=llm.model if llm else None,
-                        machine=json.dumps(machine_fingerprint(isolation.Policy.from_settings(settings).mode), sort_keys=True), pid=os.getpid(), worker=worker)
+                        machine=json.dumps(machine_fingerprint(policy.mode), sort_keys=True), pid=os.getpid(),
+                        worker=worker)
         s.add(run)
         s.commit()
         return run.id
@@ -175,17 +177,18 @@ def sandbox_line(policy) -> str:
     return f"[dim]sandbox: bubblewrap; network only to {escape(allow)}; see docs/sandbox.md[/dim]"
 
 
-def review_personas(run_id: int, personas: list[Persona], tgt: Target, settings, llm, ui: Console, where: str) -> str:
+def review_personas(run_id: int, personas: list[Persona], tgt: Target, settings, llm, ui: Console, where: str,
+                    policy: isolation.Policy) -> str:
     """Run every persona in order; returns the run status. Ctrl-C marks the persona and the run interrupted."""
     header = (f"[bold]Reviewing[/bold] {escape(where)}  run {run_id}  personas: {', '.join(p.name for p in personas)}"
               + (f"  llm: {escape(llm.name)} ({escape(llm.model)})" if llm else "")
-              + "\n" + sandbox_line(isolation.Policy.from_settings(settings)))
+              + "\n" + sandbox_line(policy))
     view = LiveView(ui, header, [PersonaState(p.name) for p in personas])
     baseline: list[str] = []
     failures: list[str] = []
     with view:
         for persona in personas:
-            status, error = run_persona(run_id, persona, tgt, settings, llm, view, baseline)
+            status, error = run_persona(run_id, persona, tgt, settings, llm, view, baseline, policy)
             if status == "failed":
                 failures.append(f"{persona.name}: {error}")
             if status == "interrupted" or stop_requested():  # the latter: a SIGTERM that came out as an error
@@ -196,8 +199,8 @@ def review_personas(run_id: int, personas: list[Persona], tgt: Target, settings,
     return status
 
 
-def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view: LiveView,
-                baseline: list[str]) -> tuple[str, str | None]:
+def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view: LiveView, baseline: list[str],
+                policy: isolation.Policy) -> tuple[str, str | None]:
     """One persona in its own fresh workspace; returns (status, error). The workspace is removed afterwards unless
     the persona failed (then it is kept, and its path printed, for a look at what went wrong)."""
     with db.session(settings.db) as s:
@@ -213,7 +216,7 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
     status, error, summary = "failed", None, None
     try:
         ws = create_workspace(tgt, parent=settings.workdir, name=persona.name, command_timeout=settings.command_timeout,
-                              policy=isolation.Policy.from_settings(settings))
+                              policy=policy)
         ws.on_event = recorder.record_sandbox_event
         if persona.deterministic:
             result = DETERMINISTIC[persona.name](
@@ -238,7 +241,7 @@ def run_persona(run_id: int, persona: Persona, tgt: Target, settings, llm, view:
             baseline.append(f"{persona.name}: {summary}")
             baseline.extend(f"{persona.name} found: {t}" for t in recorder.titles)
         # Findings are checked, not trusted: each repro_command is re-run in a fresh clone of the same commit.
-        verify_findings(settings.db, run_id, persona=persona.name, settings=settings,
+        verify_findings(settings.db, run_id, persona=persona.name, settings=settings, policy=policy,
                         on_progress=lambda msg: view.step(persona.name, result.steps, "verify", msg,
                                                           prompt_tokens=result.prompt_tokens,
                                                           completion_tokens=result.completion_tokens,

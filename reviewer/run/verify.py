@@ -47,10 +47,11 @@ def pending(s, run_id: int, persona: str | None) -> list[Finding]:
     return [f for f in rows if persona is None or f.persona == persona]
 
 
-def verify_findings(db_path: str, run_id: int, *, persona: str | None = None, settings=None,
+def verify_findings(db_path: str, run_id: int, *, persona: str | None = None, settings=None, policy=None,
                     on_progress: Callable[[str], None] = lambda msg: None) -> dict[str, int]:
-    """Re-run the repro commands of this run's findings (one persona's, or all) that were not checked yet.
-    Returns counts: reproduced, not_reproduced, unchecked."""
+    """Re-run the repro commands of this run's findings (one persona's, or all) that were not checked yet, in the
+    sandbox `policy` (the review's; None: built from settings, once). Returns counts: reproduced, not_reproduced,
+    unchecked."""
     with db.session(db_path) as s:
         run = s.get(ReviewRun, run_id)
         if run is None:
@@ -59,6 +60,7 @@ def verify_findings(db_path: str, run_id: int, *, persona: str | None = None, se
         setup = setup_command(s, run_id)
         todo = pending(s, run_id, persona)
     target = Target(url=url, commit=run.commit_sha, ref=None)
+    policy = policy or isolation.Policy.from_settings(settings)
     counts = {"reproduced": 0, "not_reproduced": 0, "unchecked": 0}
     seen: dict[str, int] = {}
     for finding in todo:
@@ -70,18 +72,18 @@ def verify_findings(db_path: str, run_id: int, *, persona: str | None = None, se
         lines = finding.repro_command.strip().splitlines()
         shown = lines[0] + (" ..." if len(lines) > 1 else "")  # a probe's script: its first line
         on_progress(f"verifying finding {finding.id} ({finding.persona}): {shown}")
-        verified, text = check(finding.repro_command, target, setup, settings)
+        verified, text = check(finding.repro_command, target, setup, settings, policy)
         save(db_path, finding.id, verified, text)
         counts["unchecked" if verified is None else "reproduced" if verified else "not_reproduced"] += 1
     return counts
 
 
-def check(repro: str, target: Target, setup: str | None, settings) -> tuple[bool | None, str]:
+def check(repro: str, target: Target, setup: str | None, settings, policy) -> tuple[bool | None, str]:
     """One repro command in a fresh workspace: (verified, what happened)."""
     command_timeout = float(getattr(settings, "command_timeout", REPRO_TIMEOUT))
     try:
         ws = create_workspace(target, parent=getattr(settings, "workdir", None), name="verify",
-                              policy=isolation.Policy.from_settings(settings),
+                              policy=policy,
                               command_timeout=max(command_timeout, SETUP_TIMEOUT))
     except WorkspaceError as e:
         return None, f"not checked: no fresh workspace ({e})"
