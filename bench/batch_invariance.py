@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from backend.bench.run import machine_info  # noqa: E402
+from backend.bench.report import machine_info  # noqa: E402
 from backend.models import load_fast  # noqa: E402
 
 

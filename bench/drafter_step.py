@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.bench.run import machine_info  # noqa: E402
+from backend.bench.report import machine_info  # noqa: E402
 from backend.dflash.checkpoint import DRAFTERS_DIR, load_drafter  # noqa: E402
 from backend.dflash.fast import FastDrafter  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.bench.run import cpu_model  # noqa: E402
+from backend.bench.report import cpu_model  # noqa: E402
 from backend.models import load_fast  # noqa: E402
 from backend.models.llama import Llama  # noqa: E402
 from backend.models.qwen3_5_moe import Qwen35Moe, SparseMoE  # noqa: E402

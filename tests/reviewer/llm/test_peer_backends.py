@@ -322,7 +322,7 @@ def test_a_bad_tool_format_is_one_line(tmp_path):
 
 def test_bench_names_its_numerics_and_the_cpu():
     torch = pytest.importorskip("torch")
-    from backend.bench.run import cpu_model, format_table, numerics
+    from backend.bench.report import cpu_model, format_table, numerics
     from backend.loading import cpu_has_bf16_matmul
 
     amx = cpu_has_bf16_matmul()
