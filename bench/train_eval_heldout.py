@@ -34,12 +34,14 @@ def main() -> None:
     import torch
 
     from backend.train import data as td
+
+    from backend.train import prompts as tp
     from backend.loading import load_model
     from backend.train.evaluate import evaluate_engine
 
     loaded = load_model(a.model, device=a.device)
     # the held-out prompts in the order `reviewer train` takes them (sha256 of the id), first N
-    held = sorted((r for r in td.load_builtin() if r.split == "heldout" and a.category in (None, r.category)),
+    held = sorted((r for r in tp.load_builtin() if r.split == "heldout" and a.category in (None, r.category)),
                   key=lambda r: hashlib.sha256(r.id.encode()).hexdigest())[: a.prompts]
     if not held:
         raise SystemExit(f"no held-out prompts of category {a.category!r}")

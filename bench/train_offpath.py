@@ -50,10 +50,12 @@ def main() -> None:
     import torch
 
     from backend.train import data as td
+
+    from backend.train import prompts as tp
     from backend.loading import load_model
 
     loaded = load_model(a.model, device="cpu")
-    records = {r.id: r for r in td.load_builtin()}
+    records = {r.id: r for r in tp.load_builtin()}
     responses = td.load_responses([a.responses], loaded.name)
     rng = random.Random(a.seed)
     groups = {"sampled": sorted(i for i in responses if "~" in i), "greedy": sorted(i for i in responses if "~" not in i)}

@@ -18,6 +18,10 @@ ARCH_KNOBS = ("loss", "decay", "attention", "corruption", "block_size", "layers"
 KNOB_BEFORE_IT_EXISTED = {"labels": "all", "walk_anchors": 0.0}
 
 
+class DataError(ValueError):
+    """Unusable training data (a missing or malformed file, an empty prompt set): reported without a traceback."""
+
+
 class TrainError(ValueError):
     """A user mistake (bad option, unusable output folder): reported as one line, no traceback."""
 

@@ -1,8 +1,8 @@
 """Training data for DFlash drafters: prompts -> the target's own greedy responses -> the target's features, in shards.
 
 Data flow (backend/train/run.py drives it):
-  prompts      load_builtin() (backend/prompts/builtin.jsonl, made by bench/train_build_prompts.py) and/or
-               load_from_db() (the review loop's transcripts in reviews.db: every assistant turn's context)
+  prompts      prompts.py: load_builtin() (backend/prompts/builtin.jsonl, made by bench/train_build_prompts.py)
+               and/or load_from_db() (the review loop's transcripts in reviews.db: every assistant turn's context)
   token ids    render() with the target's chat template (backend.chat, exactly as the server renders requests)
   responses    generate_responses(): the target's greedy continuation (and, with samples, sampled ones), batched
                (the drafter learns the target's distribution, not a dataset's); all of them are also written to
@@ -20,7 +20,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,95 +28,11 @@ import torch
 
 from backend.chat import render_chat, stop_token_ids
 from backend.dflash.model import select_features
+from backend.train.config import DataError
+from backend.train.prompts import PromptRecord
 
-PROMPTS_DIR = Path(__file__).resolve().parents[1] / "prompts"  # backend/prompts
-BUILTIN_PROMPTS = PROMPTS_DIR / "builtin.jsonl"
-BUILTIN_EXTRA = PROMPTS_DIR / "builtin_extra.jsonl.gz"  # training-only prompts on other code (--builtin-extra)
-AGENT_TOOLS = PROMPTS_DIR / "agent_tools.json"
 MANIFEST = "manifest.json"
 RESPONSES = "responses.jsonl"
-
-
-class DataError(ValueError):
-    """Unusable training data (a missing or malformed file, an empty prompt set): reported without a traceback."""
-
-
-@dataclass
-class PromptRecord:
-    id: str
-    category: str
-    split: str  # "train" | "heldout"
-    messages: list[dict]
-    tools: list[dict] | None = None
-
-
-# ---- prompt sources -----------------------------------------------------------------------------------------------
-
-
-def _agent_tools() -> list[dict]:
-    return json.loads(AGENT_TOOLS.read_text())
-
-
-def load_builtin(path: Path = BUILTIN_PROMPTS) -> list[PromptRecord]:
-    """The built-in prompt set (JSON lines; gzipped when the name ends in .gz): the main one by default, or
-    BUILTIN_EXTRA."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"built-in prompt set not found: {path}")
-    tools = None
-    out = []
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-            if raw.get("tools") == "agent":
-                tools = tools or _agent_tools()
-            out.append(PromptRecord(raw["id"], raw["category"], raw["split"], raw["messages"],
-                                    tools if raw.get("tools") == "agent" else None))
-        except (ValueError, KeyError) as exc:
-            raise DataError(f"{path}:{n}: malformed prompt record ({exc})") from None
-    return out
-
-
-def _split_of(key: str, heldout_fraction: float) -> str:
-    h = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return "heldout" if h < heldout_fraction else "train"
-
-
-def load_from_db(db: str | Path, heldout_fraction: float = 0.08) -> list[PromptRecord]:
-    """Prompts from the review loop's own transcripts: for every assistant turn of every persona run, the
-    conversation before it (what the server was asked). Whole transcripts go to one split, so held-out prompts
-    never share a prefix with training prompts. Read with sqlite3 directly: backend/ does not import reviewer/.
-    The deterministic `smoke` persona is skipped: no LLM wrote its turns."""
-    path = Path(db).expanduser()
-    if not path.is_file():
-        raise DataError(f"--from-db: no database at {path}")
-    try:
-        con = sqlite3.connect(str(path), timeout=30)  # only reads; WAL lets a running review keep writing
-        rows = con.execute("SELECT id, run_id, persona, transcript FROM personarun ORDER BY id").fetchall()
-        con.close()
-    except sqlite3.Error as exc:
-        raise DataError(f"--from-db: {path} is not a reviews database ({exc})") from None
-    tools = _agent_tools()
-    out = []
-    for row_id, run_id, persona, transcript in rows:
-        if persona == "smoke":
-            continue
-        try:
-            messages = json.loads(transcript or "[]")
-        except ValueError:
-            continue  # a transcript cut mid-write by a crash: skip it, keep the rest
-        if not isinstance(messages, list):
-            continue
-        native = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages if isinstance(m, dict))
-        split = _split_of(f"db-{run_id}-{row_id}", heldout_fraction)
-        for i, m in enumerate(messages):
-            if isinstance(m, dict) and m.get("role") == "assistant" and i > 0:
-                out.append(PromptRecord(f"db-{row_id}-{i}", f"db:{persona}", split, messages[:i],
-                                        tools if native else None))
-    return out
 
 
 # ---- token ids ----------------------------------------------------------------------------------------------------

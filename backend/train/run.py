@@ -38,6 +38,8 @@ from backend.dflash.checkpoint import build_draft_vocab, save_drafter
 from backend.dflash.model import BLOCK_ATTENTION_MODES, DFlashDrafter
 from backend.loading import ModelLoadError, load_model
 from backend.train import data as td
+from backend.train import prompts as tp
+from backend.train import config
 from backend.train.objective import (block_loss, frozen_parts, init_from_checkpoint, make_blocks, new_drafter,
                                   parse_layer_ids, position_weights, sample_batch)
 from backend.train.config import (ARCH_KNOBS, CORRUPTIONS, KNOB_BEFORE_IT_EXISTED, LABELS, LOSSES, METRICS_FILE,
@@ -123,12 +125,12 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError("no prompts: keep the built-in set or give --from-db reviews.db")
 
 
-def load_records(cfg: TrainConfig) -> list[td.PromptRecord]:
+def load_records(cfg: TrainConfig) -> list[tp.PromptRecord]:
     import hashlib
 
-    records = ((td.load_builtin() if cfg.builtin_prompts else [])
-               + (td.load_builtin(td.BUILTIN_EXTRA) if cfg.builtin_extra else [])
-               + (td.load_from_db(cfg.from_db) if cfg.from_db else []))
+    records = ((tp.load_builtin() if cfg.builtin_prompts else [])
+               + (tp.load_builtin(tp.BUILTIN_EXTRA) if cfg.builtin_extra else [])
+               + (tp.load_from_db(cfg.from_db) if cfg.from_db else []))
     order = sorted(records, key=lambda r: hashlib.sha256(r.id.encode()).hexdigest())  # stable, category-mixed
     train = [r for r in order if r.split == "train"]
     held = [r for r in order if r.split == "heldout"]
@@ -368,7 +370,7 @@ def cli(argv: list[str] | None = None, prog: str = "python -m backend.train") ->
 
     try:
         main(**vars(a))
-    except (TrainError, td.DataError, ModelLoadError) as exc:
+    except (TrainError, config.DataError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

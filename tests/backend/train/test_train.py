@@ -14,6 +14,7 @@ from backend.train import evaluate
 from backend.train import config
 from backend.train import objective
 from backend.train import data as td
+from backend.train import prompts as tp
 from backend.bench.run import tiny_model as bench_tiny_model
 from backend.dflash.checkpoint import load_drafter
 from backend.decoding.engine import Engine, SamplingParams
@@ -80,7 +81,7 @@ def reviews_db(tmp_path_factory):
 
 
 def test_from_db_reads_every_assistant_turn_context(reviews_db, tiny_model):
-    records = td.load_from_db(reviews_db)
+    records = tp.load_from_db(reviews_db)
     assert len(records) == 48  # 24 runs x 2 assistant turns; the smoke run and the broken transcript are skipped
     assert all(r.category == "db:correctness" for r in records)
     by_len = sorted({len(r.messages) for r in records})
@@ -102,16 +103,16 @@ def test_from_db_reads_every_assistant_turn_context(reviews_db, tiny_model):
 
 
 def test_from_db_errors_are_clear(tmp_path):
-    with pytest.raises(td.DataError, match="no database"):
-        td.load_from_db(tmp_path / "missing.db")
+    with pytest.raises(config.DataError, match="no database"):
+        tp.load_from_db(tmp_path / "missing.db")
     bad = tmp_path / "not.db"
     bad.write_text("hello")
-    with pytest.raises(td.DataError, match="not a reviews database"):
-        td.load_from_db(bad)
+    with pytest.raises(config.DataError, match="not a reviews database"):
+        tp.load_from_db(bad)
 
 
 def test_builtin_prompt_set():
-    records = td.load_builtin()
+    records = tp.load_builtin()
     assert len(records) > 1500
     cats = {r.category for r in records}
     assert cats == {"code_review", "debugging", "performance", "readme", "coding", "agent"}
@@ -127,7 +128,7 @@ def test_builtin_prompt_set():
 def test_extra_prompt_set_is_training_only_and_shares_no_code_with_the_held_out_prompts():
     import re
 
-    main, extra = td.load_builtin(), td.load_builtin(td.BUILTIN_EXTRA)
+    main, extra = tp.load_builtin(), tp.load_builtin(tp.BUILTIN_EXTRA)
     assert len(extra) >= 5000 and {r.split for r in extra} == {"train"}
     assert {r.category for r in extra} == {"code_review", "debugging", "performance", "agent", "readme", "coding"}
     assert not {r.id for r in main} & {r.id for r in extra}
@@ -156,7 +157,7 @@ def test_extra_prompt_set_is_training_only_and_shares_no_code_with_the_held_out_
 def test_agent_tools_copy_matches_the_reviewer():
     from reviewer.persona.tools import TOOLS
 
-    assert json.loads(td.AGENT_TOOLS.read_text()) == TOOLS, "rerun bench/train_build_prompts.py"
+    assert json.loads(tp.AGENT_TOOLS.read_text()) == TOOLS, "rerun bench/train_build_prompts.py"
 
 
 # ---- the training forward -------------------------------------------------------------------------------------------
@@ -274,7 +275,7 @@ def test_static_cache_generates_what_the_dynamic_cache_does(tiny_model):
                 for cache in td.GEN_CACHES}
         assert runs["static"] == runs["dynamic"]
         assert all(len(r) > 0 for r in runs["static"])
-    with pytest.raises(td.DataError, match="unknown generation cache"):
+    with pytest.raises(config.DataError, match="unknown generation cache"):
         td.generate_responses(loaded.model, prompts, max_new_tokens=2, stops=stops, batch_size=2, cache="paged")
 
 
@@ -300,7 +301,7 @@ def test_features_load_shard_by_shard_into_one_set(tiny_model, tmp_path):
         assert torch.equal(got, want.to(got.dtype)), key
     assert data.index == torch.cat([p["index"] for p in parts]).tolist()
     assert sorted(data.index) == list(range(len(seqs)))
-    with pytest.raises(td.DataError, match="empty"):
+    with pytest.raises(config.DataError, match="empty"):
         td.load_features(tmp_path, "heldout", "cpu")
 
 
@@ -456,7 +457,7 @@ def test_responses_file_may_be_gzipped_and_must_match_the_target(tmp_path):
     with gzip.open(packed, "wt") as f:
         f.write(text)
     assert td.load_responses([packed], "tiny") == {"a": [1, 2, 3], "b~1": [4]}
-    with pytest.raises(td.DataError, match="not of the target"):
+    with pytest.raises(config.DataError, match="not of the target"):
         td.load_responses([packed], "another")
 
 
