@@ -157,7 +157,9 @@ def stop_token_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
     """End-of-turn ids: the generation config's eos ids, the tokenizer's eos, and ChatML's <|im_end|> where the
     vocabulary has it (a chat template may end its turns with it while eos names another token). The one list the
     server, `reviewer bench` and training stop at, so a benchmark or a training sample ends where a served reply
-    would."""
+    would. None without a tokenizer (the random targets of tests and benchmarks)."""
+    if tokenizer is None:
+        return ()
     ids: list[int] = []
     for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id,
                    tokenizer.get_vocab().get("<|im_end|>")):

@@ -37,6 +37,7 @@ def main() -> None:
 
     from backend.train import prompts as tp
     from backend.loading import load_model
+    from backend.chat import stop_token_ids
     from backend.train.evaluate import evaluate_engine
 
     loaded = load_model(a.model, device=a.device)
@@ -47,7 +48,7 @@ def main() -> None:
         raise SystemExit(f"no held-out prompts of category {a.category!r}")
     prompts = [td.render(loaded.tokenizer, r) for r in held]
     res = evaluate_engine(loaded.model, Path(a.drafter), prompts, a.max_tokens,
-                          td.stop_ids(loaded.model, loaded.tokenizer), check_plain=not a.no_plain)
+                          stop_token_ids(loaded.tokenizer, loaded.model.generation_config), check_plain=not a.no_plain)
     res.update({"command": " ".join([Path(sys.executable).name] + sys.argv),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),

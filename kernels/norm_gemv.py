@@ -137,6 +137,20 @@ def rope_rows_torch(y, rope):
     return torch.cat((qk, y[:, rotated:]), dim=-1)
 
 
+def check_epilogue(w, swiglu: bool, rope, residual=None) -> None:
+    """The epilogue arguments of norm_gemv and kernels/rows_linear.py: one at a time, SwiGLU over [gate; up] rows,
+    RoPE over whole heads of w's rows."""
+    if sum([swiglu, rope is not None, residual is not None]) > 1:
+        raise ValueError("one epilogue at a time: swiglu, rope or residual")
+    if swiglu and w.shape[0] % 2:
+        raise ValueError("swiglu needs w = [gate; up], an even number of rows")
+    if rope is not None:
+        cos, sin, pos, rotated = rope
+        d = cos.shape[-1]
+        if d % 2 or w.shape[0] % d or rotated % d or rotated > w.shape[0] or sin.shape != cos.shape:
+            raise ValueError(f"rope needs whole heads of {d} rows: w has {w.shape[0]} rows, {rotated} rotated")
+
+
 def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None, use_triton: bool | None = None,
               tiles=None):
     """x [T, K] (the residual stream, T <= MAX_ROWS), norm_weight [K], w [N, K]. Returns [T, N], or [T, N / 2] with
@@ -151,15 +165,7 @@ def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None,
                          f"{tuple(w.shape)}")
     if norm_weight.shape != (x.shape[1],):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} must be [K] = [{x.shape[1]}]")
-    if swiglu and rope is not None:
-        raise ValueError("one epilogue at a time: swiglu or rope")
-    if swiglu and w.shape[0] % 2:
-        raise ValueError("swiglu needs w = [gate; up], an even number of rows")
-    if rope is not None:
-        cos, sin, pos, rotated = rope
-        d = cos.shape[-1]
-        if d % 2 or w.shape[0] % d or rotated % d or rotated > w.shape[0] or sin.shape != cos.shape:
-            raise ValueError(f"rope needs whole heads of {d} rows: w has {w.shape[0]} rows, {rotated} rotated")
+    check_epilogue(w, swiglu, rope)
     if use_triton is None:
         from kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)

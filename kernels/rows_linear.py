@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.norm_gemv import rope_rows_torch
+from kernels.norm_gemv import check_epilogue, rope_rows_torch
 
 try:
     import triton
@@ -240,17 +240,9 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
                          f"{tuple(w.shape)}")
     if norm_weight is not None and norm_weight.shape != (x.shape[1],):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} must be [K] = [{x.shape[1]}]")
-    if sum([swiglu, rope is not None, residual is not None]) > 1:
-        raise ValueError("one epilogue at a time: swiglu, rope or residual")
-    if swiglu and w.shape[0] % 2:
-        raise ValueError("swiglu needs w = [gate; up], an even number of rows")
+    check_epilogue(w, swiglu, rope, residual)
     if residual is not None and tuple(residual.shape) != (x.shape[0], w.shape[0]):
         raise ValueError(f"residual {tuple(residual.shape)} must be [T, N] = [{x.shape[0]}, {w.shape[0]}]")
-    if rope is not None:
-        cos, sin, pos, rotated = rope
-        d = cos.shape[-1]
-        if d % 2 or w.shape[0] % d or rotated % d or rotated > w.shape[0] or sin.shape != cos.shape:
-            raise ValueError(f"rope needs whole heads of {d} rows: w has {w.shape[0]} rows, {rotated} rotated")
     if use_triton is None:
         from kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)

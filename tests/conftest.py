@@ -295,9 +295,10 @@ def live_server(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on a shared CPU OpenMP barriers stall."""
+    """Tiny models gain nothing from a second thread, and on a shared CPU OpenMP barriers stall. Module-scoped, so a
+    module's own data fixtures (built once) run with one thread too."""
     import torch
 
     before = torch.get_num_threads()

@@ -24,7 +24,6 @@ from backend.bench.shapes import RELEASED_DRAFTER, SHAPE_MODELS, released_shape_
 from backend.chat import stop_token_ids
 from backend.decoding.device_cycle import ForcedAcceptance
 from backend.loading import load_model
-from backend.models.llama import Llama
 from backend.decoding.engine import Engine, SamplingParams
 from backend.dflash.checkpoint import find_shipped_drafter, load_drafter, random_drafter
 
@@ -108,12 +107,6 @@ def make_prompts(tokenizer, n: int, vocab: int, seed: int = 0) -> list[list[int]
             ids = ids["input_ids"]
         out.append([int(t) for t in ids])
     return out
-
-
-def stop_ids(model, tokenizer) -> tuple[int, ...]:
-    """The server's end-of-turn ids (chat.stop_token_ids), so a benchmark stops where a served reply would; none
-    for random targets (no tokenizer)."""
-    return stop_token_ids(tokenizer, getattr(model, "generation_config", None)) if tokenizer is not None else ()
 
 
 def make_drafter(spec: str, model, name: str, block_size: int | None):
@@ -295,7 +288,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     draft_model, drafter_desc = make_drafter(drafter, target, name, block_size)
     vocab = target.get_input_embeddings().weight.shape[0]
     prompt_ids = make_prompts(tokenizer, prompts, vocab)
-    stops = stop_ids(target, tokenizer)
+    stops = stop_token_ids(tokenizer, getattr(target, "generation_config", None))
     warm = [prompt_ids[0][:8]]
     # On a GPU every CUDA graph (target and drafter: per block size and attention span) and compile is made on first
     # use: warm up on the whole workload, so the timed run replays and never captures.
@@ -417,12 +410,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--forced-tau", default="", help="comma-separated tau values: also time speculative runs with "
                     "forced acceptance (random weights; labelled forced in the record), e.g. 4.9,6.4,8.1")
-    ap.add_argument("--llama-steps", choices=["rows", "glue"], default=None,
-                    help="Llama: decode steps and verifies through our row kernels or the compiled glue + cuBLAS "
-                    "(Llama.step_path; glue only where cuBLAS is row-invariant on this device)")
     a = ap.parse_args(argv)
-    if a.llama_steps:
-        Llama.step_path = a.llama_steps
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
          forced_tau=a.forced_tau,

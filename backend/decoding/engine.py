@@ -100,8 +100,8 @@ class Engine:
         if invariant_verify is None:
             invariant_verify = drafter is not None and self.device.type == "cuda" and self.fast and not self.target.exact
         self.invariant_verify = bool(invariant_verify) and self.fast
-        if self.invariant_verify:
-            self.target.fast.model.use_invariant_verify()
+        # whether this engine's numerics differ from a plain engine's (what describe_decoding warns about)
+        self.own_numerics = self.invariant_verify and self.target.fast.model.use_invariant_verify()
         self.verify_length = spec.VerifyLength(adaptive_verify)  # measured T_t(n) and acceptance; adaptive or not
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
         # on the GPU fast path the drafter runs from CUDA graphs over static caches and the cycle stays on the
@@ -158,7 +158,7 @@ class Engine:
         how = "on the device, CUDA graphs" if self.fast_drafter is not None else "eager"
         if self.lossless:
             why = "exact mode" if self.target.exact else "batch-invariant kernels"
-            if self.invariant_verify and getattr(self.target.fast.model, "glue_steps", True):
+            if self.own_numerics:
                 why += "; without a drafter the engine decodes with faster one-token kernels, whose rounding can differ"
             return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), lossless: greedy output "
                     f"is token-identical to plain decoding in the same numerics ({why})")

@@ -221,12 +221,14 @@ class Llama(nn.Module):
         self.glue_invariant = path == "glue" and triton_usable(self.embed) and self.kv.use_block_kernel and (
             linear_rows_invariant([first.wqkv, first.wo, first.w_gate_up, first.w_down, self.lm_head]))
 
-    def use_invariant_verify(self) -> None:
+    def use_invariant_verify(self) -> bool:
         """For a speculative engine: decode steps and verifies through the compiled glue and cuBLAS, where cuBLAS is
         row-invariant on this device (a 16-token verify then costs ~1.2 decode steps, against ~3.3 on _rows; a
         plain step ~1.6x _rows' on the H200: bench/results/spec_e2e_embedded_steps-*_h200_20261201.json).
-        Elsewhere _rows, which is batch-invariant too."""
+        Elsewhere _rows, which is batch-invariant too. Returns whether the numerics now differ from a plain
+        engine's."""
         self.set_step_path("glue")
+        return self.glue_steps
 
     # ---- forward --------------------------------------------------------------------------------------------------
 

@@ -44,12 +44,6 @@ def render(tokenizer, record: PromptRecord) -> list[int]:
     return [int(t) for t in ids]
 
 
-def stop_ids(model, tokenizer) -> tuple[int, ...]:
-    """Where a generated sample ends: the server's end-of-turn ids (chat.stop_token_ids); none without a tokenizer
-    (random targets)."""
-    return stop_token_ids(tokenizer, getattr(model, "generation_config", None)) if tokenizer is not None else ()
-
-
 GEN_CACHES = ("dynamic", "static")
 
 
@@ -405,7 +399,7 @@ def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, 
     if manifest is not None and manifest.get("key") == key and not responses_only:
         log(f"data: reusing {data_dir} (key {key})")
         return manifest
-    stops = stop_ids(model, tokenizer)
+    stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     manifest = {"key": key, "target": target_name, "layer_ids": layer_ids, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "stop_ids": list(stops), "splits": {},
                 "samples_per_prompt": samples, "sample_temperature": temperature if samples else None}

@@ -189,7 +189,8 @@ def test_cuda_embedded_position_logits_are_batch_invariant(step_path):
 def test_cuda_embedded_speculative_equals_plain_greedy():
     """The shipped drafter on the embedded model's real weights, bf16, the engine's GPU defaults: speculative
     output is token-identical to plain decoding on every prompt."""
-    from backend.bench.run import PROMPTS, make_prompts, stop_ids
+    from backend.bench.run import PROMPTS, make_prompts
+    from backend.chat import stop_token_ids
     from backend.dflash.checkpoint import find_shipped_drafter, load_drafter
 
     loaded = _embedded()
@@ -198,7 +199,7 @@ def test_cuda_embedded_speculative_equals_plain_greedy():
     engine = Engine(loaded.model, drafter=drafter, max_context=4096)
     assert engine.fast_drafter is not None and not engine.target.exact and engine.lossless
     assert engine.invariant_verify and "lossless" in engine.describe_decoding()
-    stops = stop_ids(loaded.model, loaded.tokenizer)
+    stops = stop_token_ids(loaded.tokenizer, loaded.model.generation_config)
     for prompt in make_prompts(loaded.tokenizer, len(PROMPTS), 0):
         ref = generate(plain, prompt, max_tokens=128, stop_token_ids=stops)
         assert generate(engine, prompt, max_tokens=128, stop_token_ids=stops) == ref

@@ -30,13 +30,8 @@ from tests import interpreter
 TOL = dict(rtol=1e-5, atol=2e-5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds synchronisation (and on a shared 2-core machine, waits)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny matmuls: a second OpenMP thread only adds synchronisation (and on a shared 2-core machine, waits).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def seeded(seed=None) -> int:
@@ -262,7 +257,7 @@ LLAMA_GLUE_SCRIPT = textwrap.dedent("""
     import torch
     from transformers import DynamicCache
     from backend.models import load_fast
-    from tests.backend.models.test_fast_models import TOL, hf_step, seeded, tiny_llama
+    from tests.backend.models.test_fast_models import TOL, count_calls, hf_step, seeded, tiny_llama
     seeded()
     hf = tiny_llama(tie=False)
     fast = load_fast(hf, max_context=64)
@@ -270,12 +265,7 @@ LLAMA_GLUE_SCRIPT = textwrap.dedent("""
     fast.model.set_step_path("glue")  # the speculative engines' path, where the cuBLAS check passes
     fast.model.glue_invariant = True  # CPU BLAS fails that check (row counts round differently): this checks the math
     assert fast.model.glue_steps
-    calls = {"n": 0}
-    padded = fast.model._padded_glue
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return padded(*args, **kwargs)
-    fast.model._padded_glue = counted
+    calls = count_calls(fast.model, ["_padded_glue"])
     prompt = torch.randint(0, 320, (20,))
     cache = DynamicCache(config=hf.config)
     fast.prefill(prompt)  # 20 tokens: the unpadded glue
@@ -290,7 +280,7 @@ LLAMA_GLUE_SCRIPT = textwrap.dedent("""
     logits, _ = fast.verify(block)
     ref = hf_step(hf, block, cache)
     torch.testing.assert_close(logits, ref.logits[0], **TOL)
-    assert calls["n"] == 3, calls
+    assert calls == {"_padded_glue": 3}, calls
     print("ok")
 """)
 
@@ -373,18 +363,13 @@ QWEN_TRITON_SCRIPT = textwrap.dedent("""
 QWEN_PADDED_SCRIPT = textwrap.dedent("""
     import torch
     from backend.models import load_fast
-    from tests.backend.models.test_fast_models import seeded, tiny_qwen
+    from tests.backend.models.test_fast_models import count_calls, seeded, tiny_qwen
     seeded()
     hf = tiny_qwen()
     ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128)
     fast.model.use_invariant_verify()
     fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
-    calls = {"n": 0}
-    padded = fast.model._padded_rows
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return padded(*args, **kwargs)
-    fast.model._padded_rows = counted
+    calls = count_calls(fast.model, ["_padded_rows"])
     prompt = torch.randint(0, 320, (12,))
     for model in (ref, fast):
         model.prefill(prompt)
@@ -398,7 +383,7 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     fast.accept(2)
     torch.testing.assert_close(fast.decode(7)[0], ref.decode(7)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast.model.linear.state, ref.model.linear.state, rtol=1e-4, atol=1e-5)
-    assert calls["n"] == 5, calls  # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step
+    assert calls == {"_padded_rows": 5}, calls  # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step
     print("ok")
 """)
 

@@ -17,15 +17,11 @@ from backend.train import data as td
 from backend.train import prompts as tp
 from backend.bench.run import tiny_model as bench_tiny_model
 from backend.dflash.checkpoint import load_drafter
+from backend.chat import stop_token_ids
 from backend.decoding.engine import Engine, SamplingParams
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: one intra-op thread is faster, and far faster on a box whose two cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny shapes: one intra-op thread is faster, and far faster on a box whose two cores are shared.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 COMMON = dict(device="cpu", builtin_prompts=False, max_new_tokens=12, max_prompt_tokens=512, gen_batch=8,
@@ -253,7 +249,7 @@ def test_features_are_the_targets_and_responses_its_greedy_output(tiny_model, da
     want = td.select_features(out.hidden_states, [0, 1])[0]
     torch.testing.assert_close(data.features[start:end].float(), want, rtol=2e-2, atol=2e-2)  # stored in bf16
     assert torch.equal(data.argmax[start:end], out.logits[0].argmax(-1))
-    stops = td.stop_ids(loaded.model, loaded.tokenizer)
+    stops = stop_token_ids(loaded.tokenizer, loaded.model.generation_config)
     greedy = [t for b in Engine(loaded.model).generate(ids[:p].tolist(), SamplingParams(max_tokens=12, stop_token_ids=stops))
               for t in b]
     response = ids[p:].tolist()
@@ -268,7 +264,7 @@ def test_static_cache_generates_what_the_dynamic_cache_does(tiny_model):
     loaded = load_model(str(tiny_model("llama")), device="cpu", dtype="float32")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 200, (int(n),), generator=g).tolist() for n in (7, 19, 3, 12, 25)]
-    stops = td.stop_ids(loaded.model, loaded.tokenizer)
+    stops = stop_token_ids(loaded.tokenizer, loaded.model.generation_config)
     for temperature in (0.0, 0.9):
         runs = {cache: td.generate_responses(loaded.model, prompts, max_new_tokens=10, stops=stops, batch_size=3,
                                              temperature=temperature, seed=5, cache=cache, log=lambda *_: None)

@@ -1,7 +1,9 @@
 """Targets, refs and fresh workspaces on real git repositories; the baseline sandbox on real subprocesses."""
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -9,7 +11,8 @@ import pytest
 
 from reviewer.examples import git, make_example_repo
 from reviewer.sandbox.command import run_shell, sandbox_env
-from reviewer.sandbox.workspace import Workspace, WorkspaceError, clone_commit, create_workspace, resolve_target
+from reviewer.sandbox.workspace import (Workspace, WorkspaceError, clone_commit, create_workspace, remove_tree,
+                                        resolve_target)
 
 
 @pytest.fixture(scope="module")
@@ -272,11 +275,6 @@ def test_ctrl_c_while_a_command_runs_kills_it(tmp_path, command):
 def test_removing_a_tree_whose_root_cannot_go_keeps_the_parent_mode(tmp_path):
     """A workspace left mounted (a busy diskcap mount) cannot be removed itself; removing what is inside must not
     change its parent's mode. An earlier remove_tree made the parent 0700, and the parent was /tmp."""
-    import shutil
-    import subprocess
-
-    from reviewer.sandbox.workspace import remove_tree
-
     if os.geteuid() != 0 or not shutil.which("mount"):
         pytest.skip("needs root to mount a tmpfs")
     parent = tmp_path / "parent"
