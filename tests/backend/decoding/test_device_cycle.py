@@ -55,6 +55,29 @@ def test_device_cycle_equals_plain_decoding_at_every_accept_length(kind):
     assert stats.tau > 4 and len(seen) >= 12, (stats.tau, seen)
 
 
+def test_forced_acceptance_proposes_the_reference_then_misses_at_a_geometric_length():
+    """The forcing's proposal: the plain continuation up to the drawn accept length, then tokens that cannot match;
+    accept lengths follow the geometric law (mean tau - 1 drafts when the block does not cut them short)."""
+    ref = list(range(10, 70))
+    forced = ForcedAcceptance(ref, 4.0, vocab=64, device="cpu", seed=3)
+    block = torch.full((16,), -1, dtype=torch.long)
+    lengths = []
+    for produced in (1, 20, 40):
+        for _ in range(50):
+            block[0] = ref[produced - 1]
+            state = forced.rng.getstate()
+            a = forced.draw(15)  # the length propose() will draw, from the same state
+            forced.rng.setstate(state)
+            forced.propose(block, produced, 15)
+            assert block[1:a + 1].tolist() == ref[produced:produced + a]
+            assert block[a + 1:].tolist() == [(t + 1) % 64 for t in ref[produced + a:produced + 15]]
+            assert block[0] == ref[produced - 1]
+            lengths.append(a)
+    assert {0, 1, 2, 3} <= set(lengths)
+    draws = [forced.draw(1000) for _ in range(4000)]
+    assert abs(sum(draws) / len(draws) - 3.0) < 0.2  # tau 4: 3 accepted drafts on average
+
+
 def test_device_cycle_without_forcing_stops_and_reuses_like_plain():
     model = tiny_model("tiny-hybrid")
     plain = Engine(model, max_context=512, fast=True, exact=False)
