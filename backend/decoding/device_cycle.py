@@ -62,36 +62,43 @@ class ForcedAcceptance:
             block_tokens[a + 1:k + 1].copy_(self.miss[produced + a:produced + k], non_blocking=self.non_blocking)
 
 
-def _accept_on_device(logits, proposal, k: int, greedy: bool, params, q, rng):
-    """The acceptance test without leaving the device. logits [k+1, V] from the verify, proposal [k] the drafts.
-    Returns (result [1 + k + 1]: accepted count, then the committed tokens (accepted drafts + the target's own),
-    keep = accepted + 1 [1], the target's own token [1])."""
+def _accept_on_device(logits, proposal, k: int, greedy: bool, params, q, rng, result, keep_out, token_out) -> None:
+    """The acceptance test without leaving the device, written where its readers look: result [1 + k + 1] gets the
+    accepted count, then the committed tokens (accepted drafts + the target's own); keep_out [1] = accepted + 1 and
+    token_out [1] = the target's own token (the drafter's inputs for the next draft). logits [k+1, V] from the
+    verify, proposal [k] the drafts. Greedy is six small kernels: each kernel between the verify and the next draft
+    is GPU time on the cycle's critical path (as intermediates plus copies it was twelve)."""
     device = logits.device
     if greedy:
-        choice = logits.argmax(-1)
-        accepted = (proposal == choice[:k]).int().cumprod(0).sum().reshape(1) if k else choice.new_zeros(1)
-        committed = choice  # the accepted drafts equal the target's choices there
-        bonus = choice.index_select(0, accepted)
-    else:
-        p = sampling_probs(logits, params.temperature, params.top_p)
+        choice = result[1:k + 2]  # the target's choices; the accepted drafts equal them
+        torch.argmax(logits, dim=-1, out=choice)
         if k:
-            idx = proposal[:, None]
-            p_x, q_x = p[:k].gather(1, idx)[:, 0], q[:k].gather(1, idx)[:, 0]
-            u = torch.rand(k, generator=rng, device=device)
-            accepted = (u * q_x < p_x).int().cumprod(0).sum().reshape(1)
-            q_pad = torch.cat([q[:k], q.new_zeros(1, q.shape[1])])
+            torch.sum((proposal == choice[:k]).cumprod(0), 0, keepdim=True, out=result[:1])
         else:
-            accepted = torch.zeros(1, dtype=torch.long, device=device)
-            q_pad = torch.zeros_like(p)
-        residual = (p - q_pad).clamp_min(0).index_select(0, accepted)[0]
-        total = residual.sum()
-        row = torch.where(total > 0, residual / total.clamp_min(1e-30), p.index_select(0, accepted)[0])
-        bonus = torch.multinomial(row, 1, generator=rng)
-        idx = torch.arange(k + 1, device=device)
-        padded = torch.cat([proposal, bonus])
-        committed = torch.where(idx < accepted, padded, bonus)
-    accepted = accepted.long()
-    return torch.cat([accepted, committed]), accepted + 1, bonus
+            result[:1].zero_()
+        torch.index_select(choice, 0, result[:1], out=token_out)
+        torch.add(result[:1], 1, out=keep_out)
+        return
+    p = sampling_probs(logits, params.temperature, params.top_p)
+    if k:
+        idx = proposal[:, None]
+        p_x, q_x = p[:k].gather(1, idx)[:, 0], q[:k].gather(1, idx)[:, 0]
+        u = torch.rand(k, generator=rng, device=device)
+        accepted = (u * q_x < p_x).int().cumprod(0).sum().reshape(1)
+        q_pad = torch.cat([q[:k], q.new_zeros(1, q.shape[1])])
+    else:
+        accepted = torch.zeros(1, dtype=torch.long, device=device)
+        q_pad = torch.zeros_like(p)
+    residual = (p - q_pad).clamp_min(0).index_select(0, accepted)[0]
+    total = residual.sum()
+    row = torch.where(total > 0, residual / total.clamp_min(1e-30), p.index_select(0, accepted)[0])
+    bonus = torch.multinomial(row, 1, generator=rng)
+    idx = torch.arange(k + 1, device=device)
+    committed = torch.where(idx < accepted, torch.cat([proposal, bonus]), bonus)
+    result[:1].copy_(accepted)
+    result[1:k + 2].copy_(committed)
+    token_out.copy_(bonus)
+    torch.add(result[:1], 1, out=keep_out)
 
 
 class _Marks:
@@ -118,13 +125,18 @@ def device_speculative_decode(target, fd, verify_length, forced, logits, params,
     the acceptance test stay on the device, and the host reads one small result per cycle. The next draft is queued
     before that read (its known token and its context are device tensors), so the read returns the last verify's
     accepted count and committed tokens together with the next draft's confidences (for the adaptive verify length).
-    Same invariant at every yield as speculative_decode."""
+
+    After the read the host commits and queues the next cycle at once, and only then records statistics and yields:
+    the GPU verifies while the host does its bookkeeping and the consumer handles the tokens, where it used to sit
+    idle through both. So at a yield one verify may be queued; it is tentative (FastModel keeps the caches' live
+    state), and a consumer that cancels or closes the generator there gets it dropped (_abandon): the invariant at
+    every yield is speculative_decode's, the caches cover exactly target.ids."""
     device = target.device
     B = fd.block_size
     stats.accepted_per_position = [0] * (B - 1)
     stop = set(params.stop_token_ids)
     greedy = params.temperature == 0
-    vocab_mask = fd.drafter.target_vocab_mask  # restricted draft vocabulary, or None
+    vocab_mask = fd.drafter.target_vocab_mask  # restricted draft vocabulary (host), or None
 
     token = first_token(logits, params, rng, stop, stats, vocab_mask)
     if token is None:
@@ -143,7 +155,7 @@ def device_speculative_decode(target, fd, verify_length, forced, logits, params,
     t = time.perf_counter()
     fd.launch(token=token)
     q = fd.sample(params.temperature, params.top_p, rng) if not greedy else None
-    last = None  # (k, the confidences of the draft it verified) of a verify awaiting its commit
+    queued = None  # (k, the confidences of the draft it verifies) of the verify on the device, not committed yet
     draft_seconds = 0.0
     while True:
         # the cycle's one host sync
@@ -152,8 +164,9 @@ def device_speculative_decode(target, fd, verify_length, forced, logits, params,
         if cuda:
             done.record()
             done.synchronize()
-        if last is not None:
-            k, conf = last
+        finished, emit, stop_at = None, [], None
+        if queued is not None:
+            k, conf = queued
             accepted = int(host[0])
             committed = host[1:accepted + 2].tolist()
             stop_at = next((i for i, x in enumerate(committed) if x in stop), None)
@@ -164,40 +177,59 @@ def device_speculative_decode(target, fd, verify_length, forced, logits, params,
             fd.length += accepted + 1  # what the queued draft absorbed on the device
             if keep != accepted + 1:
                 fd.set_length(len(target.ids))
-            verify_s, draft_seconds = marks.seconds(0, 1), marks.seconds(2, 3)
-            now = time.perf_counter()
+            # read before the next cycle records its own marks
+            verify_s, draft_seconds, accept_s = marks.seconds(0, 1), marks.seconds(2, 3), marks.seconds(1, 2)
             verify_length.observe(k, verify_s, conf, accepted)
+            finished = (k, accepted, verify_s, accept_s)
+            produced += len(emit)
+            token = committed[accepted]  # the target's own token: the next block's first
+        queued = None
+        if stop_at is None and produced < budget and not cancelled():
+            k = min(B - 1, budget - produced - 1)  # the target's own token must fit in the budget too
+            conf = host_conf[:k].tolist()
+            k = verify_length.choose(k, conf, draft_seconds)
+            if forced is not None and k:
+                forced.propose(fd.block_tokens, produced, k)
+            marks.record(0)
+            logits, feats = target.verify_on_device(fd.block_tokens[:k + 1], features=True)
+            marks.record(1)
+            # the accepted count and the target's own token land in the drafter's inputs (keep_dev, token_dev)
+            _accept_on_device(logits, fd.block_tokens[1:k + 1], k, greedy, params, q, rng, result, fd.keep_dev,
+                              fd.token_dev)
+            marks.record(2)
+            fd.launch(features=feats, rows=k + 1, upper_length=fd.length + k + 1)
+            if not greedy:
+                q = fd.sample(params.temperature, params.top_p, rng)
+            marks.record(3)
+            queued = (k, conf[:k])
+        if finished is not None:
+            k_done, accepted, verify_s, accept_s = finished
             # the acceptance test on the device stands where the host cycle's rollback does
-            record_cycle(stats, k, accepted, emit, vocab_mask, draft_seconds, verify_s, marks.seconds(1, 2))
+            record_cycle(stats, k_done, accepted, emit, vocab_mask, draft_seconds, verify_s, accept_s)
+            now = time.perf_counter()
             stats.decode_seconds += now - t
             t = now
             if emit:
-                yield emit
+                try:
+                    yield emit
+                except BaseException:  # closed (or thrown into) at this yield: the queued verify never happened
+                    if queued is not None:
+                        _abandon(target, fd)
+                    raise
+        if queued is not None and cancelled():  # cancelled while the consumer held the tokens
+            _abandon(target, fd)
+            queued = None
+        if queued is None:
             if stop_at is not None:
                 stats.finish_reason = "stop"
-                return
-            produced += len(emit)
-            token = committed[accepted]  # the target's own token: the next block's first
-        if produced >= budget:
-            fd.set_length(len(target.ids))  # the queued draft's context is not needed
+            elif produced < budget:
+                stats.finish_reason = "cancelled"
+            fd.set_length(len(target.ids))  # a queued draft's context is not needed
             return
-        if cancelled():
-            stats.finish_reason = "cancelled"
-            fd.set_length(len(target.ids))
-            return
-        k = min(B - 1, budget - produced - 1)  # the target's own token must fit in the budget too
-        conf = host_conf[:k].tolist()
-        k = verify_length.choose(k, conf, draft_seconds)
-        if forced is not None and k:
-            forced.propose(fd.block_tokens, produced, k)
-        marks.record(0)
-        logits, feats = target.verify_on_device(fd.block_tokens[:k + 1], features=True)
-        marks.record(1)
-        res, keep_dev, bonus = _accept_on_device(logits, fd.block_tokens[1:k + 1], k, greedy, params, q, rng)
-        result[:k + 2].copy_(res)
-        marks.record(2)
-        fd.launch(features=feats, rows=k + 1, keep=keep_dev, token=bonus, upper_length=fd.length + k + 1)
-        if not greedy:
-            q = fd.sample(params.temperature, params.top_p, rng)
-        marks.record(3)
-        last = (k, conf[:k])
+
+
+def _abandon(target, fd) -> None:
+    """Drop the verify queued on the device (and the draft behind it): the caches and the drafter's context cover
+    exactly target.ids again."""
+    target.abandon()
+    fd.set_length(len(target.ids))

@@ -234,14 +234,25 @@ class FastTarget(_Reuse):
 
     def verify_on_device(self, tokens: torch.Tensor, features: bool):
         """verify() of a block whose tokens are a device tensor (the GPU drafter's output, never read by the host
-        before the verify): returns (logits [T, V], features [T, F] or None) on the device. The host learns the
-        tokens at the cycle's sync and names the kept ones in accept(keep, ids)."""
+        before the verify): returns (logits [T, V], features [T, F] or None) on the device, valid until the next
+        forward. The host learns the tokens at the cycle's sync and names the kept ones in accept(keep, ids), or
+        drops the block with abandon()."""
         if self.exact:
             raise RuntimeError("verify_on_device is the non-exact GPU path")
-        logits, feats = self.fast.verify(tokens, self.feature_layers if features else ())
+        # the graph's own buffers (fresh=False): the device cycle queues their readers before the next forward
+        logits, feats = self.fast.verify(tokens, self.feature_layers if features else (), fresh=False)
         self._verified = tokens.numel()
         self._on_device = True
         return logits, feats
+
+    def abandon(self) -> None:
+        """Drop a verified block nobody accepted (the device cycle, when its consumer stops at a yield with a verify
+        queued): the cache covers exactly self.ids again."""
+        self.fast.abandon()
+        if not self._on_device:
+            del self.ids[len(self.ids) - self._verified:]
+        self._verified = 0
+        self._on_device = False
 
     def _padded_verify(self, block: list[int], hidden: tuple[int, ...]):
         pad = [PAD_TOKEN] * (self.fast.max_block - len(block))

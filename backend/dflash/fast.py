@@ -104,17 +104,19 @@ class FastDrafter:
 
     @torch.inference_mode()
     def launch(self, *, token=None, features=None, rows: int = 0, keep=None, upper_length: int | None = None):
-        """Queue one draft on the device, returning at once. token: a host int, or a one-element device tensor (the
-        verify's bonus token). features [rows, F] (device) with keep (device, 1 <= keep <= rows): the last verify's
-        features, absorbed before drafting. upper_length: a host bound on the context length after absorbing
-        (default: length + rows), which sets the attention span. Results land in block_tokens / confidence /
-        logits."""
+        """Queue one draft on the device, returning at once. token: a host int, a one-element device tensor, or
+        None when token_dev already holds it (the device cycle's acceptance test writes the verify's own token
+        there). features [rows, F] (device): the last verify's features, absorbed before drafting, of which the
+        first keep (1 <= keep <= rows: a device tensor, or None when keep_dev already holds it) are kept.
+        upper_length: a host bound on the context length after absorbing (default: length + rows), which sets the
+        attention span. Results land in block_tokens / confidence / logits."""
         if isinstance(token, int):
             self.token_dev.fill_(token)
         elif token is not None:
             self.token_dev.copy_(token.reshape(1))
         if rows:
             self.features[:rows].copy_(features[:rows])
+        if keep is not None:
             self.keep_dev.copy_(keep.reshape(1))
         bound = upper_length if upper_length is not None else self.length + rows
         if bound + self.block_size > self.max_context:

@@ -297,7 +297,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         self.draft_vocab: torch.Tensor | None = None  # restricted draft vocabulary: draft id -> target id
-        self.target_vocab_mask: torch.Tensor | None = None  # (target vocab,) bool: in the draft vocabulary
+        self.target_vocab_mask: torch.Tensor | None = None  # (target vocab,) bool, host: in the draft vocabulary
         self.own_head: torch.Tensor | None = None  # a head shipped with the checkpoint (else the target's)
         self._embed = self._head = None
 
@@ -328,7 +328,8 @@ class DFlashDrafter(nn.Module):
         head = head.to(device=weight.device, dtype=embed.weight.dtype)
         if self.draft_vocab is not None:
             self.draft_vocab = self.draft_vocab.to(weight.device)
-            self.target_vocab_mask = self.target_vocab_mask.to(weight.device)
+            # target_vocab_mask stays on the host: only the cycle's statistics read it, a token at a time, and on
+            # the GPU each such read was a kernel and a sync (three or four a cycle, on its critical path)
             if head.shape[0] == vocab:  # the target's head: keep only the draft vocabulary's rows
                 head = head[self.draft_vocab].contiguous()
         self._head = head

@@ -161,16 +161,18 @@ class FastModel:
         return logits[-1], feats
 
     @torch.inference_mode()
-    def verify(self, tokens, hidden_ids: tuple[int, ...] = ()):
+    def verify(self, tokens, hidden_ids: tuple[int, ...] = (), *, fresh: bool = True):
         """Run a block (the last committed token + drafts) with logits for every position. The caches hold the block
-        tentatively until accept(n). Returns (logits [T, V], features [T, F] or None)."""
+        tentatively until accept(n), or abandon(). Returns (logits [T, V], features [T, F] or None). fresh=False:
+        from a CUDA graph, its own output buffers rather than copies, valid until the next forward (for a caller
+        whose readers are queued before it: two copies fewer on the device's critical path)."""
         self._check_idle()
         ids = tokens.reshape(-1) if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
         T = len(ids)
         if not 1 <= T <= self.max_block:
             raise ValueError(f"a verify block holds 1..{self.max_block} tokens, got {T}")
         out = self._forward(ids, record=self.hybrid, all_logits=True, hidden_ids=tuple(hidden_ids),
-                            graph=self.cuda_graphs, compiled=self.compile)
+                            graph=self.cuda_graphs, compiled=self.compile, fresh=fresh)
         self._pending = T
         return out
 
@@ -185,7 +187,14 @@ class FastModel:
         self.length += keep - self._pending
         self._pending = 0
 
-    def _forward(self, ids, *, record: bool, all_logits: bool, hidden_ids: tuple, graph: bool, compiled: bool):
+    def abandon(self) -> None:
+        """Drop the verified block: the caches hold what they held before it (a verify leaves the live Gated DeltaNet
+        state alone and writes keys/values only past the cached length)."""
+        self.length -= self._pending
+        self._pending = 0
+
+    def _forward(self, ids, *, record: bool, all_logits: bool, hidden_ids: tuple, graph: bool, compiled: bool,
+                 fresh: bool = True):
         """ids: a list of ints or a tensor (on any device)."""
         T = len(ids)
         if self.length + T > self.max_context:
@@ -200,7 +209,7 @@ class FastModel:
                 self.model.kv.reserve(end)  # a CPU cache grows with use (static_cache.KVCache); CUDA's is whole
             out = self._run(ids, positions, end, record, all_logits, hidden_ids, compiled)
         else:
-            out = self._replay(ids, record, all_logits, hidden_ids, compiled)
+            out = self._replay(ids, record, all_logits, hidden_ids, compiled, fresh)
         self.length += T
         return out
 
@@ -255,7 +264,7 @@ class FastModel:
         if on_device:
             self._tokens[:T].copy_(ids)
 
-    def _replay(self, ids, record, all_logits, hidden_ids, compiled):
+    def _replay(self, ids, record, all_logits, hidden_ids, compiled, fresh: bool = True):
         T = len(ids)
         self._stage(ids, T)
         key = (T, self._span(self.length + T), record, all_logits, hidden_ids, compiled)
@@ -264,6 +273,8 @@ class FastModel:
             entry = self._graphs[key] = self._capture(*key)
         graph, (logits, feats) = entry
         graph.replay()
+        if not fresh:
+            return logits, feats
         return logits.clone(), (feats.clone() if feats is not None else None)
 
     def _capture(self, T, span, record, all_logits, hidden_ids, compiled):

@@ -97,6 +97,44 @@ def test_device_cycle_without_forcing_stops_and_reuses_like_plain():
     assert len(sampled) == 30 and all(0 <= t < 128 for t in sampled)
 
 
+@pytest.mark.parametrize("kind", ["tiny-llama", "tiny-hybrid"])
+def test_a_consumer_that_stops_at_a_yield_drops_the_queued_verify(kind):
+    """The cycle queues its next verify before it yields, so a consumer that closes the generator or cancels at a
+    yield leaves one tentative verify behind: it must be dropped, the caches and the drafter's context covering
+    exactly what was yielded (all but the last token, which the next block starts with), and the next request must decode exactly as plain decoding does."""
+    model = tiny_model(kind)
+    plain = Engine(model, max_context=512, fast=True, exact=False)
+    engine = Engine(model, drafter=random_drafter(model, block_size=16), max_context=512, fast=True, exact=False,
+                    device_cycle=True)
+    first, second = prompts(2)
+    ref = generate(plain, first, max_tokens=60)
+    fast = engine.target.fast
+
+    def consistent():
+        return fast.length == len(engine.target.ids) == engine.draft_context.length and not fast._pending
+
+    # closed at the third yield, with forced acceptance so that blocks are long
+    engine.forced_acceptance = ForcedAcceptance(ref, 6.0, 128, engine.device, seed=1)
+    gen = engine.generate(first, SamplingParams(max_tokens=60))
+    got = [t for _, block in zip(range(3), gen) for t in block]
+    assert fast._pending  # a verify is queued behind the third yield
+    gen.close()
+    assert got == ref[:len(got)] and engine.cache_ids == first + got[:-1] and consistent()
+    # cancelled while the consumer holds the second block
+    blocks = []
+    out = engine.generate(first, SamplingParams(max_tokens=60), cancelled=lambda: len(blocks) >= 2)
+    for block in out:
+        blocks.append(block)
+    got = [t for b in blocks for t in b]
+    assert engine.last_stats.finish_reason == "cancelled" and len(blocks) == 2
+    assert got == ref[:len(got)] and engine.cache_ids == first + got[:-1] and consistent()
+    engine.forced_acceptance = None
+    assert generate(engine, second, max_tokens=40) == generate(plain, second, max_tokens=40)
+    follow = first + got + [3, 4]  # reuses the cut-back cache
+    assert generate(engine, follow, max_tokens=30) == generate(plain, follow, max_tokens=30)
+    assert consistent()
+
+
 def test_fast_drafter_drafts_what_the_eager_drafter_drafts():
     """FastDrafter (static caches, device masks, no graphs on the CPU) against DFlashDrafter.draft on the same
     context, with sliding and causal layers: same tokens, same confidences (fp32)."""

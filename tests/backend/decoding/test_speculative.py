@@ -172,6 +172,32 @@ def test_adaptive_verify_length_is_lossless(fast):
     assert len(engine.last_stats.verify_sizes) >= 2  # it probed more than one verify length
 
 
+def test_verify_cost_curve_and_the_length_it_chooses():
+    """T_t(n): measured sizes as measured, the others on the least-squares line through them (never sloping
+    down); the choice maximizes expected committed tokens per second over that curve."""
+    cost = spec.VerifyCostModel()
+    cost.observe(16, 1.0)
+    assert cost.estimates(4) == [1.0] * 4  # one size measured: the same cost everywhere
+    cost.observe(8, 0.6)
+    curve = cost.estimates(16)
+    assert curve[15] == 1.0 and curve[7] == 0.6  # measured
+    assert curve[11] == pytest.approx(0.8) and curve[0] == pytest.approx(0.25)  # on the line 0.2 + 0.05 n
+    cost.observe(4, 0.9)  # a noisy point: the line may flatten but never slope down
+    assert all(b >= a - 1e-12 for a, b in zip(cost.estimates(3), cost.estimates(3)[1:]))
+    flat = spec.VerifyCostModel()
+    for n in (16, 8):
+        flat.observe(n, 1.0)
+    # equal costs: verify every draft whose prefix can still be accepted
+    assert spec.choose_verify_length([0.9] * 15, flat, draft_seconds=0.1) == 15
+    steep = spec.VerifyCostModel()
+    steep.observe(16, 16.0)
+    steep.observe(8, 8.0)  # cost proportional to length: long blocks of unlikely drafts do not pay
+    conf = [0.9, 0.9, 0.1] + [0.1] * 12
+    expected = max(range(16), key=lambda k: sum(torch.tensor(conf[:j]).prod().item() for j in range(k + 1)) /
+                   (0.1 + (k + 1)))
+    assert spec.choose_verify_length(conf, steep, draft_seconds=0.1) == expected
+
+
 @pytest.mark.parametrize("fast", PATHS, ids=PATH_IDS)
 def test_stop_token_inside_an_accepted_block(fast):
     model = tiny_llama()
