@@ -18,8 +18,11 @@ target steps. Here:
     only, in the model dtype, and argmax + confidence;
   - positions, the context length, masks and RoPE come from device tensors, so nothing waits for the host: the
     speculative cycle reads one small result per cycle (backend/decoding/device_cycle.py).
-The arithmetic is DFlashDrafter's own (its modules are called); the block's keys are written to the cache and masked
-instead of concatenated. Draft quality never touches the output: the target verifies every token.
+The arithmetic is DFlashDrafter's own (its modules are called), except that each layer's q/k/v and gate/up
+projections run as one matmul each over fused weight rows (fuse_rows: the modules keep working on views of them, so
+the weights are held once): two cuBLAS launches a layer instead of five, and one for the context's keys and values
+instead of two (the fused rows' k/v part). The block's keys are written to the cache and masked instead of
+concatenated. Draft quality never touches the output: the target verifies every token.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.dflash.model import DFlashDrafter, rope
-from backend.models.llama import glue
+from backend.models.llama import fuse_rows, glue
 from backend.sampling import sampling_probs
 
 
@@ -53,6 +56,7 @@ class FastDrafter:
         self.compiled = (self.device.type == "cuda") if compile is None else compile
         self._pre, self._post, self._head, self._context, self._context_kv = (
             glue(f, self.compiled) for f in (_layer_pre, _layer_post, _head, _context, _context_kv))
+        self.fused = [FusedProjections(layer) for layer in layers]
         features = len(drafter.target_layer_ids) * cfg.hidden_size
         # graph inputs (static addresses)
         self.length_dev = torch.zeros(1, dtype=torch.long, device=self.device)  # context length on the device
@@ -173,8 +177,8 @@ class FastDrafter:
         d = self.drafter
         context = self._context(d, feats)  # [1, n, hidden]
         cos, sin = d.rotary(positions, context.dtype)
-        for i, layer in enumerate(d.layers):
-            k, v = self._context_kv(layer, context, cos, sin)  # [1, kv heads, n, D]
+        for i, (layer, w) in enumerate(zip(d.layers, self.fused)):
+            k, v = self._context_kv(layer, w.kv, w.kv_bias, context, cos, sin)  # [1, kv heads, n, D]
             self.k[i].index_copy_(1, positions, k[0])
             self.v[i].index_copy_(1, positions, v[0])
 
@@ -197,20 +201,20 @@ class FastDrafter:
         in_context = cols < start
         in_block = (cols >= start) & (cols < start + B)
         masks = {}
-        for i, layer in enumerate(d.layers):
+        for i, (layer, w) in enumerate(zip(d.layers, self.fused)):
             key = (layer.causal, layer.sliding_window)
             if key not in masks:  # one mask per kind of layer, built on the device
                 visible = in_context | (in_block & (cols <= query) if layer.causal else in_block)
                 if layer.sliding_window is not None:
                     visible = visible & (query - cols < layer.sliding_window)
                 masks[key] = visible[None, None]
-            q, k, v = self._pre(layer, x, cos, sin)
+            q, k, v = self._pre(layer, w.qkv, w.qkv_bias, x, cos, sin)
             self.k[i].index_copy_(1, positions, k[0])
             self.v[i].index_copy_(1, positions, v[0])
             attn = layer.self_attn
             out = F.scaled_dot_product_attention(q, self.k[i, :, :span][None], self.v[i, :, :span][None],
                                                  attn_mask=masks[key], enable_gqa=attn.heads != attn.kv_heads)
-            x = self._post(layer, x, out)
+            x = self._post(layer, w.gate_up, x, out)
         logits, confidence, choice = self._head(d, x)
         self.confidence.copy_(confidence)
         if d.draft_vocab is not None:
@@ -228,25 +232,51 @@ def _context(drafter, feats):
     return drafter.hidden_norm(drafter.fc(feats))[None]
 
 
-def _context_kv(layer, context, cos, sin):
-    """One layer's context keys (normed, rotated) and values."""
-    return layer.self_attn.keys_values(context, cos, sin)
+def _context_kv(layer, w_kv, b_kv, context, cos, sin):
+    """One layer's context keys (normed, rotated) and values, through the fused k/v rows."""
+    return _keys_values(layer.self_attn, F.linear(context, w_kv, b_kv), cos, sin)
 
 
-def _layer_pre(layer, x, cos, sin):
-    """Pre-norm, q/k/v projections, q/k norms and RoPE of one drafter layer for the block x [1, B, hidden]."""
+def _keys_values(attn, kv, cos, sin):
+    """DraftAttention.keys_values after its projection: kv [1, n, 2 * kv heads * D] -> k (normed, rotated), v, each
+    [1, kv heads, n, D]."""
+    n = kv.shape[1]
+    k, v = kv.view(1, n, 2, attn.kv_heads, attn.head_dim).unbind(2)
+    return rope(attn.k_norm(k).transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+
+def _layer_pre(layer, w_qkv, b_qkv, x, cos, sin):
+    """Pre-norm, the fused q/k/v projection, q/k norms and RoPE of one drafter layer for the block x [1, B, hidden]."""
     attn, h = layer.self_attn, layer.input_layernorm(x)
     n = h.shape[1]
-    q = attn.q_norm(attn.q_proj(h).view(1, n, attn.heads, attn.head_dim)).transpose(1, 2)
-    k, v = attn.keys_values(h, cos, sin)
+    q, kv = F.linear(h, w_qkv, b_qkv).split([attn.heads * attn.head_dim, 2 * attn.kv_heads * attn.head_dim], -1)
+    q = attn.q_norm(q.view(1, n, attn.heads, attn.head_dim)).transpose(1, 2)
+    k, v = _keys_values(attn, kv, cos, sin)
     return rope(q, cos, sin), k, v
 
 
-def _layer_post(layer, x, attn_out):
-    """Output projection + residual, then the MLP + residual."""
+def _layer_post(layer, w_gate_up, x, attn_out):
+    """Output projection + residual, then the MLP (its gate and up projections fused) + residual."""
     n = x.shape[1]
     x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(1, n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    mlp = layer.mlp
+    gate, up = F.linear(layer.post_attention_layernorm(x), w_gate_up).chunk(2, dim=-1)
+    return x + mlp.down_proj(mlp.act(gate) * up)
+
+
+class FusedProjections:
+    """One drafter layer's fused weight rows: [q; k; v] (kv: its k/v rows, a view) and [gate; up]."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.qkv = fuse_rows(parts, "weight")
+        self.qkv_bias = fuse_rows(parts, "bias") if attn.q_proj.bias is not None else None
+        q_rows = attn.q_proj.weight.shape[0]
+        self.kv = self.qkv[q_rows:]
+        self.kv_bias = self.qkv_bias[q_rows:] if self.qkv_bias is not None else None
+        self.gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj], "weight")
+
 
 
 def _head(drafter, x):
