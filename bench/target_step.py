@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend.bench.report import cpu_model  # noqa: E402
+from backend.bench.routing import install_routing_trace  # noqa: E402
 from backend.models import load_fast  # noqa: E402
 from backend.models.llama import Llama  # noqa: E402
 from backend.models.qwen3_5_moe import Qwen35Moe, SparseMoE  # noqa: E402
 from kernels.gemv import GEMV_TILES  # noqa: E402
-from kernels.moe_reference import rms_norm_scaled  # noqa: E402
 from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES  # noqa: E402
 
 TAU_SEED = 4.9  # tokens committed per cycle with z-lab's drafter (the seed)
@@ -239,29 +239,6 @@ def record_distinct_experts(fast, fn) -> list[int]:
             else:
                 moe.route = original  # an override installed before (a routing trace)
     return seen
-
-
-def install_routing_trace(fast, hot: int, seed: int = 0) -> None:
-    """Replace routing with a fixed synthetic trace: per layer, the block's tokens pick their top-k experts among a hot
-    set of `hot` experts (uniformly, distinct per token), with random softmax weights. Token t of any block of T <= 16
-    uses row t, so graphs capture it like real routing. Longer prefill pieces keep the model's own routing."""
-    g = torch.Generator().manual_seed(seed)
-    for moe in (mod for mod in fast.model.modules() if isinstance(mod, SparseMoE)):
-        experts, k = moe.gate_up.shape[0], moe.top_k
-        hot_set = torch.randperm(experts, generator=g)[:hot]
-        ids = torch.stack([hot_set[torch.randperm(hot, generator=g)[:k]] for _ in range(fast.max_block)])
-        weights = torch.softmax(torch.randn(fast.max_block, k, generator=g), -1)
-        ids, weights = ids.to(fast.device), weights.to(fast.device, fast.dtype)
-        real = moe.route  # prefill pieces longer than a block keep the model's routing
-
-        def replay(h, rms_norm=None, normed_out=None, _ids=ids, _w=weights, _real=real):
-            if h.shape[0] > _ids.shape[0]:
-                return _real(h, rms_norm=rms_norm, normed_out=normed_out)
-            if rms_norm is not None:  # the experts still need the normed rows that real routing would write
-                normed_out.copy_(rms_norm_scaled(h, *rms_norm))
-            return _w[: h.shape[0]], _ids[: h.shape[0]]
-        moe.route = replay
-    fast.drop_graphs()
 
 
 # ---- measurements ----------------------------------------------------------------------------------------------------
@@ -532,7 +509,8 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
         trace_run = measure_fast(fast, prompt, block, args.reps, device)
         trace_bytes = step_bytes(fast, 16, args.prompt, traced)
         record["routing_trace"] = {
-            "what": f"synthetic: per layer, tokens pick top-k among a hot set of {args.hot_experts} experts",
+            "what": f"synthetic (backend/bench/routing.py): per layer, each position takes top-k among a hot set "
+                    f"of {args.hot_experts} experts",
             "distinct_experts_16": statistics.mean(traced), "T_verify16_ms": trace_run["T_verify16_ms"],
             "T_t_ms": trace_run["T_t_ms"], "T_verify16_floor_ms": trace_bytes["total"] / bandwidth * 1e3}
     for name, verify_ms in [("ours", record["T_verify16_ms"])] + (

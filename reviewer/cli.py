@@ -225,6 +225,7 @@ def bench(
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the results as JSON here.")] = None,
     adaptive: Annotated[str, typer.Option(help="Adaptive verify length: off, on or both.")] = "both",
     forced_tau: Annotated[str, typer.Option(help="GPU only: also time the cycle under forced acceptance at these tau (comma-separated, e.g. 4.9,6.4,8.1): drafts replaced by plain decoding's own tokens; for random weights, labelled forced in the record.")] = "",
+    routing_trace: Annotated[int, typer.Option(metavar="HOT", help="MoE targets with random weights (which route uniformly): route by a synthetic trace instead, each layer's top-k among HOT experts per position (50 gives ~47 distinct experts per 16 positions, a real router's locality); labelled in the record; transformers' generate is skipped.")] = 0,
 ) -> None:
     """Measure decoding speed: plain vs speculative side by side (tau, acceptance per position, T_d, T_t, host time
     per cycle, L_target, eta predicted and measured, identical-output count)."""
@@ -233,7 +234,8 @@ def bench(
     except ImportError as e:
         raise fail(f"the backend is not installed or incomplete ({e}); install it with: pip install 'reviewer[backend]'") from None
     raise typer.Exit(bench_main(model=model, drafter=drafter, device=device, prompts=prompts, max_tokens=max_tokens,
-                                json_out=json_out, adaptive=adaptive, forced_tau=forced_tau) or 0)
+                                json_out=json_out, adaptive=adaptive, forced_tau=forced_tau,
+                                routing_trace=routing_trace, compare_hf=not routing_trace) or 0)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

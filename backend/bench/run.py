@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from backend.bench.report import compare, format_table, machine_info, numerics, summary
+from backend.bench.routing import ExpertCounter, install_routing_trace, trace_distinct_experts
 from backend.bench.shapes import RELEASED_DRAFTER, SHAPE_MODELS, released_shape_drafter, shape_model
 from backend.chat import stop_token_ids
 from backend.decoding.device_cycle import ForcedAcceptance
@@ -130,51 +131,6 @@ def make_drafter(spec: str, model, name: str, block_size: int | None):
 # ---- measurement --------------------------------------------------------------------------------------------------
 
 
-class ExpertCounter:
-    """Counts the distinct routed experts each MoE layer wakes per forward, split by tokens in the forward: through
-    forward hooks on transformers' routers, and (watch(engine)) on the fast path's SparseMoE.route."""
-
-    def __init__(self, model):
-        self.by_size: dict[int, list[int]] = {}
-        self.num_experts = None
-        self.handles = []
-        for module in model.modules():
-            if type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k"):
-                self.num_experts = getattr(module, "num_experts", None)
-                self.handles.append(module.register_forward_hook(self._hook))
-
-    def _hook(self, module, args, output):
-        self._count(output[-1])
-
-    def _count(self, indices: torch.Tensor) -> None:
-        self.by_size.setdefault(indices.shape[0], []).append(int(indices.unique().numel()))
-
-    def watch(self, engine) -> None:
-        """Also count the MoE layers of an engine on the fast path (its own model instance). Not under CUDA graphs:
-        counting reads the ids on the host, which a capture forbids, and a replay would not run it anyway."""
-        if not engine.fast or engine.target.fast.cuda_graphs:
-            return
-        for layer in engine.target.fast.model.layers:
-            moe = getattr(layer, "moe", None)
-            if moe is not None:
-                moe.route = self._counting(moe.route)  # an instance attribute: this engine's model only
-
-    def _counting(self, route):
-        def counted(h, **kw):
-            weights, ids = route(h, **kw)
-            self._count(ids)
-            return weights, ids
-        return counted
-
-    def mean(self, tokens: int) -> float | None:
-        seen = self.by_size.get(tokens)
-        return sum(seen) / len(seen) if seen else None
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-
-
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -267,12 +223,13 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
 def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
               max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
               adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
-              command: str | None = None, forced_tau: tuple[float, ...] = ()) -> dict:
+              command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0) -> dict:
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
     drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
     threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
     forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
-    random weights accept nothing; labelled "forced" in the record)."""
+    random weights accept nothing; labelled "forced" in the record). routing_trace: MoE targets, route every fast-path
+    engine by backend/bench/routing.py's synthetic trace over this many hot experts (labelled in the record)."""
     if threads:
         torch.set_num_threads(threads)
     if device == "auto":
@@ -284,6 +241,9 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     forced_tau = parse_taus(forced_tau)
     if forced_tau and torch.device(device).type != "cuda":
         raise BenchError("--forced-tau times the GPU's device cycle: use --device cuda")
+    if routing_trace and compare_hf:
+        raise BenchError("--routing-trace replaces the fast path's routing, which transformers' generate cannot "
+                         "follow: add --no-hf")
     target, tokenizer, name, max_context = load_target(model, device)
     draft_model, drafter_desc = make_drafter(drafter, target, name, block_size)
     vocab = target.get_input_embeddings().weight.shape[0]
@@ -307,13 +267,27 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
               "drafter": {"spec": drafter, "source": drafter_desc},
               "prompts": prompts, "max_tokens": max_tokens, "runs": {}}
     runs = result["runs"]
+    tables = None
+
+    def engine_for(**kw) -> Engine:
+        """An engine over the target, routed by the trace when there is one."""
+        nonlocal tables
+        engine = Engine(target, max_context=max_context, **kw)
+        if routing_trace:
+            if not engine.fast:
+                raise BenchError("--routing-trace needs the fast path (an MoE target it covers)")
+            try:
+                tables = install_routing_trace(engine.target.fast, routing_trace)
+            except ValueError as exc:
+                raise BenchError(f"--routing-trace: {exc}") from None
+        return engine
     if compare_hf:
         run_hf_generate(target, warm, 4, stops, device)
         runs["hf_generate"] = run_hf_generate(target, prompt_ids, max_tokens, stops, device)
     # the reference speculative output must equal: plain decoding in the speculative engine's numerics (on the CPU
     # exact mode; on CUDA the fast model's invariant verify path: Engine's defaults with a drafter)
     cuda = torch.device(device).type == "cuda"
-    plain = Engine(target, max_context=max_context, exact=not cuda, invariant_verify=cuda and draft_model is not None)
+    plain = engine_for(exact=not cuda, invariant_verify=cuda and draft_model is not None)
     result["engine"] = {"path": "fast" if plain.fast else "transformers",
                         "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
     run_engine(plain, warm, warm_tokens, stops)
@@ -323,7 +297,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
         # those numerics cost plain decoding (exact mode pads every step to a 16-token block; the invariant path
         # gives up the one-token kernels); a plain engine without a drafter uses neither, so speed ratios use the
         # faster of the two plain runs
-        default = Engine(target, max_context=max_context, exact=False, invariant_verify=False)
+        default = engine_for(exact=False, invariant_verify=False)
         run_engine(default, warm, warm_tokens, stops)
         runs["plain_default"] = run_engine(default, prompt_ids, max_tokens, stops)
         runs["plain_default"]["identical_to_plain"] = runs["plain_default"]["outputs"] == runs["plain"]["outputs"]
@@ -344,7 +318,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
         counter = ExpertCounter(target)
         for adaptive_on in modes:
             key = "speculative_adaptive" if adaptive_on else "speculative"
-            engine = Engine(target, drafter=draft_model, max_context=max_context, adaptive_verify=adaptive_on)
+            engine = engine_for(drafter=draft_model, adaptive_verify=adaptive_on)
             counter.watch(engine)
             run_engine(engine, warm, warm_tokens, stops)
             counter.by_size.clear()
@@ -360,7 +334,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
                                           "verify_block_tokens": full, "decode_step": None}
         if counter.handles:  # a plain decode step, for comparison (one token: no exact-mode padding)
             counter.by_size.clear()
-            single = Engine(target, max_context=max_context, exact=False)
+            single = engine_for(exact=False)
             counter.watch(single)
             run_engine(single, prompt_ids[:1], 8, stops)
             for key in ("speculative", "speculative_adaptive"):
@@ -368,7 +342,7 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
                     runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
         counter.close()
         for tau in forced_tau:  # the real cycle at a real tau: drafts replaced by plain decoding's own tokens
-            engine = Engine(target, drafter=draft_model, max_context=max_context)
+            engine = engine_for(drafter=draft_model)
             reference = runs["plain"]["outputs"]
             force = lambda i, tau=tau: ForcedAcceptance(reference[i], tau, vocab, engine.device, seed=i)  # noqa: E731
             run_engine(engine, warm, warm_tokens, stops, force)
@@ -379,6 +353,11 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
             if r.get("cycles"):
                 r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
                 r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+    if tables is not None:
+        result["routing_trace"] = {
+            "what": "synthetic (backend/bench/routing.py): per MoE layer, each position takes its top-k among a hot "
+                    f"set of {routing_trace} experts, alike in decode steps and verifies (a forced condition)",
+            "hot_experts": routing_trace, "distinct_experts_per_16_positions": trace_distinct_experts(tables)}
     result["summary"] = {key: summary(r, result["L_target_ms"], baseline) for key, r in runs.items()
                          if r.get("cycles")}
     if compare_hf:
@@ -408,12 +387,15 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--routing-trace", type=int, default=0, metavar="HOT",
+                    help="MoE targets (random weights route uniformly): route by a synthetic trace, each layer's "
+                    "top-k among HOT experts (50: ~47 distinct per 16 positions, like a real router); needs --no-hf")
     ap.add_argument("--forced-tau", default="", help="comma-separated tau values: also time speculative runs with "
                     "forced acceptance (random weights; labelled forced in the record), e.g. 4.9,6.4,8.1")
     a = ap.parse_args(argv)
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
-         forced_tau=a.forced_tau,
+         forced_tau=a.forced_tau, routing_trace=a.routing_trace,
          command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 

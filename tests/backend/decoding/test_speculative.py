@@ -291,6 +291,54 @@ def test_bench_reports_the_seed_table(tmp_path, capsys):
     assert main(model="no-such-model", drafter="none", device="cpu", prompts=1, max_tokens=2) == 2
 
 
+def test_bench_routing_trace_routes_by_position_among_the_hot_experts(tmp_path, capsys):
+    """--routing-trace: every fast-path engine routes each layer's tokens among HOT experts, by position, so a
+    verify block wakes at most HOT experts per layer and speculative output still equals plain decoding."""
+    from backend.bench.run import main
+    from backend.bench.routing import PERIOD, install_routing_trace, trace_distinct_experts
+    from backend.models import load_fast
+
+    out = tmp_path / "trace.json"
+    assert main(model="tiny-moe", drafter="random", device="cpu", prompts=2, max_tokens=12, json_out=out,
+                block_size=8, threads=1, compare_hf=False, routing_trace=4) == 0
+    res = json.loads(out.read_text())
+    spec_run = res["runs"]["speculative"]
+    assert spec_run["identical_to_plain"] and spec_run["cycles"] > 0
+    assert spec_run["experts_per_layer"]["verify_block"] <= 4 and spec_run["experts_per_layer"]["decode_step"] == 2
+    assert res["routing_trace"]["hot_experts"] == 4 and 2 < res["routing_trace"]["distinct_experts_per_16_positions"] <= 4
+    # a position routes alike in a decode step and inside a verify block
+    fast = load_fast(tiny_qwen35_moe(), max_context=64)
+    tables = install_routing_trace(fast, hot=6)
+    assert all(t.shape == (PERIOD, 2) and t.unique().numel() == 6 for t in tables)  # each layer: its 6 hot experts
+    seen = []
+    moe = [m for m in fast.model.modules() if type(m).__name__ == "SparseMoE"][0]
+    traced = moe.route
+
+    def recording(h, **kw):
+        weights, ids = traced(h, **kw)
+        seen.append(ids)
+        return weights, ids
+    moe.route = recording
+    fast.prefill(list(range(1, 10)))
+    fast.decode(3)  # position 9
+    fast.verify([3, 4, 5, 6])  # positions 10..13
+    fast.accept(1)  # keeps position 10
+    fast.decode(4)  # position 11 again, now as a decode step
+    assert torch.equal(seen[-1][0], seen[-2][1]) and torch.equal(seen[-1][0], tables[0][11])
+    assert not torch.equal(seen[-2][0], seen[-2][1]) or not torch.equal(seen[-2][1], seen[-2][2])
+    assert trace_distinct_experts(tables, 1) == 2
+    capsys.readouterr()
+    # user mistakes: one line, exit code 2
+    assert main(model="tiny-moe", drafter="random", device="cpu", prompts=1, max_tokens=4, routing_trace=4) == 2
+    assert "--no-hf" in capsys.readouterr().err
+    assert main(model="tiny-moe", drafter="random", device="cpu", prompts=1, max_tokens=4, compare_hf=False,
+                routing_trace=1) == 2
+    assert "hot set" in capsys.readouterr().err
+    assert main(model="tiny-llama", drafter="random", device="cpu", prompts=1, max_tokens=4, compare_hf=False,
+                routing_trace=4) == 2
+    assert "MoE" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("exact", [False, True], ids=["graphs", "graphs_exact"])
 @pytest.mark.parametrize("make_model", [tiny_qwen35_moe, tiny_llama], ids=["qwen35_moe_hybrid", "llama"])
