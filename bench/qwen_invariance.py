@@ -178,7 +178,7 @@ def main() -> None:
     kc2, vc2 = kc.clone(), vc.clone()
     qb, kb, vb = bf(c.num_heads, T, c.head_dim), bf(c.num_kv_heads, T, c.head_dim), bf(c.num_kv_heads, T, c.head_dim)
     blk_pos = torch.arange(start, start + T, device="cuda")
-    block_att = block_attention(qb, kb, vb, kc, vc, blk_pos[:1], 128, positions=blk_pos, use_triton=True)
+    block_att = block_attention(qb, kb, vb, kc, vc, blk_pos[:1], 128, use_triton=True)
     steps = []
     for t in range(T):
         p1 = blk_pos[t:t + 1]

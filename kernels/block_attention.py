@@ -16,7 +16,8 @@ query heads sharing its key head (grouped-query attention reads each key once), 
 the projection instead of a round trip through the cache, and the span is read from device memory, so the cached
 columns past the length are never touched.
 
-Launches: grid (kv heads, column slices + 1, row chunks) computes partial softmax sums, one slice of cached columns
+Launches: for a block (T > 1) a small kernel first writes its keys and values to the cache; then grid (kv heads,
+column slices + 1, row chunks) computes partial softmax sums, one slice of cached columns
 per program and one program for the block's own tokens (which also writes them to the cache); a second small kernel
 combines them, one program per query row and column slice, over a tile of fixed size. Slices sit at fixed column
 offsets, so a position's result does not depend on the span (a CUDA graph's rounded span and an eager call's exact
@@ -114,6 +115,19 @@ if triton is not None:
         tl.store(pm_ptr + row, m_i)
         tl.store(pl_ptr + row, l_i)
 
+    @triton.jit
+    def _write_block_kernel(kn_ptr, vn_ptr, kc_ptr, vc_ptr, start_ptr, skn_h, skn_t, svn_h, svn_t, skc_h, skc_n,
+                            svc_h, svc_n, D: tl.constexpr):
+        """A block's keys and values into the cache, one (key head, token) per program: one launch for both (two
+        index_copy_ were two), ahead of _partial_kernel, whose slices read the earlier block tokens as cached
+        columns."""
+        h = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1).to(tl.int64)
+        col = tl.load(start_ptr).to(tl.int64) + t
+        d = tl.arange(0, D)
+        tl.store(kc_ptr + h * skc_h + col * skc_n + d, tl.load(kn_ptr + h * skn_h + t * skn_t + d))
+        tl.store(vc_ptr + h * svc_h + col * svc_n + d, tl.load(vn_ptr + h * svn_h + t * svn_t + d))
+
     @triton.jit(do_not_specialize=["T"])
     def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, T, so_t,
                         GROUP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -172,11 +186,10 @@ def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | 
     return out[0].transpose(0, 1).reshape(T, H * D)
 
 
-def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, positions=None,
-                    use_triton: bool | None = None, out: torch.Tensor | None = None):
-    """See the module docstring. span >= start + T (a host number; the caller's attention span). positions: the
-    block's positions as a device tensor (start, start + 1, ...) if the caller has them (saves two launches).
-    out: a [T, H * D] tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one."""
+def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_triton: bool | None = None,
+                    out: torch.Tensor | None = None):
+    """See the module docstring. span >= start + T (a host number; the caller's attention span). out: a [T, H * D]
+    tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one."""
     if use_triton is None:
         use_triton = triton_usable(q)
     if not use_triton:
@@ -201,9 +214,9 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, posi
     block_m = BLOCK_ROWS
     n_chunks = math.ceil(rows / block_m)
     if T > 1:  # the block's keys and values go to the cache first: later block rows read them as cached columns
-        pos = positions if positions is not None else start.reshape(1).long() + torch.arange(T, device=q.device)
-        k_cache.index_copy_(1, pos[:T], k_new)
-        v_cache.index_copy_(1, pos[:T], v_new)
+        _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
+                                      v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                      v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1)
     if out is None:
         out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
     elif out.shape != (T, H * D) or out.dtype != q.dtype or out.stride(-1) != 1:

@@ -102,8 +102,7 @@ def cached_attention(kv: KVCache, layer: int, q, k, v, positions, kv_len: int, m
     when the forward chose it (mask None; positions are consecutive, as FastModel makes them), else index_copy_ + SDPA
     over the first kv_len columns with `mask`. Returns [T, Hq * D]."""
     if mask is None:
-        return block_attention(q, k, v, kv.k[layer], kv.v[layer], positions[:1], kv_len, positions=positions,
-                               use_triton=True)
+        return block_attention(q, k, v, kv.k[layer], kv.v[layer], positions[:1], kv_len, use_triton=True)
     k_all, v_all = kv.write(layer, positions, k, v, kv_len)
     return attention(q, k_all, v_all, mask)
 
@@ -291,7 +290,7 @@ class Llama(nn.Module):
                 feats[i - 1] = x[:T]
             attn = x.new_empty(ROW_KERNEL_ROWS, c.num_heads * c.head_dim)
             block_attention(q[:, :T], k[:, :T], v[:, :T], self.kv.k[i], self.kv.v[i], positions[:1], kv_len,
-                            positions=positions, use_triton=True, out=attn[:T])
+                            use_triton=True, out=attn[:T])
             x, y = attn_out_mlp(x, attn, layer.wo, layer.bo, layer.mlp_norm, layer.w_gate_up, layer.b_gate_up,
                                 layer.w_down, layer.b_down, eps)
         x = glue(final_norm, compiled)(x, y, self.norm, eps)

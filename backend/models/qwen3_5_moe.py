@@ -186,7 +186,7 @@ class GatedAttention(nn.Module):
                                                       c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
         attn = x.new_empty(x.shape[0], c.num_heads * c.head_dim)
         block_attention(q[:, :T], k[:, :T], v[:, :T], model.kv.k[self.slot], model.kv.v[self.slot], positions[:1],
-                        kv_len, positions=positions, use_triton=True, out=attn[:T])
+                        kv_len, use_triton=True, out=attn[:T])
         return glue(attention_out, compiled)(attn, gate, self.wo)
 
 
