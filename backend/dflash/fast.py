@@ -278,7 +278,6 @@ class FusedProjections:
         self.gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj], "weight")
 
 
-
 def _head(drafter, x):
     """The drafted positions only (15 rows of the head, in the model dtype), their argmax and the drafter's
     probability of it, exp(max - logsumexp) in fp32."""
