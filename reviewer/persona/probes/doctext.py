@@ -31,6 +31,7 @@ class Block:
     line: int  # first line of the block's content, 1-based
     lang: str
     text: str  # dedented content
+    setup: bool = False  # Sphinx `.. testsetup::`: code the file's doctests run after, never shown to the reader
 
     @property
     def is_python(self) -> bool:
@@ -110,7 +111,7 @@ def rst_blocks(rel: str, lines: list[str]) -> list[Block]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        directive = re.match(r"^(\s*)\.\. (code-block|code|sourcecode|doctest|testcode)::\s*(\S*)", line)
+        directive = re.match(r"^(\s*)\.\. (code-block|code|sourcecode|doctest|testcode|testsetup)::\s*(\S*)", line)
         literal = not directive and line.rstrip().endswith("::") and not line.lstrip().startswith("..")
         doctest_para = line.lstrip().startswith(">>> ") and (i == 0 or not lines[i - 1].strip())
         if not (directive or literal or doctest_para):
@@ -124,8 +125,12 @@ def rst_blocks(rel: str, lines: list[str]) -> list[Block]:
             out.append(Block(rel, i + 1, "python", dedent(lines[i:j])))
             i = j
             continue
-        lang = (directive.group(3) or ("python" if directive.group(2) in ("doctest", "testcode") else "")).lower() \
-            if directive else ""
+        setup = bool(directive) and directive.group(2) == "testsetup"
+        if setup:
+            lang = "python"  # its argument names doctest groups, not a language
+        else:
+            lang = (directive.group(3) or ("python" if directive.group(2) in ("doctest", "testcode") else "")).lower() \
+                if directive else ""
         j = i + 1
         while j < len(lines) and re.match(r"^\s+:[\w-]+:", lines[j]):  # directive options
             j += 1
@@ -135,7 +140,7 @@ def rst_blocks(rel: str, lines: list[str]) -> list[Block]:
         body = lines[start:j]
         if any(ln.strip() for ln in body):
             first = next(k for k, ln in enumerate(body) if ln.strip())
-            out.append(Block(rel, start + first + 1, lang, dedent(body)))
+            out.append(Block(rel, start + first + 1, lang, dedent(body), setup=setup))
         i = j
     return out
 

@@ -294,8 +294,7 @@ def run_examples_script(tmp_path: Path, package_files: dict[str, str], doc: str,
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     (tmp_path / name).write_text(doc)
-    blocks = [{"file": b.file, "line": b.line, "doctest": b.is_doctest, "text": b.text}
-              for b in doctext.all_blocks(tmp_path) if b.is_python]
+    blocks = [docs_claims.block_data(b) for b in doctext.all_blocks(tmp_path) if b.is_python]
     code = docs_claims.examples_script(blocks, "pkg")
     done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=60)
@@ -367,6 +366,66 @@ half(3)        # 1.4
                      (9, "error", "ImportError: cannot import name 'missing' from 'pkg' (" + str(tmp_path)
                       + "/pkg/__init__.py)"),
                      (10, "error", "TypeError: unsupported operand type(s) for /: 'str' and 'int'")]
+
+
+def test_docs_examples_after_a_step_the_reader_must_supply_are_not_judged(tmp_path):
+    """What real projects' docs do (cachetools, semver, humanize): an example that cannot run here (a name from a
+    Sphinx testsetup block or a conftest, a translation file the build makes) leaves the examples that build on it
+    without their state; those are not findings. Sphinx testsetup code runs first, so what needs only it is checked."""
+    doc = """Title
+=====
+
+.. testsetup:: *
+
+   from pkg import half
+
+.. doctest::
+
+   >>> cache = {}
+   >>> @memo(cache)
+   ... def f(n):
+   ...     return n
+   >>> f(2)
+   2
+   >>> sorted(cache)
+   [2]
+   >>> half(4)
+   2.0
+   >>> half(6)
+   4.0
+
+.. code-block:: python
+
+   >>> ver = Version.parse("1.2.3")
+   >>> ver[3]
+   Traceback (most recent call last):
+   ...
+   IndexError: Version part undefined
+   >>> _t = open("locale/ru.mo")
+   >>> half(1)
+   0.5
+   >>> print(ver)
+   1.2.3
+"""
+    code, got = run_examples_script(tmp_path, PKG, doc, name="README.rst")
+    kinds = [(o["line"], o["kind"]) for o in got["outcomes"]]
+    assert code == 1, got
+    # the one finding: half(6) is 3.0, and half came from the testsetup block
+    assert [k for k in kinds if k[1] != "skipped"] == [(20, "mismatch")], got
+    # skipped: the decorator nobody defined, what builds on it, the parse that needs a conftest's name and what
+    # uses its result, the missing file; half(1) after it does not use what the file would have given: checked
+    assert kinds == [(11, "skipped"), (14, "skipped"), (16, "skipped"), (20, "mismatch"), (25, "skipped"),
+                     (26, "skipped"), (30, "skipped"), (33, "skipped")] and got["checked"] == 11
+
+
+def test_a_documented_command_that_fails_as_the_docs_show_is_not_a_finding():
+    fails = "sh -c 'echo ERROR 1.5 is not valid >&2; exit 2'"
+    spec = {"text": fails, "argv": ["sh", "-c", "x"], "prefix": 1, "expected": "ERROR 1.5 is not valid"}
+    assert docs_claims.check_command(spec, ["run"], 10) == []
+    other = dict(spec, expected="2.0.0")
+    assert [p["what"] for p in docs_claims.check_command(other, ["run"], 10)] == ["exit code 2"]
+    silent = dict(spec, expected=None)
+    assert [p["what"] for p in docs_claims.check_command(silent, ["run"], 10)] == ["exit code 2"]
 
 
 def test_documented_commands_are_the_lines_that_run_the_project(tmp_path):
