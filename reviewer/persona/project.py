@@ -20,7 +20,16 @@ class SmokeTimeout(Exception):
 
 
 def python_metadata(root: Path) -> tuple[str | None, list[str]]:
-    """(distribution name, optional-dependency groups) from pyproject.toml or setup.cfg, where they say."""
+    """(distribution name, optional-dependency groups) from pyproject.toml or setup.cfg, where they say; a name that
+    only setup.py gives (`setup(name='toolz', ...)`) is read from its text."""
+    name, extras = declared_metadata(root)
+    if name is None and (root / "setup.py").is_file():
+        m = re.search(r"""\bname\s*=\s*['"]([A-Za-z0-9][\w.-]*)['"]""", (root / "setup.py").read_text(errors="replace"))
+        name = m.group(1) if m else None
+    return name, extras
+
+
+def declared_metadata(root: Path) -> tuple[str | None, list[str]]:
     pyproject = root / "pyproject.toml"
     if pyproject.is_file():
         try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from reviewer import stats
 from reviewer.persona.probes.suite import from_smoke, run_probes
 from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, python_metadata
+from reviewer.persona.testdeps import dependency_group, plugins_for_options, tox_test_deps
 from reviewer.sandbox.command import CommandResult
 from reviewer.sandbox.workspace import Workspace
 from reviewer.text import tail
@@ -295,9 +296,19 @@ def python_tests(smoke: Smoke) -> None:
             smoke.notes.append(f"pytest could not be installed: {pip_error(got.output)}")
             return
         smoke.notes.append("pytest was not installed by the project's test extras; installed it")
+    install_test_environment(smoke, root)
     command = "python -m pytest -q -rfE --color=no"
     result = smoke.sh("run the tests", command)
-    smoke.measure(name="test suite time", value=round(result.seconds, 3), unit="s", command=command)
+    plugins = plugins_for_options(result.output) if result.exit_code == 4 else []
+    if plugins:  # the project's pytest config names plugins its install does not bring: install them, run again
+        got = smoke.sh(f"install the pytest plugins the config needs ({', '.join(plugins)})",
+                       "python -m pip install " + " ".join(shlex.quote(x) for x in plugins))
+        if got.exit_code == 0:
+            smoke.notes.append(f"pytest's config needs {', '.join(plugins)}, which the install does not bring; "
+                               "installed")
+            result = smoke.sh("run the tests", command)
+    if result.exit_code in (0, 1) or result.timed_out:  # a suite that ran (not a usage or collection error)
+        smoke.measure(name="test suite time", value=round(result.seconds, 3), unit="s", command=command)
     if result.timed_out:
         smoke.finding(title="Test suite does not finish", severity="high", category="tests",
                       details=f"`{command}` was still running after {result.seconds:.0f} s and was killed.",
@@ -337,6 +348,21 @@ def python_tests(smoke: Smoke) -> None:
                   evidence=tail(evidence.strip(), EVIDENCE_CHARS) if len(evidence) > EVIDENCE_CHARS
                   else evidence.strip(), repro_command=repro, file=file, line=line)
     smoke.notes.append(f"tests: {counted} ({result.seconds:.1f} s)")
+
+
+def install_test_environment(smoke: Smoke, root: Path) -> None:
+    """What the project declares its tests need beyond its extras: a dependency group, tox.ini's test deps. A failure
+    is a note, not a finding: the project's own runner (uv, tox) may resolve them its own way."""
+    group = dependency_group(root)
+    if group:
+        got = smoke.sh(f"install the `{group}` dependency group", f"python -m pip install --group {group}")
+        smoke.notes.append(f"installed the `{group}` dependency group" if got.exit_code == 0 else
+                           f"`pip install --group {group}` failed: {pip_error(got.output)}")
+    deps = tox_test_deps(root)
+    if deps:
+        got = smoke.sh("install tox.ini's test deps", "python -m pip install " + " ".join(shlex.quote(d) for d in deps))
+        smoke.notes.append(f"installed tox.ini's test deps ({', '.join(deps)})" if got.exit_code == 0 else
+                           f"tox.ini's test deps did not install: {pip_error(got.output)}")
 
 
 # --- Other ecosystems: install, then the ecosystem's test command ----------------------------------------------------

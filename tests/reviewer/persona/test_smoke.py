@@ -111,6 +111,49 @@ def test_no_tests_is_a_finding(tmp_path):
     assert "install time" in measurements and "import time (untested)" in measurements
 
 
+@pytest.mark.parametrize("tox", [True, False], ids=["tox_deps", "from_the_error"])
+def test_pytest_plugins_the_config_needs_are_installed_not_reported(tmp_path, tox):
+    """A project whose pytest config names a plugin (addopts = --timeout=60) that only its tox.ini installs: smoke
+    installs what tox.ini's testenv lists, or, without one, the plugin that brings the option pytest rejected, so the
+    tests run (semver's --cov, seen on a real project, was a false 'pytest fails' finding before)."""
+    files = {
+        "pyproject.toml": '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
+                          '[project]\nname = "plugged"\nversion = "0.1"\n'
+                          '[tool.pytest.ini_options]\naddopts = "--timeout=60"\n',
+        "tox.ini": "[testenv]\ndeps =\n    pytest\n    pytest-timeout\n    py38: oldthing\n    -rrequirements.txt\n"
+                   "commands = pytest\n",
+        "plugged/__init__.py": "def one():\n    return 1\n",
+        "tests/test_one.py": "from plugged import one\n\n\ndef test_one():\n    assert one() == 1\n",
+    }
+    if not tox:
+        del files["tox.ini"]
+    result, findings, measurements, _, ws = smoke_review(make_repo(tmp_path / "plugged", files), tmp_path)
+    ws.remove()
+    assert findings == [] and "1 passed" in result.summary, (result.summary, [f.title for f in findings])
+    assert ("installed tox.ini's test deps (pytest, pytest-timeout)" if tox else
+            "pytest's config needs pytest-timeout, which the install does not bring; installed") in result.summary
+    assert "test suite time" in measurements
+
+
+def test_what_the_tests_need_beyond_the_install(tmp_path):
+    from reviewer.persona.project import python_metadata
+    from reviewer.persona.testdeps import dependency_group, plugins_for_options, tox_test_deps
+
+    (tmp_path / "tox.ini").write_text("[tox]\nenvlist = py3\n[testenv]\ndeps =\n    pytest>=7, <9\n    pytest-cov\n"
+                                      "    {[base]deps}\n    py37: mock\n    coverage[toml] # for reports\n")
+    assert tox_test_deps(tmp_path) == ["pytest>=7, <9", "pytest-cov", "coverage[toml]"]
+    out = ("ERROR: usage: python -m pytest [options]\npython -m pytest: error: unrecognized arguments: --no-cov-on-fail "
+           "--cov=semver --cov-report=term-missing -n 4 --frobnicate\n  inifile: setup.cfg")
+    assert plugins_for_options(out) == ["pytest-cov", "pytest-xdist"]  # unknown options are left alone
+    assert plugins_for_options("error: unrecognized arguments: --timeout=5 --numprocesses=2") == [
+        "pytest-timeout", "pytest-xdist"]
+    assert dependency_group(tmp_path) is None
+    (tmp_path / "pyproject.toml").write_text('[dependency-groups]\ndocs = ["sphinx"]\ndev = ["pytest"]\n')
+    assert dependency_group(tmp_path) == "dev"
+    (tmp_path / "setup.py").write_text("from setuptools import setup\nsetup(name='toolz', version='1.0')\n")
+    assert python_metadata(tmp_path)[0] == "toolz"  # pyproject names no project: setup.py's literal name
+
+
 def test_makefile_project(tmp_path):
     repo = make_repo(tmp_path / "made", {
         "Makefile": "all:\n\techo building\n\ncheck:\n\t@echo 'checking'; exit 2\n",

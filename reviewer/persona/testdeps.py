@@ -1,0 +1,59 @@
+"""What a project's tests need beyond its install, as the project declares it elsewhere: tox.ini's test deps, a PEP
+735 dependency group, the pytest plugins its pytest config names. Pure file and text work; smoke.py installs them."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import tomllib
+from pathlib import Path
+
+# pytest options that plugins bring, and the plugin: a project's pytest config (addopts) often names them while only
+# its tox.ini or CI installs the plugin; a fresh install that lacks it makes pytest stop before any test
+PYTEST_PLUGIN_OPTIONS = {"--cov": "pytest-cov", "--no-cov": "pytest-cov", "--no-cov-on-fail": "pytest-cov",
+                         "-n": "pytest-xdist", "--numprocesses": "pytest-xdist", "--dist": "pytest-xdist",
+                         "--timeout": "pytest-timeout", "--benchmark": "pytest-benchmark",
+                         "--reruns": "pytest-rerunfailures", "--mypy": "pytest-mypy",
+                         "--doctest-plus": "pytest-doctestplus", "--randomly-seed": "pytest-randomly",
+                         "--asyncio-mode": "pytest-asyncio", "--mpl": "pytest-mpl", "--snapshot-update": "syrupy"}
+TEST_GROUPS = ("test", "tests", "testing", "dev")  # PEP 735 dependency groups that hold what the tests need
+
+
+def tox_test_deps(root: Path) -> list[str]:
+    """The plain requirements of tox.ini's [testenv] deps (the test environment a project declares there), leaving
+    out factor-conditional lines, substitutions and pip options."""
+    path = root / "tox.ini"
+    if not path.is_file():
+        return []
+    cfg = configparser.ConfigParser(interpolation=None, strict=False)
+    try:
+        cfg.read_string(path.read_text(errors="replace"))
+    except configparser.Error:
+        return []
+    deps = []
+    for line in cfg.get("testenv", "deps", fallback="").splitlines():
+        line = line.split(" #")[0].strip()
+        if re.fullmatch(r"[A-Za-z0-9][\w.-]*(\[[\w,.-]+\])?\s*([<>=!~]=?\s*[\w.*+!-]+\s*,?\s*)*", line):
+            deps.append(line)
+    return deps
+
+
+def dependency_group(root: Path) -> str | None:
+    """A PEP 735 dependency group of pyproject.toml that holds the tests' needs (test, tests, testing, dev)."""
+    try:
+        groups = tomllib.loads((root / "pyproject.toml").read_text()).get("dependency-groups", {})
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return None
+    return next((g for g in TEST_GROUPS if g in groups), None) if isinstance(groups, dict) else None
+
+
+def plugins_for_options(output: str) -> list[str]:
+    """The plugins that bring the options pytest rejected ('unrecognized arguments: --cov=x ...'), as far as known."""
+    m = re.search(r"unrecognized arguments?: (.*)", output)
+    found = []
+    for arg in (m.group(1).split() if m else []):
+        flag = arg.split("=")[0]
+        plugin = next((p for opt, p in PYTEST_PLUGIN_OPTIONS.items() if flag == opt or flag.startswith(opt + "-")), None)
+        if plugin and plugin not in found:
+            found.append(plugin)
+    return found
