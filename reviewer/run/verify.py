@@ -7,8 +7,13 @@ command), so that "pytest is missing" never passes for "the tests fail". The rul
 
 - `verified = True`  when the repro command exits non-zero or times out: the problem reproduces;
 - `verified = False` when it exits 0: it does not;
-- `verified = None`  when no check could be made (no repro command, the workspace could not be made, or more than
-  MAX_PER_PERSONA findings of one persona were waiting).
+- `verified = None`  when no check could be made (no repro command, the workspace could not be made, more than
+  MAX_PER_PERSONA findings of one persona were waiting, or the repro failed for want of its own tools: the command
+  not found, `python -m X` without X, pytest rejecting options of a plugin it lacks).
+
+Besides the install, the fresh workspace gets what smoke gave the tests: pytest when the repro runs it, the project's
+declared test environment (reviewer/persona/testdeps.py: a dependency group, tox.ini's deps). Without them a repro
+that runs pytest failed with "No module named pytest", which counted as reproducing whatever the finding said.
 
 `verification` keeps what happened (setup and repro exit codes, seconds, the output's tail) so a reader can judge. A
 repro command that depends on files the persona made in its own workspace fails here for the wrong reason; the personas
@@ -17,10 +22,13 @@ are told to give commands that work on a fresh clone.
 
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Callable
 
 from sqlmodel import select
 
+from reviewer.persona.testdeps import dependency_group, tox_test_deps
 from reviewer.sandbox import isolation
 from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace
 from reviewer.store import db
@@ -89,18 +97,46 @@ def check(repro: str, target: Target, setup: str | None, settings, policy) -> tu
         return None, f"not checked: no fresh workspace ({e})"
     try:
         lines = []
-        if setup:
-            done = ws.run(setup, timeout=SETUP_TIMEOUT)
-            lines.append(f"setup `{setup}`: " + outcome(done))
+        for command in ([setup] if setup else []) + test_environment(ws.root, repro):
+            done = ws.run(command, timeout=SETUP_TIMEOUT)
+            lines.append(f"setup `{command}`: " + outcome(done))
         result = ws.run(repro, timeout=min(REPRO_TIMEOUT, command_timeout))
-        verified = result.timed_out or result.exit_code != 0
-        lines.append(f"repro `{repro}`: {outcome(result)} -> "
-                     + ("reproduces" if verified else "does not reproduce (exit code 0)"))
+        missing = None if result.timed_out else missing_tool(repro, result.exit_code, result.output)
+        verified = None if missing else result.timed_out or result.exit_code != 0
+        lines.append(f"repro `{repro}`: {outcome(result)} -> " + (
+            f"not checked: {missing}" if missing else "reproduces" if verified else
+            "does not reproduce (exit code 0)"))
         lines.append("--- output ---")
         lines.append(tail(result.output.strip(), OUTPUT_TAIL))
         return verified, "\n".join(lines)
     finally:
         ws.remove()
+
+
+def test_environment(root, repro: str) -> list[str]:
+    """Commands that give the fresh workspace what smoke gave the tests, for a repro that runs pytest."""
+    if "pytest" not in repro:
+        return []
+    commands = ["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"]
+    group = dependency_group(root)
+    if group:
+        commands.append(f"python -m pip install --group {group}")
+    deps = tox_test_deps(root)
+    if deps:
+        commands.append("python -m pip install " + " ".join(shlex.quote(d) for d in deps))
+    return commands
+
+
+def missing_tool(repro: str, exit_code: int, output: str) -> str | None:
+    """Why a repro failed for want of its own tools rather than the problem it shows, or None."""
+    if exit_code == 127:
+        return "the command was not found"
+    runner = re.match(r"\s*python[\d.]*\s+-m\s+([\w.]+)", repro)
+    if runner and re.search(rf"No module named '?{re.escape(runner.group(1))}'?\s*$", output, re.MULTILINE):
+        return f"no module {runner.group(1)} in the fresh workspace"
+    if exit_code == 4 and "pytest" in repro and re.search(r"unrecognized arguments?:", output):
+        return "pytest rejects options of a plugin the fresh workspace lacks"
+    return None
 
 
 def outcome(result) -> str:

@@ -144,6 +144,8 @@ def test_verification_sets_up_first_and_says_false_when_the_repro_passes(env):
         for run_id, title, repro in [(plain.id, "exits 0", "python -c 'import sys; sys.exit(0)'"),
                                      (plain.id, "no repro", None),
                                      (plain.id, "needs the install", "test -f installed.txt"),
+                                     (plain.id, "runner missing", "python -m no_such_runner -x tests"),
+                                     (plain.id, "command missing", "no-such-command --check"),
                                      (installed.id, "needs the install", "test -f installed.txt")]:
             s.add(db.Finding(run_id=run_id, persona="docs", title=title, severity="low", category="c",
                              repro_command=repro))
@@ -152,11 +154,16 @@ def test_verification_sets_up_first_and_says_false_when_the_repro_passes(env):
                              command="echo done > installed.txt"))
         s.commit()
         plain_id, installed_id = plain.id, installed.id
-    assert verify_findings(dbp, plain_id) == {"reproduced": 1, "not_reproduced": 1, "unchecked": 0}
+    # a repro that fails for want of its own tool says nothing about the finding: not checked, not "reproduces"
+    assert verify_findings(dbp, plain_id) == {"reproduced": 1, "not_reproduced": 1, "unchecked": 2}
     assert verify_findings(dbp, installed_id) == {"reproduced": 0, "not_reproduced": 1, "unchecked": 0}
     rows = {(run, t): (v, text) for run, t, v, text in query(dbp, "SELECT run_id, title, verified, verification FROM finding")}
     assert rows[(plain_id, "exits 0")][0] == 0 and "does not reproduce (exit code 0)" in rows[(plain_id, "exits 0")][1]
     assert rows[(plain_id, "no repro")] == (None, None)
+    assert rows[(plain_id, "runner missing")][0] is None and "not checked: no module no_such_runner" in rows[
+        (plain_id, "runner missing")][1]
+    assert rows[(plain_id, "command missing")][0] is None and "not checked: the command was not found" in rows[
+        (plain_id, "command missing")][1]
     verified, text = rows[(plain_id, "needs the install")]
     assert verified == 1 and "exit code 1" in text and "-> reproduces" in text  # no setup, no file: "reproduces"
     verified, text = rows[(installed_id, "needs the install")]
