@@ -5,7 +5,8 @@ and on a malformed file.
 A crash is an exception that says the code did not expect the input (thresholds.CRASHES: IndexError, KeyError,
 ZeroDivisionError, ...), or a traceback from a CLI. Not findings: ValueError and TypeError (how Python code rejects
 bad input); an exception the function's docstring, the docs or its tests name; an empty input where the docstring
-says non-empty, a zero or negative one where it says positive; a call that only hangs (abandoned after a limit); and
+says non-empty, a zero or negative one where it says positive; an IndexError on an empty sequence from a function
+whose docstring says it returns an element of it; a KeyError for the very key we passed; a call that only hangs (abandoned after a limit); and
 anything at all when the original call from the tests or docs fails in our hands (then our copy of it is wrong).
 """
 
@@ -18,8 +19,8 @@ from reviewer.persona.probes.callsites import Arg, CallSite
 from reviewer.persona.probes.docs_claims import PATHLIKE, run_cli, short
 from reviewer.persona.probes.runner import Probe, command, data, run, script
 from reviewer.persona.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, EDGE_CALL_LIMIT_S, EDGE_MAX_FUNCTIONS,
-                                                EDGE_SCRIPT_TIMEOUT, FIT_CONTRACT, NON_ASCII, NON_EMPTY_CONTRACT,
-                                                POSITIVE_CONTRACT)
+                                                EDGE_SCRIPT_TIMEOUT, ELEMENT_CONTRACT, FIT_CONTRACT, NON_ASCII,
+                                                NON_EMPTY_CONTRACT, POSITIVE_CONTRACT)
 from reviewer.persona.project import EVIDENCE_CHARS
 from reviewer.text import tail
 
@@ -112,6 +113,10 @@ for label, kind, build in CASES:
         if (kind == "empty" and (re.search(NON_EMPTY, doc) or (FIT and re.search(FIT, doc)))) or (
                 kind in ("zero", "negative") and re.search(POSITIVE, doc)):
             continue
+        if kind == "empty" and isinstance(e, IndexError) and re.search(ELEMENT, doc):
+            continue  # it returns an element, and an empty sequence has none
+        if isinstance(e, KeyError) and e.args and e.args[0] in ("", NON_ASCII):
+            continue  # it looked up the key we passed (`key=''`), which is not there: a lookup, not a crash
         lines = traceback.format_exception(type(e), e, e.__traceback__)
         crashes.append({"case": label, "kind": kind, "error": exception_line(e), "traceback": "".join(lines[-6:])[-2000:]})
 emit({"crashes": crashes, "where": where})
@@ -142,7 +147,8 @@ def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set
     lines = [f"TARGET = {site.target!r}", f"BASE = ({base})", f"CRASHES = {data(list(CRASHES))}",
              f"FIT = {(FIT_CONTRACT.pattern if multi else None)!r}",
              f"EXPECTED = {data(sorted(expected))}", f"DOC_TEXT = {data(doc_text)}", f"LIMIT = {EDGE_CALL_LIMIT_S!r}",
-             f"NON_EMPTY = {NON_EMPTY_CONTRACT.pattern!r}", f"POSITIVE = {POSITIVE_CONTRACT.pattern!r}", "CASES = ["]
+             f"NON_EMPTY = {NON_EMPTY_CONTRACT.pattern!r}", f"POSITIVE = {POSITIVE_CONTRACT.pattern!r}",
+             f"ELEMENT = {ELEMENT_CONTRACT.pattern!r}", f"NON_ASCII = {NON_ASCII!r}", "CASES = ["]
     lines += [f"    ({label!r}, {kind!r}, lambda: ({src}))," for label, kind, src in cases] + ["]"]
     return script("\n".join(lines) + "\n" + EDGE_BODY, prelude.emit, prelude.resolve, prelude.Overtime,
                   prelude.limit, prelude.quiet, prelude.consume, prelude.exception_line, imports=("re",))

@@ -58,6 +58,9 @@ NON_ASCII = "Ünïcödé ✓ 日本語"
 # of contract: whatever they raise is then the caller's problem, not a finding.
 NON_EMPTY_CONTRACT = re.compile(r"non-?empty|not be empty|must not be empty|at least one|cannot be empty", re.I)
 POSITIVE_CONTRACT = re.compile(r"positive|> ?0\b|>= ?1\b|non-?negative|greater than (zero|0)|at least 1\b", re.I)
+# A function that returns an element of its sequence ("The last element in a sequence", toolz.last; `nth`) has no
+# element to return from an empty one: its IndexError there is Python's own contract (as `[][0]`), not a crash.
+ELEMENT_CONTRACT = re.compile(r"\b(element|item|entry|member)s? (of|in|from)\b", re.I)
 # Several sequences that must fit together (matrices, parallel lists): emptying one of them breaks the fit, which the
 # caller must keep. They are emptied only all at once, and not at all where the docstring says they must fit.
 FIT_CONTRACT = re.compile(r"compatib|same length|equal length|lengths? must|must match|same size|same shape", re.I)

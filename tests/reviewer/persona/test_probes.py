@@ -533,6 +533,36 @@ def test_a_call_that_hangs_is_abandoned_and_not_reported(tmp_path):
     assert done.returncode == 0 and result_line(done.stdout)["crashes"] == [], done.stdout + done.stderr
 
 
+def test_an_element_getter_on_empty_input_and_a_missing_key_we_passed_are_not_crashes(tmp_path):
+    """Seen on toolz: `last('')` raising IndexError (its docstring: "The last element in a sequence") and
+    `topk(2, rows, key='')` raising KeyError('') are Python's contracts, not crashes; `gap([])`, with no such
+    docstring, still is."""
+    from reviewer.persona.probes import edge_inputs
+    from reviewer.persona.probes.runner import result_line
+
+    (tmp_path / "seqs").mkdir()
+    (tmp_path / "seqs" / "__init__.py").write_text(
+        'def last(seq):\n    """The last element in a sequence."""\n    return seq[-1]\n\n\n'
+        "def pick(rows, key):\n    return [r[key] for r in rows]\n\n\n"
+        "def gap(values):\n    return values[1] - values[0]\n")
+
+    def crashes(call, target):
+        tree = ast.parse(call, mode="eval").body
+        args = [callsites.classify(a) for a in tree.args]
+        kwargs = [(k.arg, callsites.classify(k.value)) for k in tree.keywords]
+        site = callsites.CallSite(target, "tests/test_x.py:1", call, args, kwargs, False)
+        cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(site)
+                 for src, shown in [edge_inputs.call_source(site, swaps)]]
+        done = subprocess.run([sys.executable, "-"], input=edge_inputs.edge_script(site, cases, set(), ""),
+                              capture_output=True, text=True, cwd=tmp_path,
+                              env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+        return [c["case"] for c in result_line(done.stdout)["crashes"]]
+
+    assert crashes("last('abc')", "seqs.last") == []
+    assert crashes("pick([{'a': 1}], key='a')", "seqs.pick") == []
+    assert crashes("gap([1, 4])", "seqs.gap") == ["gap([])"]
+
+
 def test_the_probes_stop_when_their_time_is_spent(tmp_path):
     import time
 
