@@ -26,7 +26,7 @@ from pathlib import Path
 from reviewer import stats
 from reviewer.persona.probes.suite import from_smoke, run_probes
 from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, python_metadata
-from reviewer.persona.testdeps import dependency_group, plugins_for_options, tox_test_deps
+from reviewer.persona.testdeps import declared_setup, plugins_for_options
 from reviewer.sandbox.command import CommandResult
 from reviewer.sandbox.workspace import Workspace
 from reviewer.text import tail
@@ -351,18 +351,12 @@ def python_tests(smoke: Smoke) -> None:
 
 
 def install_test_environment(smoke: Smoke, root: Path) -> None:
-    """What the project declares its tests need beyond its extras: a dependency group, tox.ini's test deps. A failure
-    is a note, not a finding: the project's own runner (uv, tox) may resolve them its own way."""
-    group = dependency_group(root)
-    if group:
-        got = smoke.sh(f"install the `{group}` dependency group", f"python -m pip install --group {group}")
-        smoke.notes.append(f"installed the `{group}` dependency group" if got.exit_code == 0 else
-                           f"`pip install --group {group}` failed: {pip_error(got.output)}")
-    deps = tox_test_deps(root)
-    if deps:
-        got = smoke.sh("install tox.ini's test deps", "python -m pip install " + " ".join(shlex.quote(d) for d in deps))
-        smoke.notes.append(f"installed tox.ini's test deps ({', '.join(deps)})" if got.exit_code == 0 else
-                           f"tox.ini's test deps did not install: {pip_error(got.output)}")
+    """testdeps.declared_setup, run. A failure is a note, not a finding: the project's own runner (uv, tox) may
+    resolve them its own way."""
+    for what, command in declared_setup(root):
+        got = smoke.sh(f"install {what}", command)
+        smoke.notes.append(f"installed {what}" if got.exit_code == 0 else
+                           f"{what} did not install: {pip_error(got.output)}")
 
 
 # --- Other ecosystems: install, then the ecosystem's test command ----------------------------------------------------

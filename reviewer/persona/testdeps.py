@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import configparser
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -57,3 +58,17 @@ def plugins_for_options(output: str) -> list[str]:
         if plugin and plugin not in found:
             found.append(plugin)
     return found
+
+
+def declared_setup(root: Path) -> list[tuple[str, str]]:
+    """(what, pip command) for what the project declares its tests need beyond its extras: a dependency group,
+    tox.ini's test deps. Smoke runs them before the tests; verification before a repro that runs pytest."""
+    steps = []
+    group = dependency_group(root)
+    if group:
+        steps.append((f"the `{group}` dependency group", f"python -m pip install --group {group}"))
+    deps = tox_test_deps(root)
+    if deps:
+        steps.append((f"tox.ini's test deps ({', '.join(deps)})",
+                      "python -m pip install " + " ".join(shlex.quote(d) for d in deps)))
+    return steps

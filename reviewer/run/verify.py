@@ -23,12 +23,11 @@ are told to give commands that work on a fresh clone.
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Callable
 
 from sqlmodel import select
 
-from reviewer.persona.testdeps import dependency_group, tox_test_deps
+from reviewer.persona.testdeps import declared_setup
 from reviewer.sandbox import isolation
 from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace
 from reviewer.store import db
@@ -97,7 +96,7 @@ def check(repro: str, target: Target, setup: str | None, settings, policy) -> tu
         return None, f"not checked: no fresh workspace ({e})"
     try:
         lines = []
-        for command in ([setup] if setup else []) + test_environment(ws.root, repro):
+        for command in ([setup] if setup else []) + repro_setup(ws.root, repro):
             done = ws.run(command, timeout=SETUP_TIMEOUT)
             lines.append(f"setup `{command}`: " + outcome(done))
         result = ws.run(repro, timeout=min(REPRO_TIMEOUT, command_timeout))
@@ -113,18 +112,12 @@ def check(repro: str, target: Target, setup: str | None, settings, policy) -> tu
         ws.remove()
 
 
-def test_environment(root, repro: str) -> list[str]:
+def repro_setup(root, repro: str) -> list[str]:
     """Commands that give the fresh workspace what smoke gave the tests, for a repro that runs pytest."""
     if "pytest" not in repro:
         return []
-    commands = ["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"]
-    group = dependency_group(root)
-    if group:
-        commands.append(f"python -m pip install --group {group}")
-    deps = tox_test_deps(root)
-    if deps:
-        commands.append("python -m pip install " + " ".join(shlex.quote(d) for d in deps))
-    return commands
+    return (["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"]
+            + [command for _, command in declared_setup(root)])
 
 
 def missing_tool(repro: str, exit_code: int, output: str) -> str | None:

@@ -111,27 +111,25 @@ def test_no_tests_is_a_finding(tmp_path):
     assert "install time" in measurements and "import time (untested)" in measurements
 
 
-@pytest.mark.parametrize("tox", [True, False], ids=["tox_deps", "from_the_error"])
-def test_pytest_plugins_the_config_needs_are_installed_not_reported(tmp_path, tox):
-    """A project whose pytest config names a plugin (addopts = --timeout=60) that only its tox.ini installs: smoke
-    installs what tox.ini's testenv lists, or, without one, the plugin that brings the option pytest rejected, so the
-    tests run (semver's --cov, seen on a real project, was a false 'pytest fails' finding before)."""
-    files = {
+def test_pytest_plugins_the_config_needs_are_installed_not_reported(tmp_path):
+    """A project whose pytest config names plugins (addopts = --timeout=60 --reruns=0) its install does not bring:
+    smoke installs what tox.ini's testenv lists (pytest-timeout), then, on pytest's usage error, the plugin behind
+    the option it still rejects (pytest-rerunfailures), so the tests run (semver's --cov, seen on a real project,
+    was a false 'pytest fails' finding before)."""
+    repo = make_repo(tmp_path / "plugged", {
         "pyproject.toml": '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
                           '[project]\nname = "plugged"\nversion = "0.1"\n'
-                          '[tool.pytest.ini_options]\naddopts = "--timeout=60"\n',
+                          '[tool.pytest.ini_options]\naddopts = "--timeout=60 --reruns=0"\n',
         "tox.ini": "[testenv]\ndeps =\n    pytest\n    pytest-timeout\n    py38: oldthing\n    -rrequirements.txt\n"
                    "commands = pytest\n",
         "plugged/__init__.py": "def one():\n    return 1\n",
         "tests/test_one.py": "from plugged import one\n\n\ndef test_one():\n    assert one() == 1\n",
-    }
-    if not tox:
-        del files["tox.ini"]
-    result, findings, measurements, _, ws = smoke_review(make_repo(tmp_path / "plugged", files), tmp_path)
+    })
+    result, findings, measurements, _, ws = smoke_review(repo, tmp_path)
     ws.remove()
     assert findings == [] and "1 passed" in result.summary, (result.summary, [f.title for f in findings])
-    assert ("installed tox.ini's test deps (pytest, pytest-timeout)" if tox else
-            "pytest's config needs pytest-timeout, which the install does not bring; installed") in result.summary
+    assert "installed tox.ini's test deps (pytest, pytest-timeout)" in result.summary
+    assert "pytest's config needs pytest-rerunfailures, which the install does not bring; installed" in result.summary
     assert "test suite time" in measurements
 
 
