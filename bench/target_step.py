@@ -513,6 +513,9 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
                     f"of {args.hot_experts} experts",
             "distinct_experts_16": statistics.mean(traced), "T_verify16_ms": trace_run["T_verify16_ms"],
             "T_t_ms": trace_run["T_t_ms"], "T_verify16_floor_ms": trace_bytes["total"] / bandwidth * 1e3}
+        if args.profile:  # where the traced verify's time goes (issue 26 asks for this profile)
+            print(f"[{shape}] kernel profile under the routing trace:", flush=True)
+            record["routing_trace"]["profile"] = kernel_profile(fast, prompt, block)
     for name, verify_ms in [("ours", record["T_verify16_ms"])] + (
             [("stock", record["stock"]["T_verify16_ms"])] if "stock" in record else []):
         step_ms = record["L_target_ms"] if name == "ours" else record["stock"]["L_target_ms"]

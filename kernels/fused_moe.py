@@ -150,6 +150,15 @@ def get_config(device_name: str, key: str, num_tokens: int, top_k: int) -> dict:
     return cfg
 
 
+def invariant_config(device_name: str, key: str, top_k: int) -> dict:
+    """One tile set for every call of 1..16 tokens, for batch-invariant steps (a row's bits must not depend on how
+    many tokens share the call): the table's "<key>_invariant" entry, tuned under a real router's locality by
+    bench/moe_invariant_tiles.py (direct mode up to `direct_tokens`, sorted above: same bits), else the 16-token
+    entry. Never the one-token kernels (kernels/moe_decode.py), whose order of additions differs."""
+    entry = _tuned_table().get(device_name, {}).get(key + "_invariant")
+    return dict(entry if entry else get_config(device_name, key, 16, top_k), decode=False)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------------
@@ -449,7 +458,9 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
                             None if residual is None else residual.contiguous(), cfg.get("decode"),
                             hidden_states.dtype)
         return result if out is None else out.copy_(result)
-    direct = cfg["direct"] and num_tokens <= cfg["BM"]
+    # direct_tokens: direct mode up to that many tokens, sorted above (a row's bits are the same in both: each
+    # block row is its own slot's dot products over the same tiles, whoever shares the block)
+    direct = cfg["direct"] and num_tokens <= min(cfg["BM"], cfg.get("direct_tokens", cfg["BM"]))
     block_m = cfg["BM"]
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()

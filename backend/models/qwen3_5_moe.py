@@ -34,7 +34,7 @@ from backend.models.llama import _param, apply_rope, cached_attention, causal_ma
 from backend.models.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
 from kernels.block_attention import block_attention
-from kernels.fused_moe import get_config, shape_key
+from kernels.fused_moe import invariant_config, shape_key
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
 from kernels.gemv import gemv
 
@@ -415,14 +415,13 @@ class Qwen35Moe(nn.Module):
         return (logits[:T] if all_logits else logits[T - 1:T]), features
 
     def expert_tiles(self, x: torch.Tensor) -> dict | None:
-        """The grouped experts' tiles for 16 tokens, for every call of 1..16 rows (_padded_rows), or None off
-        Triton."""
+        """The grouped experts' one tile set for every call of 1..16 rows (_padded_rows), or None off Triton."""
         if not triton_usable(x):
             return None
         c = self.config
         key = shape_key(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.top_k, True)
         name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
-        return dict(get_config(name, key, 16, c.top_k), decode=False)
+        return invariant_config(name, key, c.top_k)
 
     # ---- loading --------------------------------------------------------------------------------------------------
 

@@ -489,3 +489,27 @@ def test_cuda_graph_replay_matches_launch():
     ids.copy_(fresh[4])
     graph.replay()
     assert torch.equal(static, fused_moe(x, gate_up, down, weights, ids, shared))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_invariant_tiles_compute_each_row_as_alone_on_gpu():
+    """The tile set of batch-invariant steps (invariant_config: direct blocks up to its direct_tokens, blocks sorted by
+    expert above) gives every row of a 2..16-token call the bits of that token computed alone, under hot-set
+    routing where tokens share experts (what sorted blocks change). Speculative output equals plain decoding
+    through this."""
+    from kernels.fused_moe import invariant_config, shape_key
+
+    x, gate_up, down, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=3, device="cuda")
+    g = torch.Generator().manual_seed(3)
+    hot = torch.randperm(256, generator=g)[:50]
+    ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(16)]).cuda()
+    weights = torch.softmax(torch.randn(16, 8, generator=g), -1).to("cuda", torch.bfloat16)
+    config = invariant_config(torch.cuda.get_device_name(), shape_key(256, 2048, 512, 8, True), 8)
+    assert config["decode"] is False
+    alone = torch.cat([fused_moe(x[t:t + 1], gate_up, down, weights[t:t + 1], ids[t:t + 1], shared, config=config)
+                       for t in range(16)])
+    assert rel_err(alone, reference64(x, gate_up, down, weights, ids, shared)) < 2e-2
+    for m in range(2, 17):
+        together = fused_moe(x[:m], gate_up, down, weights[:m], ids[:m], shared, config=config)
+        assert torch.equal(together, alone[:m]), m
