@@ -5,7 +5,7 @@ Runs a FastModel as the engine does (CUDA graphs, compiled glue): prefill a prom
 one by one, then go back to the prompt's end (snapshot) and verify the same tokens as one block. Every glue function,
 attention, recurrence, routing and expert call of the model files records its outputs (rows first) into static
 buffers, captured into the graphs like everything else; the Gated DeltaNet states are read after each decode step and
-from the verify's per-position snapshots. Then, row by row, the first call whose output differs is named, with the
+from the verify's recorded inputs, replayed. Then, row by row, the first call whose output differs is named, with the
 layers where the logits and the residual stream first differ. Also: blocks of every size 2..16 against the decode
 steps (logits), and the hand-off (verify 8, accept 3, then decode on: logits against plain decoding).
 
@@ -101,6 +101,7 @@ def install(rec: Recorder, model) -> None:
     llama_mod.glue = recording_glue
     for name in ("cached_attention", "block_attention", "gdn_recurrent", "fused_moe", "gemv"):
         setattr(qwen_mod, name, wrap(name, getattr(qwen_mod, name)))
+    qwen_mod.gdn_verify = wrap("gdn_recurrent", qwen_mod.gdn_verify)  # a verify's recurrence: compared with a step's
     qwen_mod.route_topk_from_hidden = wrap("route", qwen_mod.route_topk_from_hidden)
     model.register_forward_pre_hook(lambda *_: rec.count.clear())
 
@@ -208,6 +209,7 @@ def main() -> None:
         block_records = rec.read(T)
         block_order = list(block_records)
         order += [k for k in block_order if k not in order]
+        replayed = [fm.model.linear.states_after(j + 1) for j in range(T)] if hybrid else None
         result_rows = []
         for j in range(T):
             row = {"row": j, "logits_equal": bool(torch.equal(step_logits[j], block_logits[j])),
@@ -215,8 +217,7 @@ def main() -> None:
                    "first_difference": first_difference(step_records[j], block_records, j, order)}
             if hybrid:
                 st, cv = step_states[j]
-                row["state_equal_layers"] = [bool(torch.equal(st[i], fm.model.linear.snapshots[i, j]))
-                                             for i in range(st.shape[0])]
+                row["state_equal_layers"] = [bool(torch.equal(st[i], replayed[j][i])) for i in range(st.shape[0])]
                 row["state_equal"] = all(row["state_equal_layers"])
             result_rows.append(row)
         fm.accept(T)

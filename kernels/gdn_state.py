@@ -9,13 +9,21 @@ For one sequence, value head h (its query/key head is h // (Hv / Hk)), state S [
 (transformers' `torch_recurrent_gated_delta_rule` with use_qk_l2norm_in_kernel=True; same order of operations.)
 
 Why a kernel of our own: a speculative verify runs a block of tokens through the recurrence, and only a prefix of
-them is accepted. `gdn_recurrent(..., every_position=True)` writes S after each token into `states_out[t]`, so
-rolling back to an accepted prefix of length n is a copy of `states_out[n - 1]`: nothing is replayed (vLLM and
-SGLang do the same). The per-token arithmetic is the same code whether the kernel runs 1 token or 16, so the state
-after token j of a verify is bit-for-bit the state plain decoding reaches from the same inputs.
+them is accepted. Two ways to get the state after the accepted prefix:
+  - `gdn_recurrent(..., every_position=True)` writes S after each token into `states_out[t]`, and rolling back is a
+    copy (vLLM and SGLang do this). At the 35B-A3B shape that is 2 MB of state per token and layer: a 16-token verify
+    writes 1 GB, ~0.25 ms of the H200's bandwidth, for states of which one is kept.
+  - `gdn_verify(..., record)` writes only the block's inputs (q, k, v and the gates: ~33 KB per token and layer) and
+    leaves the state alone; `gdn_replay(record, state, n)` then runs the first n of them through the recurrence for
+    every layer in one launch, in place. This is what the engine does.
+The per-token arithmetic is the same code whether the kernel runs 1 token or 16, from live inputs or recorded ones
+(recorded in their own dtype, the gates as the fp32 values the kernel computed), so the state after token j of a
+verify is bit-for-bit the state plain decoding reaches from the same inputs.
 
     gdn_recurrent(q, k, v, g, beta, state_in, states_out, every_position)   # decode / verify (Triton or loop)
     gdn_recurrent(q, k, v, a, b, ..., gates=(neg_A, dt_bias))                # the same, gates computed inside
+    gdn_verify(q, k, v, a, b, state_in, record.layer(i), gates=...)          # verify: outputs, inputs recorded
+    gdn_replay(record, states, n)                                           # then: all layers' states after n
     gdn_chunked(q, k, v, g, beta, state)                                    # prefill (PyTorch, chunks of 64)
 
 Shapes (batch 1): q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; states [Hv, Dk, Dv] fp32. Outputs [T, Hv, Dv]
@@ -24,6 +32,8 @@ with the same arithmetic runs. Nothing synchronises with the host, so both can b
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +73,26 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T"])
     def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bias_ptr, state_in_ptr,
-                              states_out_ptr, o_ptr, T, scale,
+                              states_out_ptr, o_ptr, rq_ptr, rk_ptr, rv_ptr, rg_ptr, rb_ptr, T, scale,
                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                              stride_ot, stride_oh,
+                              stride_ot, stride_oh, layer_q, layer_k, layer_v, layer_g, layer_b, layer_s,
                               HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               DKP: tl.constexpr, BV: tl.constexpr, EVERY_POSITION: tl.constexpr,
-                              PREFETCH: tl.constexpr, RAW_GATES: tl.constexpr):
+                              PREFETCH: tl.constexpr, RAW_GATES: tl.constexpr, RECORD: tl.constexpr,
+                              STORE_OUT: tl.constexpr, STORE_STATE: tl.constexpr):
+        """Grid (value heads, value column blocks, layers). The layer axis is gdn_replay's (layer_* are the per-layer
+        strides of inputs and states; 0 with one layer). RECORD: the inputs of every token go to rq..rb (q, k, v in
+        their dtype, the gates in fp32), in the record's layout [T, heads, D]."""
         h = tl.program_id(0)  # value head
         vb = tl.program_id(1)  # block of BV value columns: programs never share state elements
+        layer = tl.program_id(2).to(tl.int64)
+        q_ptr += layer * layer_q
+        k_ptr += layer * layer_k
+        v_ptr += layer * layer_v
+        g_ptr += layer * layer_g
+        beta_ptr += layer * layer_b
+        state_in_ptr += layer * layer_s
+        states_out_ptr += layer * layer_s
         hk = h // GROUP
         rk = tl.arange(0, DKP)
         rv = vb * BV + tl.arange(0, BV)
@@ -78,6 +100,7 @@ if triton is not None:
         v_ok = rv < DV
         s_mask = k_ok[:, None] & v_ok[None, :]
         s_offs = h * DK * DV + rk[:, None] * DV + rv[None, :]
+        qk_writer = (vb == 0) & (h % GROUP == 0)  # one program per key head records q and k
         S = tl.load(state_in_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)
         neg_a = 0.0
         dt_bias = 0.0
@@ -95,13 +118,22 @@ if triton is not None:
                                                     neg_a, dt_bias, RAW_GATES)
             else:
                 nq, nk, nv, ng, nbeta = q, k, v, g, beta
+            if RECORD:
+                if qk_writer:
+                    tl.store(rq_ptr + (t * (HV // GROUP) + hk) * DK + rk, q.to(rq_ptr.dtype.element_ty), mask=k_ok)
+                    tl.store(rk_ptr + (t * (HV // GROUP) + hk) * DK + rk, k.to(rk_ptr.dtype.element_ty), mask=k_ok)
+                tl.store(rv_ptr + (t * HV + h) * DV + rv, v.to(rv_ptr.dtype.element_ty), mask=v_ok)
+                if vb == 0:
+                    tl.store(rg_ptr + t * HV + h, g)
+                    tl.store(rb_ptr + t * HV + h, beta)
             q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
             k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
             S = S * tl.exp(g)
             delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
             S = S + k[:, None] * delta[None, :]
-            o = tl.sum(S * q[:, None], axis=0)
-            tl.store(o_ptr + t * stride_ot + h * stride_oh + rv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+            if STORE_OUT:
+                o = tl.sum(S * q[:, None], axis=0)
+                tl.store(o_ptr + t * stride_ot + h * stride_oh + rv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
             if EVERY_POSITION:
                 tl.store(states_out_ptr + t * HV * DK * DV + s_offs, S, mask=s_mask)
             if PREFETCH:
@@ -111,7 +143,7 @@ if triton is not None:
                                                hk, h, rk, rv, k_ok, v_ok, stride_qt, stride_qh, stride_kt,
                                                stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                                                neg_a, dt_bias, RAW_GATES)
-        if not EVERY_POSITION:
+        if STORE_STATE and not EVERY_POSITION:
             tl.store(states_out_ptr + s_offs, S, mask=s_mask)
 
 
@@ -167,17 +199,103 @@ def gdn_recurrent(q, k, v, g, beta, state_in: torch.Tensor, states_out: torch.Te
         out = torch.empty_like(v)
     elif out.shape != v.shape or out.dtype != v.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be like v {tuple(v.shape)} {v.dtype}, got {tuple(out.shape)} {out.dtype}")
+    _launch(q, k, v, g, beta, neg_a, dt_bias, state_in, states_out, out, None, T, 1,
+            every_position=every_position, raw_gates=gates is not None, store_out=True, store_state=True,
+            block_v=block_v, num_warps=num_warps, prefetch=prefetch)
+    return out
+
+
+def _launch(q, k, v, g, beta, neg_a, dt_bias, state_in, states_out, out, record, T: int, layers: int, *,
+            every_position: bool, raw_gates: bool, store_out: bool, store_state: bool, block_v=None, num_warps=None,
+            prefetch=None) -> None:
+    """One launch of the Triton kernel over `layers` layers (inputs and states with a leading layer axis when
+    layers > 1: gdn_replay)."""
+    hk, dk = q.shape[-2], q.shape[-1]
+    hv, dv = v.shape[-2], v.shape[-1]
     if block_v is None:
         block_v = min(BLOCK_V, triton.next_power_of_2(dv))  # Dv / BLOCK_V programs per head
-    grid = (hv, triton.cdiv(dv, block_v))
-    _gdn_recurrent_kernel[grid](
-        q, k, v, g, beta, neg_a, dt_bias, state_in, states_out, out, T, dk ** -0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        out.stride(0), out.stride(1),
+    rec = record if record is not None else (v, v, v, v, v)  # unused without RECORD
+    per_layer = (lambda x: x.stride(0)) if layers > 1 else (lambda x: 0)  # noqa: E731
+    o = out if out is not None else v
+    _gdn_recurrent_kernel[(hv, triton.cdiv(dv, block_v), layers)](
+        q, k, v, g, beta, neg_a, dt_bias, state_in, states_out, o, *rec, T, dk ** -0.5,
+        q.stride(-3), q.stride(-2), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2), g.stride(-2),
+        beta.stride(-2), o.stride(-3), o.stride(-2),
+        per_layer(q), per_layer(k), per_layer(v), per_layer(g), per_layer(beta), per_layer(state_in),
         HV=hv, GROUP=hv // hk, DK=dk, DV=dv, DKP=triton.next_power_of_2(dk), BV=block_v,
         EVERY_POSITION=every_position, PREFETCH=PREFETCH if prefetch is None else prefetch,
-        RAW_GATES=gates is not None, num_warps=num_warps or NUM_WARPS)
+        RAW_GATES=raw_gates, RECORD=record is not None, STORE_OUT=store_out, STORE_STATE=store_state,
+        num_warps=num_warps or NUM_WARPS)
+
+
+class GdnRecord(NamedTuple):
+    """A verify's recurrence inputs, for gdn_replay: q, k [.., T, Hk, Dk] and v [.., T, Hv, Dv] in the model dtype,
+    the gates g, beta [.., T, Hv] in fp32 (as the kernel computed them), with a leading layer axis for a cache."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    @classmethod
+    def empty(cls, layers: int, tokens: int, key_heads: int, key_dim: int, value_heads: int, value_dim: int,
+              device, dtype) -> GdnRecord:
+        e = lambda *s, dt=dtype: torch.zeros(layers, tokens, *s, device=device, dtype=dt)  # noqa: E731
+        return cls(e(key_heads, key_dim), e(key_heads, key_dim), e(value_heads, value_dim),
+                   e(value_heads, dt=torch.float32), e(value_heads, dt=torch.float32))
+
+    def layer(self, i: int) -> GdnRecord:
+        return GdnRecord(*(x[i] for x in self))
+
+
+def gdn_verify(q, k, v, g, beta, state_in: torch.Tensor, record: GdnRecord, *,
+               gates: tuple[torch.Tensor, torch.Tensor] | None = None, use_triton: bool | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """A verify block of T tokens from `state_in` (only read): returns the outputs [T, Hv, Dv], and writes the block's
+    inputs into the first T tokens of `record` (one layer's GdnRecord) for gdn_replay. No state is written."""
+    _check(q, k, v, g, beta, state_in, state_in, False)
+    T = q.shape[0]
+    if record.v.shape[0] < T or record.q.shape[1:] != q.shape[1:] or record.v.shape[1:] != v.shape[1:]:
+        raise ValueError(f"record holds {record.v.shape[0]} tokens of q {tuple(record.q.shape[1:])}, v "
+                         f"{tuple(record.v.shape[1:])}; got {T} tokens of q {tuple(q.shape[1:])}, "
+                         f"v {tuple(v.shape[1:])}")
+    if use_triton is None:
+        use_triton = triton_usable(v)
+    if not use_triton:
+        if gates is not None:
+            g, beta = gdn_gates(g, beta, *gates)
+        for dst, src in zip(record, (q, k, v, g, beta)):
+            dst[:T].copy_(src)
+        result = gdn_recurrent_torch(q, k, v, g, beta, state_in, None, False)
+        return result if out is None else out.copy_(result)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (g, beta))
+    neg_a, dt_bias = gates if gates is not None else (g, g)
+    if out is None:
+        out = torch.empty_like(v)
+    _launch(q, k, v, g, beta, neg_a, dt_bias, state_in, state_in, out, tuple(record), T, 1, every_position=False,
+            raw_gates=gates is not None, store_out=True, store_state=False)
     return out
+
+
+def gdn_replay(record: GdnRecord, states: torch.Tensor, n: int, *, use_triton: bool | None = None) -> None:
+    """states [L, Hv, Dk, Dv] (fp32) <- each layer's state after the first n tokens of `record` (leading layer axis
+    L), in place, in one launch: the same per-token arithmetic as the verify that recorded them."""
+    if not 1 <= n <= record.v.shape[1]:
+        raise ValueError(f"replay 1..{record.v.shape[1]} tokens, got {n}")
+    if states.dtype != torch.float32 or states.shape[0] != record.v.shape[0] or not states.is_contiguous():
+        raise ValueError(f"states must be contiguous fp32 [{record.v.shape[0]}, Hv, Dk, Dv], got {states.dtype} "
+                         f"{tuple(states.shape)}")
+    if use_triton is None:
+        use_triton = triton_usable(states)
+    if not use_triton:
+        for i in range(states.shape[0]):
+            r = record.layer(i)
+            gdn_recurrent_torch(r.q[:n], r.k[:n], r.v[:n], r.g[:n], r.beta[:n], states[i], states[i], False)
+        return
+    r = record
+    _launch(r.q, r.k, r.v, r.g, r.beta, r.g, r.g, states, states, None, None, n, states.shape[0],
+            every_position=False, raw_gates=False, store_out=False, store_state=True)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +325,7 @@ def gdn_recurrent_torch(q, k, v, g, beta, state_in, states_out, every_position: 
         out[t] = (S * q[t][:, :, None]).sum(dim=1)
         if every_position:
             states_out[t].copy_(S)
-    if not every_position:
+    if states_out is not None and not every_position:  # None: a verify (gdn_verify), the state is not written
         states_out.copy_(S)
     return out.to(v.dtype)
 

@@ -15,7 +15,7 @@ target steps. Here:
   - a cycle is one CUDA-graph replay, keyed by (feature rows to absorb, attention span) like the target's graphs:
     absorb the last verify's features (all its rows, written at the context's end; only `keep` of them count),
     advance the context length on the device by `keep`, then the block forward, the head over the drafted positions
-    only, in the model dtype, and argmax + confidence;
+    only, in the model dtype, and argmax + confidence (kernels/argmax.py);
   - positions, the context length, masks and RoPE come from device tensors, so nothing waits for the host: the
     speculative cycle reads one small result per cycle (backend/decoding/device_cycle.py).
 The arithmetic is DFlashDrafter's own (its modules are called), except that each layer's q/k/v and gate/up
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from backend.dflash.model import DFlashDrafter, rope
 from backend.models.llama import fuse_rows, glue
 from backend.sampling import sampling_probs
+from kernels.argmax import argmax_confidence
 
 
 class FastDrafter:
@@ -215,7 +216,8 @@ class FastDrafter:
             out = F.scaled_dot_product_attention(q, self.k[i, :, :span][None], self.v[i, :, :span][None],
                                                  attn_mask=masks[key], enable_gqa=attn.heads != attn.kv_heads)
             x = self._post(layer, w.gate_up, x, out)
-        logits, confidence, choice = self._head(d, x)
+        logits = self._head(d, x)
+        choice, confidence = argmax_confidence(logits)
         self.confidence.copy_(confidence)
         if d.draft_vocab is not None:
             choice = d.draft_vocab[choice]
@@ -279,8 +281,6 @@ class FusedProjections:
 
 
 def _head(drafter, x):
-    """The drafted positions only (15 rows of the head, in the model dtype), their argmax and the drafter's
-    probability of it, exp(max - logsumexp) in fp32."""
-    logits = drafter.logits(drafter.norm(x)[0, 1:])
-    best, choice = logits.max(-1)
-    return logits, torch.exp(best.float() - torch.logsumexp(logits.float(), -1)), choice
+    """The drafted positions only: 15 rows of the head, in the model dtype (their argmax and the drafter's probability
+    of it come from kernels/argmax.py: compiled here, the three row reductions ran one program per row)."""
+    return drafter.logits(drafter.norm(x)[0, 1:])

@@ -1,5 +1,5 @@
-"""Fast target models: compact re-implementations of the architectures we serve most, with static caches, per-position
-Gated DeltaNet state snapshots (rollback is a copy) and CUDA graphs. transformers stays the fallback for everything
+"""Fast target models: compact re-implementations of the architectures we serve most, with static caches, Gated
+DeltaNet rollback by replaying a verify's recorded inputs, and CUDA graphs. transformers stays the fallback for everything
 else. See README.md in this folder.
 
     from backend.models import load_fast

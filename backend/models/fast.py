@@ -48,6 +48,8 @@ class FastModel:
         self.length = 0
         self._pending = 0  # block size of a verify awaiting accept()
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        if getattr(model, "linear", None) is not None:
+            model.linear.cuda_graphs = self.cuda_graphs  # accept() replays a graph too
         # torch.compile for decode steps and verifies; prefill stays eager, its time is in the matmuls.
         #   True / "glue": the per-layer glue functions (two compiles each: one token, then any block size)
         #   "full": the whole forward, layers unrolled, our Triton kernels called from inside (one compile per

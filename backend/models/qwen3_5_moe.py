@@ -14,7 +14,7 @@ A decode step (one token) on Triton: each mixer's output gate or gated norm and 
 output projection (kernels/gemv.py); the MoE's RMSNorm runs inside the router matmul kernel (which also stores the
 normed row for the experts), and the experts take fused_moe's two-launch one-token path (kernels/moe_decode.py).
 Caches: a static KVCache for the attention layers and a LinearStateCache (conv window, fp32 recurrent state, and
-per-position snapshots written during a recorded forward) for the Gated DeltaNet layers.
+the block's recurrence inputs recorded during a verify, replayed on accept) for the Gated DeltaNet layers.
 
     model = Qwen35Moe.from_hf(hf_model)          # Qwen3_5MoeForCausalLM or ...ForConditionalGeneration (text only)
     model.setup_caches(max_context=8192, max_block=16)
@@ -35,7 +35,7 @@ from backend.models.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
 from kernels.block_attention import block_attention
 from kernels.fused_moe import invariant_config, shape_key
-from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent
+from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
 from kernels.gemv import gemv
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
@@ -210,10 +210,9 @@ class GatedDeltaNet(nn.Module):
             x, norm, self.w_in, cache.conv[i], self.conv_w, c.rms_norm_eps, c.linear_num_key_heads,
             c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         gates = (self.neg_A, self.dt_bias)
-        if record:  # a verify: keep the whole window and every position's state; accept() picks
+        if record:  # a verify: keep the whole window and the block's inputs; accept() replays the kept ones
             cache.conv_window[i, :window.shape[0]].copy_(window)
-            core = gdn_recurrent(q, k, v, a, b, cache.state[i], cache.snapshots[i, :T], every_position=True,
-                                 gates=gates)
+            core = gdn_verify(q, k, v, a, b, cache.state[i], cache.record.layer(i), gates=gates)
         else:
             cache.conv[i].copy_(window[-cache.width:])
             if T < CHUNKED_FROM:
@@ -237,8 +236,8 @@ class GatedDeltaNet(nn.Module):
         width = cache.width
         if record:
             cache.conv_window[i, :width + T].copy_(window[:width + T])
-            gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.snapshots[i, :T],
-                          every_position=True, gates=gates, out=core[:T])
+            gdn_verify(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.record.layer(i), gates=gates,
+                       out=core[:T])
         else:
             cache.conv[i].copy_(window[T:T + width])  # the last width real inputs
             gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.state[i], every_position=False,
@@ -331,7 +330,8 @@ class Qwen35Moe(nn.Module):
         c, w = self.config, self.embed
         self.kv = KVCache(self.num_attention_layers, c.num_kv_heads, c.head_dim, max_context, w.device, w.dtype)
         self.linear = LinearStateCache(self.num_linear_layers, c.conv_dim, c.conv_kernel, c.linear_num_value_heads,
-                                       c.linear_key_head_dim, c.linear_value_head_dim, max_block, w.device, w.dtype)
+                                       c.linear_key_head_dim, c.linear_value_head_dim, max_block, w.device, w.dtype,
+                                       key_heads=c.linear_num_key_heads)
         self.cos, self.sin = rope_tables(self.inv_freq, 1.0, max_context, w.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,

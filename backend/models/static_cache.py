@@ -8,9 +8,9 @@ KVCache           attention keys/values [layers, kv_heads, capacity, head_dim]. 
                   tokens were 361 MB in fp32).
 LinearStateCache  Gated DeltaNet layers: the causal-conv window (the last K-1 conv inputs) and the recurrent state
                   (fp32). A *recorded* forward (a speculative verify) leaves both untouched and writes instead the
-                  conv window of the whole block and the recurrent state after every block token (kernels/gdn_state);
-                  `accept(n)` then copies the state after block token n-1 into place. Rollback is a copy, one per
-                  tensor for all layers at once, whatever n is.
+                  conv window of the whole block and the block's recurrence inputs (kernels/gdn_state.gdn_verify);
+                  `accept(n)` then runs the first n of them through the recurrence for all layers in one launch
+                  (gdn_replay) and copies the conv window's tail into place.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.gdn_state import GdnRecord, gdn_replay
 
 from kernels.block_attention import MAX_BLOCK, supports
 from kernels.fused_moe import triton
@@ -84,21 +86,45 @@ class LinearSnapshot:
 
 class LinearStateCache:
     def __init__(self, layers: int, conv_dim: int, conv_kernel: int, value_heads: int, key_dim: int, value_dim: int,
-                 max_block: int, device, dtype):
+                 max_block: int, device, dtype, key_heads: int | None = None):
+        key_heads = key_heads or value_heads
         self.width = conv_kernel - 1  # inputs the next token's convolution needs
         self.conv = torch.zeros(layers, self.width, conv_dim, device=device, dtype=dtype)
         self.state = torch.zeros(layers, value_heads, key_dim, value_dim, device=device, dtype=torch.float32)
         self.conv_window = torch.zeros(layers, self.width + max_block, conv_dim, device=device, dtype=dtype)
-        self.snapshots = torch.zeros(layers, max_block, value_heads, key_dim, value_dim, device=device,
-                                     dtype=torch.float32)
+        # a verify's recurrence inputs (kernels/gdn_state.gdn_verify): accept() replays the kept ones. Per-token
+        # states instead would be 1 GB of writes per 16-token verify at the 35B-A3B shape, and 960 MB of memory
+        self.record = GdnRecord.empty(layers, max_block, key_heads, key_dim, value_heads, value_dim, device, dtype)
         self.max_block = max_block
+        # accept() as a CUDA graph per keep (FastModel turns this on with its own graphs): the replay's Triton launch
+        # from Python cost the speculative cycle 0.25 ms of host time on its critical path (H200, 2026-12-02)
+        self.cuda_graphs = False
+        self._accept_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def accept(self, keep: int) -> None:
         """After a recorded forward: take the states after the first `keep` block tokens (1 <= keep <= block)."""
         if not 1 <= keep <= self.max_block:
             raise ValueError(f"keep must be in [1, {self.max_block}], got {keep}")
-        self.state.copy_(self.snapshots[:, keep - 1])
+        if not self.cuda_graphs:
+            self._accept(keep)
+            return
+        graph = self._accept_graphs.get(keep)
+        if graph is None:
+            self.states_after(keep)  # compiles the replay kernel for these tensors, off the live state
+            graph = self._accept_graphs[keep] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # recorded, not run
+                self._accept(keep)
+        graph.replay()
+
+    def _accept(self, keep: int) -> None:
+        gdn_replay(self.record, self.state, keep)
         self.conv.copy_(self.conv_window[:, keep:keep + self.width])
+
+    def states_after(self, keep: int) -> torch.Tensor:
+        """What accept(keep) would make the states, leaving them as they are (for comparisons: bench/layer_diff)."""
+        states = self.state.clone()
+        gdn_replay(self.record, states, keep)
+        return states
 
     def reset(self) -> None:
         self.conv.zero_()

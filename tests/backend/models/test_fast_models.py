@@ -130,6 +130,37 @@ def test_per_position_states_equal_token_by_token():
     assert torch.equal(torch.cat(outs), out)
 
 
+def test_replaying_a_verifys_recorded_inputs_gives_the_decode_states():
+    """gdn_verify records the block's inputs and leaves the state alone; gdn_replay(n) then gives every layer the state
+    plain decoding reaches after n tokens, bit for bit, and the verify's outputs are the decode steps' (PyTorch)."""
+    from kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
+
+    seeded()
+    T, layers, hk, hv, dk, dv = 6, 2, 1, 3, 12, 20
+    # gates given as g, beta: on the CPU, torch's vectorised softplus over T tokens and its scalar tail over one can
+    # round differently (the Triton script below computes them in the kernel, per element)
+    gates = None
+    blocks = [random_gdn(T, hk=hk, hv=hv, dk=dk, dv=dv) for _ in range(layers)]
+    record = GdnRecord.empty(layers, 8, hk, dk, hv, dv, "cpu", torch.float32)
+    states = torch.stack([b[-1] for b in blocks])
+    before = states.clone()
+    outs = [gdn_verify(q, k, v, a, b, states[i], record.layer(i), gates=gates)
+            for i, (q, k, v, a, b, _) in enumerate(blocks)]
+    assert torch.equal(states, before)  # a verify writes no state
+    for n in range(1, T + 1):
+        replayed = states.clone()
+        gdn_replay(record, replayed, n)
+        for i, (q, k, v, a, b, s0) in enumerate(blocks):
+            state = s0.clone()
+            for t in range(n):
+                step = gdn_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], state, state,
+                                     False, gates=gates)
+                assert torch.equal(step[0], outs[i][t])
+            assert torch.equal(replayed[i], state), (n, i)
+    with pytest.raises(ValueError, match="replay 1..8"):
+        gdn_replay(record, states, 9)
+
+
 def test_recurrence_rejects_bad_shapes():
     q, k, v, g, beta, s0 = random_gdn(4)
     with pytest.raises(ValueError, match="states_out"):
@@ -166,6 +197,21 @@ TRITON_SCRIPT = textwrap.dedent("""
     ref = gdn_recurrent(q, k, v, a, b, s0, ref_snaps, True, gates=gates, use_triton=False)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(snaps, ref_snaps, rtol=1e-5, atol=1e-5)
+    # a verify that records its inputs, replayed for two layers in one launch: the states of token-by-token decoding
+    from kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
+    record = GdnRecord.empty(2, T, hk, dk, hv, dv, "cpu", torch.float32)
+    states = torch.stack([s0, s0 + 1])
+    outs = [gdn_verify(q, k, v, a, b, states[i], record.layer(i), gates=gates, use_triton=True) for i in range(2)]
+    assert torch.equal(outs[0], out)
+    for n in (1, 4, T):
+        replayed = states.clone()
+        gdn_replay(record, replayed, n, use_triton=True)
+        for i in range(2):
+            state = states[i].clone()
+            for t in range(n):
+                gdn_recurrent(q[t:t+1], k[t:t+1], v[t:t+1], a[t:t+1], b[t:t+1], state, state, False, gates=gates,
+                              use_triton=True)
+            assert torch.equal(replayed[i], state), (n, i)
     print("ok")
 """)
 
@@ -552,6 +598,36 @@ def test_cuda_recurrence_kernel_bf16_matches_loop():
     for t in range(16):
         gdn_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state, state, False)
         torch.testing.assert_close(state, snaps[t], rtol=1e-5, atol=1e-6)
+
+
+@cuda
+def test_cuda_replay_of_a_recorded_verify_is_bitwise_the_decode_states():
+    """bf16 at the 35B-A3B shape (16 key heads, 32 value heads, 128 x 128), three layers: the states gdn_replay gives
+    after n of a 16-token verify's tokens are bitwise those of n decode steps through the kernel, and the verify's
+    outputs the decode steps' outputs (the engine's rollback after an accept)."""
+    from kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
+
+    seeded()
+    layers, T, hk, hv, d = 3, 16, 16, 32, 128
+    gates = (-torch.rand(hv, device="cuda") - 0.1, torch.randn(hv, device="cuda"))
+    blocks = []
+    for _ in range(layers):  # inputs as the engine's glue makes them: rows of one projection output
+        proj = torch.randn(T, 2 * hk * d + hv * d + 2 * hv, device="cuda").bfloat16()
+        q, k, v, a, b = proj.split([hk * d, hk * d, hv * d, hv, hv], -1)
+        blocks.append((q.view(T, hk, d), k.view(T, hk, d), v.view(T, hv, d), a, b))
+    states = torch.randn(layers, hv, d, d, device="cuda") * 0.1
+    record = GdnRecord.empty(layers, T, hk, d, hv, d, "cuda", torch.bfloat16)
+    outs = [gdn_verify(*blk, states[i], record.layer(i), gates=gates) for i, blk in enumerate(blocks)]
+    for n in (1, 2, 7, 16):
+        replayed = states.clone()
+        gdn_replay(record, replayed, n)
+        for i, (q, k, v, a, b) in enumerate(blocks):
+            state = states[i].clone()
+            for t in range(n):
+                step = gdn_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], state, state,
+                                     False, gates=gates)
+                assert torch.equal(step[0], outs[i][t]), (n, i, t)
+            assert torch.equal(replayed[i], state), (n, i)
 
 
 @cuda
