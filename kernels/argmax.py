@@ -24,7 +24,8 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _partial_kernel(x_ptr, stride, n, part_max, part_idx, part_sum, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    def _argmax_partial_kernel(x_ptr, stride, n, part_max, part_idx, part_sum, CHUNKS: tl.constexpr,
+                               BLOCK: tl.constexpr):
         row, chunk = tl.program_id(0), tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride + cols, mask=cols < n, other=-float("inf")).to(tl.float32)
@@ -36,7 +37,7 @@ if triton is not None:
         tl.store(part_sum + row * CHUNKS + chunk, s)
 
     @triton.jit
-    def _combine_kernel(part_max, part_idx, part_sum, choice_ptr, conf_ptr, n, CHUNKS: tl.constexpr,
+    def _argmax_combine_kernel(part_max, part_idx, part_sum, choice_ptr, conf_ptr, n, CHUNKS: tl.constexpr,
                         CP: tl.constexpr):
         row = tl.program_id(0)
         c = tl.arange(0, CP)
@@ -59,12 +60,12 @@ def argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         return choice, torch.exp(best.float() - torch.logsumexp(logits.float(), -1))
     rows, n = logits.shape
     chunks = triton.cdiv(n, BLOCK)
-    parts = torch.empty(3, rows, chunks, device=logits.device, dtype=torch.float32)
+    part_max, part_sum = torch.empty(2, rows, chunks, device=logits.device, dtype=torch.float32)
     part_idx = torch.empty(rows, chunks, device=logits.device, dtype=torch.int32)
     choice = torch.empty(rows, device=logits.device, dtype=torch.int64)
     conf = torch.empty(rows, device=logits.device, dtype=torch.float32)
-    _partial_kernel[(rows, chunks)](logits, logits.stride(0), n, parts[0], part_idx, parts[1], CHUNKS=chunks,
-                                    BLOCK=BLOCK, num_warps=8)
-    _combine_kernel[(rows,)](parts[0], part_idx, parts[1], choice, conf, n, CHUNKS=chunks,
-                             CP=triton.next_power_of_2(chunks), num_warps=1)
+    _argmax_partial_kernel[(rows, chunks)](logits, logits.stride(0), n, part_max, part_idx, part_sum, CHUNKS=chunks,
+                                           BLOCK=BLOCK, num_warps=8)
+    _argmax_combine_kernel[(rows,)](part_max, part_idx, part_sum, choice, conf, n, CHUNKS=chunks,
+                                    CP=triton.next_power_of_2(chunks), num_warps=1)
     return choice, conf

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.gdn_state import GdnRecord, gdn_replay
-
 from kernels.block_attention import MAX_BLOCK, supports
 from kernels.fused_moe import triton
+from kernels.gdn_state import GdnRecord, gdn_replay
 
 
 class KVCache:

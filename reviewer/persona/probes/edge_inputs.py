@@ -84,6 +84,9 @@ def call_source(site: CallSite, swaps: list[tuple[int, str, str]] = ()) -> tuple
 EDGE_BODY = """
 import builtins, inspect, traceback
 func = resolve(TARGET)
+if held_builtin(func):
+    emit({"crashes": [], "skipped": "a method of a built-in object, not the project's code"})
+    sys.exit(0)
 doc = (inspect.getdoc(func) or "") + "\\n" + DOC_TEXT
 crash_types = tuple(getattr(builtins, n) for n in CRASHES)
 try:
@@ -150,8 +153,8 @@ def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set
              f"NON_EMPTY = {NON_EMPTY_CONTRACT.pattern!r}", f"POSITIVE = {POSITIVE_CONTRACT.pattern!r}",
              f"ELEMENT = {ELEMENT_CONTRACT.pattern!r}", f"NON_ASCII = {NON_ASCII!r}", "CASES = ["]
     lines += [f"    ({label!r}, {kind!r}, lambda: ({src}))," for label, kind, src in cases] + ["]"]
-    return script("\n".join(lines) + "\n" + EDGE_BODY, prelude.emit, prelude.resolve, prelude.Overtime,
-                  prelude.limit, prelude.quiet, prelude.consume, prelude.exception_line, imports=("re",))
+    return script("\n".join(lines) + "\n" + EDGE_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
+                  prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.exception_line, imports=("re",))
 
 
 def cli_edge_script(argv: list[str], index: int, ext: str, cases: list[tuple[str, str]]) -> str:

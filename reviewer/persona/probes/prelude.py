@@ -34,6 +34,15 @@ def resolve(target):
     return obj
 
 
+def held_builtin(func):
+    """A method of a built-in object the project only holds, as `UNCOUNTABLES.add` of a module-level set (seen on
+    inflection): the interpreter's code, not the project's, and calling it changes the project's state for the calls
+    after it."""
+    owner = getattr(func, "__self__", None)
+    return (type(func).__name__ in ("builtin_function_or_method", "method-wrapper") and owner is not None
+            and not isinstance(owner, type(sys)) and type(owner).__module__ == "builtins")
+
+
 class Overtime(BaseException):
     """A call ran past its limit (a BaseException, so the project's `except Exception` does not swallow it)."""
 

@@ -123,6 +123,9 @@ def measure(func, build, ref, cfg):
 SCALING_BODY = """
 import inspect
 func = resolve(TARGET)
+if held_builtin(func):
+    emit({"variants": [], "skipped": "a method of a built-in object, not the project's code"})
+    sys.exit(0)
 try:
     where = [os.path.relpath(inspect.getsourcefile(func)), inspect.getsourcelines(func)[1]]
 except Exception:
@@ -141,8 +144,8 @@ def scaling_script(site: CallSite, variants: list[tuple[str, int, str]], excess:
                budget=budget, excess=excess)
     lines = [f"TARGET = {site.target!r}", f"CFG = {cfg!r}", "VARIANTS = ["]
     lines += [f"    ({label!r}, {ref}, lambda f: ({src}))," for label, ref, src in variants] + ["]"]
-    return script("\n".join(lines) + "\n" + SCALING_BODY, prelude.emit, prelude.resolve, prelude.Overtime,
-                  prelude.limit, prelude.quiet, prelude.consume, prelude.grow, prelude.scale, prelude.slope,
+    return script("\n".join(lines) + "\n" + SCALING_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
+                  prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.grow, prelude.scale, prelude.slope,
                   prelude.exception_line, stats.median, measure)
 
 

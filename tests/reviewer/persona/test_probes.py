@@ -563,6 +563,40 @@ def test_an_element_getter_on_empty_input_and_a_missing_key_we_passed_are_not_cr
     assert crashes("gap([1, 4])", "seqs.gap") == ["gap([])"]
 
 
+def test_a_method_of_a_builtin_object_the_project_holds_is_not_probed(tmp_path):
+    """Seen on inflection: its tests call `inflection.UNCOUNTABLES.add(...)`, a method of a module-level set. That is
+    Python's code, not the project's, and each call changes the project's state for the next (`NAMES.pop(0)` empties
+    the list); probing it spends a slot of the probes' budget on nothing. Neither probe calls it; the project's own
+    functions still are."""
+    from reviewer.persona.probes import edge_inputs, scaling
+    from reviewer.persona.probes.runner import result_line
+
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "__init__.py").write_text("NAMES = ['a']\n\n\ndef gap(values):\n"
+                                                   "    return values[1] - values[0]\n")
+
+    def run_script(code):
+        done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
+                              env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+        return result_line(done.stdout)
+
+    def site(call, target):
+        tree = ast.parse(call, mode="eval").body
+        return callsites.CallSite(target, "tests/test_x.py:1", call, [callsites.classify(a) for a in tree.args], [],
+                                  False)
+
+    def edge(s):
+        cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(s)
+                 for src, shown in [edge_inputs.call_source(s, swaps)]]
+        return run_script(edge_inputs.edge_script(s, cases, set(), ""))
+
+    held = edge(site("NAMES.pop(0)", "held.NAMES.pop"))
+    assert held["crashes"] == [] and "built-in" in held["skipped"]
+    assert [c["case"] for c in edge(site("gap([1, 4])", "held.gap"))["crashes"]] == ["gap([])"]
+    assert "built-in" in run_script(scaling.scaling_script(site("NAMES.pop(0)", "held.NAMES.pop"), [], 1.0,
+                                                           1.0))["skipped"]
+
+
 def test_the_probes_stop_when_their_time_is_spent(tmp_path):
     import time
 
