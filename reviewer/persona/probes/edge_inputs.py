@@ -6,8 +6,10 @@ A crash is an exception that says the code did not expect the input (thresholds.
 ZeroDivisionError, ...), or a traceback from a CLI. Not findings: ValueError and TypeError (how Python code rejects
 bad input); an exception the function's docstring, the docs or its tests name; an empty input where the docstring
 says non-empty, a zero or negative one where it says positive; an IndexError on an empty sequence from a function
-whose docstring says it returns an element of it; a KeyError for the very key we passed; a call that only hangs (abandoned after a limit); and
-anything at all when the original call from the tests or docs fails in our hands (then our copy of it is wrong).
+whose docstring says it returns an element of it; a KeyError for the very key we passed; a call that only hangs
+(abandoned after a limit); and anything at all when the original call from the tests or docs fails in our hands (then
+our copy of it is wrong). Methods of built-in objects the project only holds (a module-level set's `add`) are not
+called at all.
 """
 
 from __future__ import annotations
