@@ -187,7 +187,7 @@ TUNED = {
 _WORKSPACES: dict = {}  # device -> (partials, sums of squares, counters); grown, never shrunk or freed
 
 
-def _workspace(device, partial_floats: int, ss_floats: int, counters: int):
+def split_workspace(device, partial_floats: int, ss_floats: int, counters: int):
     """Scratch for the split-K partials, shared by every call on a device (launches on a stream run one after
     another; each call leaves its counters at zero). Grown before CUDA-graph capture (the engine's warm-up runs every
     shape eagerly first); old buffers are kept alive because graphs captured earlier still point at them."""
@@ -276,7 +276,7 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
     bk = (tiles or {}).get("BK", BK)  # tiles may name BN, BK, SPLITS + KS (together) and warps
     cfg = dict(plan(n_tiles, k, bn, bk), **(tiles or {}))
     splits = cfg["SPLITS"]
-    part, ss, count = _workspace(x.device, splits * n_tiles * 2 * 16 * bn if splits > 1 else 0,
+    part, ss, count = split_workspace(x.device, splits * n_tiles * 2 * 16 * bn if splits > 1 else 0,
                                  splits * n_tiles * 16 if splits > 1 and norm_weight is not None else 0,
                                  n_tiles if splits > 1 else 0)
     y = torch.empty(T, n_out, dtype=x.dtype, device=x.device)

@@ -37,6 +37,7 @@ from kernels.block_attention import block_attention
 from kernels.fused_moe import invariant_config, shape_key
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
 from kernels.gemv import gemv
+from kernels.wide_linear import wide_linear
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 CHUNKED_FROM = 64  # prefill pieces this long or longer run the chunked recurrence; shorter ones the token loop
@@ -107,11 +108,21 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 # ---- per-layer glue: plain tensor functions (no modules, no cache writes), compiled once for all layers (glue()) ----
 
+def norm_linear(x, norm, w, eps: float):
+    """A mixer's pre-norm and input projection."""
+    return F.linear(qwen_rms_norm(x, norm, eps), w)
+
+
 def attention_in(x, norm, wqkv, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
     """Pre-norm, fused projection (per head: [query | output gate], then k, v), q/k norms, partial RoPE.
     Returns q [H, T, D], k and v [Hkv, T, D], gate [T, H * D]."""
-    T, D = x.shape[0], head_dim
-    qg, k, v = F.linear(qwen_rms_norm(x, norm, eps), wqkv).split([2 * heads * D, kv_heads * D, kv_heads * D], -1)
+    return attention_heads(norm_linear(x, norm, wqkv, eps), q_norm, k_norm, cos, sin, eps, heads, kv_heads, head_dim)
+
+
+def attention_heads(proj, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """attention_in after its projection: the split into heads, q/k norms, partial RoPE."""
+    T, D = proj.shape[0], head_dim
+    qg, k, v = proj.split([2 * heads * D, kv_heads * D, kv_heads * D], -1)
     q, gate = qg.view(T, heads, 2 * D).chunk(2, dim=-1)
     q = apply_rope(qwen_rms_norm(q, q_norm, eps).transpose(0, 1), cos, sin)
     k = apply_rope(qwen_rms_norm(k.view(T, kv_heads, D), k_norm, eps).transpose(0, 1), cos, sin)
@@ -130,15 +141,20 @@ def deltanet_in(x, norm, w_in, conv_state, conv_w, eps: float, key_heads: int, v
     (transformers' causal_conv1d_update) + SiLU. Returns the conv window [K-1+T, C] (the caller stores what the
     cache keeps), q, k [T, Hk, Dk], v, z [T, Hv, Dv], and the gate projections a, b [T, Hv] (kernels/gdn_state turns
     them into g and beta: gdn_gates)."""
-    T = x.shape[0]
-    h = qwen_rms_norm(x, norm, eps)
+    return deltanet_conv(norm_linear(x, norm, w_in, eps), conv_state, conv_w, key_heads, value_heads, key_dim,
+                         value_dim)
+
+
+def deltanet_conv(proj, conv_state, conv_w, key_heads: int, value_heads: int, key_dim: int, value_dim: int):
+    """deltanet_in after its projection: the split, the causal depthwise conv and SiLU."""
+    T = proj.shape[0]
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-    mixed, z, b, a = F.linear(h, w_in).split([conv_dim, value_heads * value_dim, value_heads, value_heads], dim=-1)
+    mixed, z, b, a = proj.split([conv_dim, value_heads * value_dim, value_heads, value_heads], dim=-1)
     window = torch.cat([conv_state, mixed], dim=0)
     # the depthwise conv as K shifted multiply-adds in fp32, rounded once (as a conv with fp32 accumulation): plain
     # elementwise code, which torch.compile fuses with the cat and SiLU (F.conv1d stays a separate cuDNN launch)
     K = conv_w.shape[1]
-    conv = sum(window[j:j + T].float() * conv_w[:, j].float() for j in range(K)).to(h.dtype)
+    conv = sum(window[j:j + T].float() * conv_w[:, j].float() for j in range(K)).to(proj.dtype)
     q, k, v = F.silu(conv).split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
     return (window, q.reshape(T, key_heads, key_dim), k.reshape(T, key_heads, key_dim),
             v.reshape(T, value_heads, value_dim), z.reshape(T, value_heads, value_dim), a, b)
@@ -181,12 +197,15 @@ class GatedAttention(nn.Module):
     def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled):
         """invariant_steps: x, cos, sin have PADDED_ROWS rows, of which the first T are the block's; returns the
         mixer's output for all of them (rows past T are never read)."""
-        c = model.config
-        q, k, v, gate = glue(attention_in, compiled)(x, norm, self.wqkv, self.q_norm, self.k_norm, cos, sin,
-                                                      c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.head_dim)
+        c, eps = model.config, model.config.rms_norm_eps
+        q, k, v, gate = glue(attention_heads, compiled)(model.padded_in_projection(x, norm, self.wqkv, compiled),
+                                                         self.q_norm, self.k_norm, cos, sin, eps, c.num_heads,
+                                                         c.num_kv_heads, c.head_dim)
         attn = x.new_empty(x.shape[0], c.num_heads * c.head_dim)
         block_attention(q[:, :T], k[:, :T], v[:, :T], model.kv.k[self.slot], model.kv.v[self.slot], positions[:1],
                         kv_len, use_triton=True, out=attn[:T])
+        if model.wide_projections:
+            return wide_linear(attn, self.wo, gate=gate)
         return glue(attention_out, compiled)(attn, gate, self.wo)
 
 
@@ -228,9 +247,9 @@ class GatedDeltaNet(nn.Module):
         """invariant_steps: as GatedAttention.padded. The convolution runs over all padded rows (it is causal: the
         first T see only real inputs); the caches keep what the first T rows leave."""
         c, cache, i = model.config, model.linear, self.slot
-        window, q, k, v, z, a, b = glue(deltanet_in, compiled)(
-            x, norm, self.w_in, cache.conv[i], self.conv_w, c.rms_norm_eps, c.linear_num_key_heads,
-            c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        window, q, k, v, z, a, b = glue(deltanet_conv, compiled)(
+            model.padded_in_projection(x, norm, self.w_in, compiled), cache.conv[i], self.conv_w,
+            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         core = v.new_empty(v.shape)
         gates = (self.neg_A, self.dt_bias)
         width = cache.width
@@ -242,7 +261,11 @@ class GatedDeltaNet(nn.Module):
             cache.conv[i].copy_(window[T:T + width])  # the last width real inputs
             gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.state[i], every_position=False,
                           gates=gates, out=core[:T])
-        return glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
+        if not model.wide_projections:
+            return glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
+        rows = core.shape[0]
+        return wide_linear(core.reshape(rows, -1), self.w_out, gate=z.reshape(rows, -1), head_norm=self.norm,
+                           eps=c.rms_norm_eps)
 
 
 class SparseMoE(nn.Module):
@@ -305,6 +328,9 @@ class Qwen35Moe(nn.Module):
     # (use_invariant_verify) and its greedy output equals its plain decoding token for token. Off for plain engines:
     # it costs a plain step ~1.3x the one-token kernels. bench/target_step.py --invariant.
     invariant_steps = False
+    # _padded_rows' dense projections with their norms and gates in kernels/wide_linear.py (one launch each, near the
+    # weights' bandwidth) instead of compiled glue + cuBLAS; False measures the old way (bench/target_step.py --no-wide)
+    wide_projections = True
 
     def __init__(self, config: Qwen35MoeConfig, inv_freq: torch.Tensor):
         super().__init__()
@@ -365,6 +391,12 @@ class Qwen35Moe(nn.Module):
         features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None
         logits = F.linear(x if all_logits else x[-1:], self.lm_head)
         return logits, features
+
+    def padded_in_projection(self, x, norm, w, compiled: bool):
+        """_padded_rows: a mixer's pre-norm and input projection over the padded rows."""
+        if self.wide_projections:
+            return wide_linear(x, w, norm, self.config.rms_norm_eps)
+        return glue(norm_linear, compiled)(x, norm, w, self.config.rms_norm_eps)
 
     def use_invariant_verify(self) -> bool:
         """For a speculative engine: decode steps and verifies through _padded_rows (invariant_steps), so greedy

@@ -407,6 +407,7 @@ QWEN_TRITON_SCRIPT = textwrap.dedent("""
 
 
 QWEN_PADDED_SCRIPT = textwrap.dedent("""
+    import importlib
     import torch
     from backend.models import load_fast
     from tests.backend.models.test_fast_models import count_calls, seeded, tiny_qwen
@@ -415,7 +416,8 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128)
     fast.model.use_invariant_verify()
     fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
-    calls = count_calls(fast.model, ["_padded_rows"])
+    calls = count_calls(fast.model, ["_padded_rows"], count_calls(importlib.import_module(
+        "backend.models.qwen3_5_moe"), ["wide_linear"]))
     prompt = torch.randint(0, 320, (12,))
     for model in (ref, fast):
         model.prefill(prompt)
@@ -429,15 +431,17 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     fast.accept(2)
     torch.testing.assert_close(fast.decode(7)[0], ref.decode(7)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast.model.linear.state, ref.model.linear.state, rtol=1e-4, atol=1e-5)
-    assert calls == {"_padded_rows": 5}, calls  # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step
+    # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step; each through the 4 layers'
+    # in- and output projections (kernels/wide_linear.py)
+    assert calls == {"_padded_rows": 5, "wide_linear": 5 * 4 * 2}, calls
     print("ok")
 """)
 
 
 def test_qwen_padded_rows_compute_what_the_model_does_under_interpreter():
-    """use_invariant_verify's path (_padded_rows: glue on 16 padded rows, attention, recurrence and experts on the
-    real ones, written into the padded buffers) gives the regular forward's logits and states (fp32, every kernel
-    interpreted) for decode steps, a verify and the accept after it."""
+    """use_invariant_verify's path (_padded_rows: glue and the projections of kernels/wide_linear.py on 16 padded
+    rows, attention, recurrence and experts on the real ones, written into the padded buffers) gives the regular
+    forward's logits and states (fp32, every kernel interpreted) for decode steps, a verify and the accept after it."""
     pytest.importorskip("triton")
     done = interpreter.run(QWEN_PADDED_SCRIPT, timeout=600)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
