@@ -78,22 +78,18 @@ if triton is not None:
         tl.store(y_ptr + t * N + offs_n, y, mask=n_ok)
 
 
-def prologue_torch(x, gate=None, norm_weight=None, eps: float = 1e-6):
-    """The prologue alone in PyTorch, with the rounding of backend/models/qwen3_5_moe.py's eager functions: the
-    per-head gated RMSNorm (gate and norm_weight), the sigmoid gate (gate alone), or x itself."""
+def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None):
+    """The same in PyTorch, with the rounding of backend/models/qwen3_5_moe.py's eager functions."""
     if norm_weight is not None:
         d = norm_weight.numel()
         xf = x.reshape(-1, d).float()
         normed = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        return (normed * F.silu(gate.reshape(-1, d).float())).to(x.dtype).reshape(x.shape)
-    if gate is not None:
-        return x * torch.sigmoid(gate)
-    return x
-
-
-def gemv_torch(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None):
-    """The same in PyTorch, with the rounding of backend/models/qwen3_5_moe.py's eager functions."""
-    y = F.linear(prologue_torch(x, gate, norm_weight, eps), w)
+        a = (normed * F.silu(gate.reshape(-1, d).float())).to(x.dtype).reshape(x.shape)
+    elif gate is not None:
+        a = x * torch.sigmoid(gate)
+    else:
+        a = x
+    y = F.linear(a, w)
     return y if residual is None else (residual.float() + y.float()).to(y.dtype)
 
 

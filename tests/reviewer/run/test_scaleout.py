@@ -418,11 +418,22 @@ def test_review_routes_each_persona_to_one_endpoint_and_fails_over_when_one_stop
         ("p1", "completed", 2), ("p2", "completed", 2)]
 
 
-@pytest.mark.slow  # starts the real embedded backend (SmolLM2-135M on the CPU)
-def test_the_loop_keeps_one_embedded_backend_for_all_its_reviews(tmp_path):
+@pytest.mark.slow  # starts the real embedded backend (`reviewer serve` as a subprocess)
+def test_the_loop_keeps_one_embedded_backend_for_all_its_reviews(tmp_path, tiny_model):
     """Two commits reviewed by an LLM persona with `--llm embedded`: the backend is started once, on the first review,
-    and serves both; the runs say `embedded`; it is stopped when the loop ends."""
+    and serves both; the runs say `embedded`; it is stopped when the loop ends.
+
+    What is under test is the loop's hold on the backend, not the model: `embedded_model` (REVIEWER_EMBEDDED_MODEL)
+    names the tiny test Llama, with a window wide enough for an agent's first prompt in its small tokenizer. The real
+    SmolLM2-135M through `reviewer serve` is tests/backend/server/test_server.py::test_embedded_model_end_to_end (on
+    two CPU cores it spent ~75 s here: a GGUF conversion and two ~1900-token prefills)."""
+    import shutil
     import sqlite3
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1 << 15}))
 
     personas = tmp_path / "personas"
     personas.mkdir()
@@ -432,7 +443,8 @@ def test_the_loop_keeps_one_embedded_backend_for_all_its_reviews(tmp_path):
     dbp = tmp_path / "r.db"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "REVIEWER_LOCK_FILE": str(tmp_path / "review.lock"),
            "XDG_CONFIG_HOME": str(tmp_path / "config"), "REVIEWER_WORKDIR": str(tmp_path / "work"),
-           "REVIEWER_PERSONAS_DIR": str(personas)}  # `reviewer loop` has no --personas-dir option
+           "REVIEWER_PERSONAS_DIR": str(personas),  # `reviewer loop` has no --personas-dir option
+           "REVIEWER_EMBEDDED_MODEL": str(model)}
     log = tmp_path / "loop.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", LOOP_CLI, "loop", "--db", str(dbp), "--persona", "brief",
