@@ -242,8 +242,10 @@ def test_sigterm_finishes_cleanly_and_requeues(env):
 
 
 def test_two_loops_never_review_at_the_same_time(env):
-    first = make_project(env / "one")
-    second = make_project(env / "two")
+    # No sleep in their tests: a review holds the machine for seconds anyway (a clone and a virtual environment for
+    # the persona, another for the verification), while the other loop, started at the same moment, reaches the lock.
+    first = make_project(env / "one", test_seconds=0)
+    second = make_project(env / "two", test_seconds=0)
     dbp = env / "reviews.db"
     db.get_engine(str(dbp))  # made once, before two processes race to make it
     procs = [start_loop(env, dbp, "--once", "--repo", str(first)), start_loop(env, dbp, "--once", "--repo", str(second))]
