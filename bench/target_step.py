@@ -550,9 +550,9 @@ def main() -> None:
                     "(torch.profiler over CUDA-graph replays): time and launches per step")
     ap.add_argument("--invariant", action="store_true",
                     help="Qwen3.5-MoE: decode steps through the verify's kernels (Qwen35Moe.invariant_steps)")
-    ap.add_argument("--no-wide", action="store_true",
-                    help="with --invariant: the padded steps' projections as compiled glue + cuBLAS, not "
-                         "kernels/wide_linear.py (Qwen35Moe.wide_projections)")
+    ap.add_argument("--wide", default=None, metavar="SET",
+                    help="with --invariant: which padded projections take kernels/wide_linear.py, not cuBLAS "
+                         "(Qwen35Moe.wide_projections): 'in', 'out', 'in,out' or 'none'")
     ap.add_argument("--mma", default=None, metavar="SET",
                     help="Llama: the projections that take kernels/rows_linear.py, comma-separated from qkv, o, "
                     "gate_up, down, lm_head ('none' for none; default: Llama.mma_projections)")
@@ -566,8 +566,8 @@ def main() -> None:
     device = torch.device(args.device)
     if args.invariant:
         Qwen35Moe.invariant_steps = True
-    if args.no_wide:
-        Qwen35Moe.wide_projections = False
+    if args.wide is not None:
+        Qwen35Moe.wide_projections = frozenset(args.wide.split(",")) - {"none"}
     if args.mma:
         Llama.mma_projections = frozenset() if args.mma == "none" else frozenset(args.mma.split(","))
     if args.threads:
@@ -589,11 +589,13 @@ def main() -> None:
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
                       torch=torch.__version__, transformers=__import__("transformers").__version__,
                       mma_projections=sorted(Llama.mma_projections), llama_step_path=Llama.step_path,
-                      qwen_invariant_steps=Qwen35Moe.invariant_steps, qwen_wide_projections=Qwen35Moe.wide_projections,
+                      qwen_invariant_steps=Qwen35Moe.invariant_steps,
+                      qwen_wide_projections=sorted(Qwen35Moe.wide_projections),
                       row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
         tag = (f"_compile-{args.compile}" if args.compile else "") + (
             f"_mma-{args.mma.replace(',', '_')}" if args.mma else "") + ("_invariant" if args.invariant else "") + (
-            "_no-wide" if args.no_wide else "") + (f"_steps-{args.llama_steps}" if args.llama_steps else "")
+            f"_wide-{args.wide.replace(',', '_')}" if args.wide is not None else "") + (
+            f"_steps-{args.llama_steps}" if args.llama_steps else "")
         name = f"target_step_{shape}_{device.type}{tag}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
         (Path(args.out) / name).write_text(json.dumps(record, indent=1))
         stock = record.get("stock", {})

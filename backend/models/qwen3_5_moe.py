@@ -108,15 +108,11 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 # ---- per-layer glue: plain tensor functions (no modules, no cache writes), compiled once for all layers (glue()) ----
 
-def norm_linear(x, norm, w, eps: float):
-    """A mixer's pre-norm and input projection."""
-    return F.linear(qwen_rms_norm(x, norm, eps), w)
-
-
 def attention_in(x, norm, wqkv, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
     """Pre-norm, fused projection (per head: [query | output gate], then k, v), q/k norms, partial RoPE.
     Returns q [H, T, D], k and v [Hkv, T, D], gate [T, H * D]."""
-    return attention_heads(norm_linear(x, norm, wqkv, eps), q_norm, k_norm, cos, sin, eps, heads, kv_heads, head_dim)
+    return attention_heads(F.linear(qwen_rms_norm(x, norm, eps), wqkv), q_norm, k_norm, cos, sin, eps, heads,
+                           kv_heads, head_dim)
 
 
 def attention_heads(proj, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
@@ -132,7 +128,12 @@ def attention_heads(proj, q_norm, k_norm, cos, sin, eps: float, heads: int, kv_h
 def attention_out(attn, gate, wo):
     """The gated output projection. The residual add happens in moe_in, inside its norm: a cuBLAS beta-add here
     costs a copy of x before the matmul (one launch per layer)."""
-    return F.linear(attn * torch.sigmoid(gate), wo)
+    return F.linear(attention_gate(attn, gate), wo)
+
+
+def attention_gate(attn, gate):
+    """attention_out before its projection."""
+    return attn * torch.sigmoid(gate)
 
 
 def deltanet_in(x, norm, w_in, conv_state, conv_w, eps: float, key_heads: int, value_heads: int, key_dim: int,
@@ -141,8 +142,8 @@ def deltanet_in(x, norm, w_in, conv_state, conv_w, eps: float, key_heads: int, v
     (transformers' causal_conv1d_update) + SiLU. Returns the conv window [K-1+T, C] (the caller stores what the
     cache keeps), q, k [T, Hk, Dk], v, z [T, Hv, Dv], and the gate projections a, b [T, Hv] (kernels/gdn_state turns
     them into g and beta: gdn_gates)."""
-    return deltanet_conv(norm_linear(x, norm, w_in, eps), conv_state, conv_w, key_heads, value_heads, key_dim,
-                         value_dim)
+    return deltanet_conv(F.linear(qwen_rms_norm(x, norm, eps), w_in), conv_state, conv_w, key_heads, value_heads,
+                         key_dim, value_dim)
 
 
 def deltanet_conv(proj, conv_state, conv_w, key_heads: int, value_heads: int, key_dim: int, value_dim: int):
@@ -163,9 +164,13 @@ def deltanet_conv(proj, conv_state, conv_w, key_heads: int, value_heads: int, ke
 def deltanet_out(core, z, norm, w_out, eps: float):
     """Gated RMSNorm of the recurrence output (per value head) and the output projection (the residual add happens
     in moe_in, as for attention_out)."""
+    return F.linear(deltanet_gate(core, z, norm, eps), w_out)
+
+
+def deltanet_gate(core, z, norm, eps: float):
+    """deltanet_out before its projection: the gated RMSNorm per value head, [T, Hv * Dv]."""
     dv = core.shape[-1]
-    out = gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), norm, eps)
-    return F.linear(out.reshape(core.shape[0], -1), w_out)
+    return gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), norm, eps).reshape(core.shape[0], -1)
 
 
 def moe_in(x, y, norm, eps: float):
@@ -204,9 +209,7 @@ class GatedAttention(nn.Module):
         attn = x.new_empty(x.shape[0], c.num_heads * c.head_dim)
         block_attention(q[:, :T], k[:, :T], v[:, :T], model.kv.k[self.slot], model.kv.v[self.slot], positions[:1],
                         kv_len, use_triton=True, out=attn[:T])
-        if model.wide_projections:
-            return wide_linear(attn, self.wo, gate=gate)
-        return glue(attention_out, compiled)(attn, gate, self.wo)
+        return model.padded_linear(glue(attention_gate, compiled)(attn, gate), self.wo, "out")
 
 
 class GatedDeltaNet(nn.Module):
@@ -261,11 +264,8 @@ class GatedDeltaNet(nn.Module):
             cache.conv[i].copy_(window[T:T + width])  # the last width real inputs
             gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.state[i], every_position=False,
                           gates=gates, out=core[:T])
-        if not model.wide_projections:
-            return glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
-        rows = core.shape[0]
-        return wide_linear(core.reshape(rows, -1), self.w_out, gate=z.reshape(rows, -1), head_norm=self.norm,
-                           eps=c.rms_norm_eps)
+        return model.padded_linear(glue(deltanet_gate, compiled)(core, z, self.norm, c.rms_norm_eps), self.w_out,
+                                   "out")
 
 
 class SparseMoE(nn.Module):
@@ -328,9 +328,10 @@ class Qwen35Moe(nn.Module):
     # (use_invariant_verify) and its greedy output equals its plain decoding token for token. Off for plain engines:
     # it costs a plain step ~1.3x the one-token kernels. bench/target_step.py --invariant.
     invariant_steps = False
-    # _padded_rows' dense projections with their norms and gates in kernels/wide_linear.py (one launch each, near the
-    # weights' bandwidth) instead of compiled glue + cuBLAS; False measures the old way (bench/target_step.py --no-wide)
-    wide_projections = True
+    # Which of _padded_rows' dense projections ("in": the mixers' input projections, "out": their output
+    # projections) run kernels/wide_linear.py instead of cuBLAS (bench/target_step.py --wide measures a set). "in"
+    # is no faster than cuBLAS at the 35B-A3B shape (15.2 vs 15.5 us, 12.2 vs 11.8: kernels/README.md)
+    wide_projections = frozenset({"out"})
 
     def __init__(self, config: Qwen35MoeConfig, inv_freq: torch.Tensor):
         super().__init__()
@@ -394,9 +395,11 @@ class Qwen35Moe(nn.Module):
 
     def padded_in_projection(self, x, norm, w, compiled: bool):
         """_padded_rows: a mixer's pre-norm and input projection over the padded rows."""
-        if self.wide_projections:
-            return wide_linear(x, w, norm, self.config.rms_norm_eps)
-        return glue(norm_linear, compiled)(x, norm, w, self.config.rms_norm_eps)
+        return self.padded_linear(glue(qwen_rms_norm, compiled)(x, norm, self.config.rms_norm_eps), w, "in")
+
+    def padded_linear(self, x, w, which: str):
+        """_padded_rows' dense projections: kernels/wide_linear.py for those in wide_projections, else cuBLAS."""
+        return wide_linear(x, w) if which in self.wide_projections else F.linear(x, w)
 
     def use_invariant_verify(self) -> bool:
         """For a speculative engine: decode steps and verifies through _padded_rows (invariant_steps), so greedy
