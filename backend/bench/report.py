@@ -87,7 +87,8 @@ def format_table(res: dict) -> str:
     labels = {"hf_generate": "transformers generate", "plain": "engine, plain",
               "plain_default": "engine, plain (default kernels)",
               "speculative": "engine, speculative", "speculative_adaptive": "engine, spec + adaptive k"}
-    labels.update({k: f"engine, forced tau {k.removeprefix('forced_tau_')}" for k in runs if k.startswith("forced_")})
+    labels.update({k: "engine, forced tau " + k.removeprefix("forced_tau_").replace("_adaptive", " + adaptive k")
+                   for k in runs if k.startswith("forced_")})
     for key, r in runs.items():
         same = r.get("identical_to_plain", r.get("identical_to_hf_generate"))
         ref = " (vs plain)" if "identical_to_plain" in r else (" (vs generate)" if same is not None else "")

@@ -11,6 +11,7 @@ distinct experts a verify block wakes per layer) as text, and writes it as JSON 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -321,8 +322,11 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
             engine = engine_for(drafter=draft_model, adaptive_verify=adaptive_on)
             counter.watch(engine)
             run_engine(engine, warm, warm_tokens, stops)
+            costs = engine.measure_verify_costs() if adaptive_on else {}  # the adaptive length's curve, at load
             counter.by_size.clear()
             r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops)
+            if costs:
+                r["verify_cost_ms_at_load"] = {n: round(1e3 * t, 4) for n, t in costs.items()}
             compare(r, runs["plain"])
             if r.get("cycles"):
                 r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
@@ -341,14 +345,19 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
                 if key in runs:
                     runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
         counter.close()
-        for tau in forced_tau:  # the real cycle at a real tau: drafts replaced by plain decoding's own tokens
-            engine = engine_for(drafter=draft_model)
+        # the real cycle at a real tau: drafts replaced by plain decoding's own tokens
+        for tau, adaptive_on in itertools.product(forced_tau, modes):
+            engine = engine_for(drafter=draft_model, adaptive_verify=adaptive_on)
             reference = runs["plain"]["outputs"]
             force = lambda i, tau=tau: ForcedAcceptance(reference[i], tau, vocab, engine.device, seed=i)  # noqa: E731
             run_engine(engine, warm, warm_tokens, stops, force)
-            r = runs[f"forced_tau_{tau:g}"] = run_engine(engine, prompt_ids, max_tokens, stops, force)
+            costs = engine.measure_verify_costs() if adaptive_on else {}
+            key = f"forced_tau_{tau:g}" + ("_adaptive" if adaptive_on else "")
+            r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops, force)
             r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation "
                                       "up to a geometric accept length (a forced condition, not a drafter's tau)"}
+            if costs:
+                r["verify_cost_ms_at_load"] = {n: round(1e3 * t, 4) for n, t in costs.items()}
             compare(r, runs["plain"])
             if r.get("cycles"):
                 r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
@@ -383,7 +392,9 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=None)
-    ap.add_argument("--adaptive", default="both", choices=["off", "on", "both"])
+    ap.add_argument("--adaptive", default="both", choices=["off", "on", "both"],
+                    help="speculative (and forced) runs with a fixed verify length, the adaptive one (its cost curve "
+                    "measured before the timed run: Engine.measure_verify_costs), or both")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--json", type=Path, default=None)

@@ -10,6 +10,7 @@ every turn) only prefills what is new.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -164,6 +165,47 @@ class Engine:
                     f"is token-identical to plain decoding in the same numerics ({why})")
         return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), NOT lossless on this path: "
                 "greedy output can differ from plain decoding at near-ties (use --drafter none for plain decoding)")
+
+    @torch.inference_mode()
+    def measure_verify_costs(self, reps: int = 3) -> dict[int, float]:
+        """The adaptive verify length's cost curve, measured on this device now: T_t(n) in seconds for a verify of
+        n = 1..block tokens through the path the cycle takes (from a device buffer on the GPU, timed with CUDA events
+        as the cycle times it), the median of `reps` after one untimed verify that compiles and captures the size.
+        The curve seeds the running means the cycles then update. Each verify is abandoned: the caches and
+        cache_ids are as before. Needs a context (run it after a warm-up generation); {} without a drafter, on the
+        transformers path or with an empty cache."""
+        target = self.target
+        if self.drafter is None or not self.fast or not target.ids:
+            return {}
+        cuda = self.device.type == "cuda"
+        on_device = self.fast_drafter is not None
+        tokens = torch.full((self.drafter.block_size,), target.ids[-1], dtype=torch.long,
+                            device=self.device if on_device else "cpu")
+        costs = {}
+        for n in range(1, self.drafter.block_size + 1):
+            times = []
+            for rep in range(reps + 1):
+                _sync(self.device)
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                if on_device:
+                    target.verify_on_device(tokens[:n], features=True)
+                else:
+                    target.verify(tokens[:n].tolist(), features=True)
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    seconds = start.elapsed_time(end) / 1e3
+                else:
+                    seconds = time.perf_counter() - t0
+                target.abandon()
+                if rep:
+                    times.append(seconds)
+            costs[n] = statistics.median(times)
+        self.verify_length.cost.seed(costs)
+        return costs
 
     @property
     def cache_ids(self) -> list[int]:

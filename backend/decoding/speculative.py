@@ -65,6 +65,12 @@ class VerifyCostModel:
         old = self.mean.get(n)
         self.mean[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
+    def seed(self, seconds: dict[int, float]) -> None:
+        """Start from a curve measured up front (Engine.measure_verify_costs): every size has a mean before the first
+        cycle, so no choice rests on a line through one or two sizes, nor on a first verify of a size that paid for
+        capturing its CUDA graph (an outlier the running mean would keep that size from ever being chosen again)."""
+        self.mean.update(seconds)
+
     def probe(self, n_max: int) -> int | None:
         """A size worth measuring before the line can be trusted (full block first, then about half)."""
         if n_max not in self.mean:

@@ -172,6 +172,31 @@ def test_adaptive_verify_length_is_lossless(fast):
     assert len(engine.last_stats.verify_sizes) >= 2  # it probed more than one verify length
 
 
+@pytest.mark.parametrize("fast", PATHS[1:], ids=PATH_IDS[1:])
+def test_verify_costs_measured_up_front_seed_the_curve_and_leave_the_engine_as_it_was(fast):
+    """Engine.measure_verify_costs times a verify of every size 1..block (the adaptive verify length's curve from the
+    start), leaves the cache exactly as it was (each verify abandoned), and the next generation equals one from an
+    engine that never measured."""
+    model = tiny_qwen35_moe()
+    prompt, follow = list(range(1, 20)), list(range(1, 20)) + [7, 8]
+    drafter = random_drafter(model, block_size=6)
+    engine = Engine(model, drafter=drafter, adaptive_verify=True, **fast)
+    assert engine.measure_verify_costs() == {}  # no context yet: nothing to verify against
+    list(engine.generate(prompt, SamplingParams(max_tokens=6)))
+    ids, cost = list(engine.cache_ids), engine.verify_length.cost
+    cost.mean.clear()
+    costs = engine.measure_verify_costs(reps=2)
+    assert sorted(costs) == list(range(1, 7)) and all(t > 0 for t in costs.values())
+    assert cost.mean == costs and cost.probe(6) is None  # every size measured: no probing cycles
+    assert engine.cache_ids == ids
+    other = Engine(model, drafter=drafter, adaptive_verify=True, **fast)
+    list(other.generate(prompt, SamplingParams(max_tokens=6)))
+    expect = [t for b in other.generate(follow, SamplingParams(max_tokens=12)) for t in b]
+    assert [t for b in engine.generate(follow, SamplingParams(max_tokens=12)) for t in b] == expect
+    assert engine.last_stats.cached_tokens == other.last_stats.cached_tokens  # the prefix reuse saw the same cache
+    assert Engine(model, **fast).measure_verify_costs() == {}  # a plain engine has no verify length
+
+
 def test_verify_cost_curve_and_the_length_it_chooses():
     """T_t(n): measured sizes as measured, the others on the least-squares line through them (never sloping
     down); the choice maximizes expected committed tokens per second over that curve."""
@@ -282,6 +307,8 @@ def test_bench_reports_the_seed_table(tmp_path, capsys):
     runs = res["runs"]
     assert runs["plain"]["identical_to_hf_generate"] and runs["speculative"]["identical_to_plain"]
     assert runs["speculative_adaptive"]["identical_to_plain"]
+    # the adaptive run's cost curve, measured before it: every verify size of the 4-token block
+    assert sorted(runs["speculative_adaptive"]["verify_cost_ms_at_load"]) == ["1", "2", "3", "4"]
     spec_run = runs["speculative"]
     assert spec_run["cycles"] > 0 and spec_run["tau"] >= 1.0 and len(spec_run["acceptance_per_position"]) == 3
     assert spec_run["eta_predicted"] > 0 and spec_run["eta_measured"] > 0
