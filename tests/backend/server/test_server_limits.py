@@ -151,7 +151,8 @@ def test_health_answers_while_a_big_prompt_is_tokenized(tiny_model, live_server,
     a worker thread: /health keeps answering before the big request does. (count_tokens has no window to refuse a
     long prompt by, so it tokenizes all of it; the generating routes refuse a prompt that cannot fit before that.)"""
     server = live_server(tiny_model("llama"), max_body_bytes=64 * 2**20)
-    text = "def first(xs):\n    return xs[1]\n" * 200_000  # ~6.6 MB of text
+    # ~2 MB of text: tokenizing it takes over a second here, ~30 /health answers meanwhile (3 are asked for)
+    text = "def first(xs):\n    return xs[1]\n" * 60_000
     done = threading.Event()
     answers: list[httpx.Response] = []
 
