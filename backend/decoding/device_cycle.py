@@ -29,6 +29,12 @@ class ForcedAcceptance:
     with mean tau - 1 accepted drafts, and a token that cannot match after it. The target still verifies every
     token: where its verify disagrees with its plain steps, acceptance stops there.
 
+    The drafter's confidences, which the adaptive verify length reads, are replaced too: under the forcing's law each
+    draft is accepted, given the ones before it were, with probability 1 - 1/tau, which is what a calibrated drafter
+    of that tau would report (a random drafter's own confidences are near zero, and the adaptive length trusting
+    them verified one token a cycle: bench/results/spec_e2e_qwen3.6-35b-a3b-shape_h200_20261202_adaptive_at_load_
+    routing_trace50.json, forced_tau_4.9_adaptive).
+
     The forcing must not cost the cycle what the product's cycle does not pay: the draw is plain Python and the
     proposal arrives as two copies from host buffers made once (the continuation and its misses), no kernel of its
     own. (Drawn with torch.rand and built with device ops, it cost ~0.44 ms a cycle at the 35B-A3B shape on the
@@ -44,6 +50,11 @@ class ForcedAcceptance:
         self.tau, self.vocab = float(tau), int(vocab)
         self.p_stop = 1.0 / max(self.tau, 1.0)  # geometric: P(accept one more) = 1 - 1/tau, mean committed = tau
         self.rng = random.Random(seed)
+
+    def confidence(self, k: int) -> list[float]:
+        """What a calibrated drafter of this tau would report for k drafts: each accepted (given the ones before)
+        with probability 1 - 1/tau."""
+        return [1.0 - self.p_stop] * k
 
     def draw(self, k: int) -> int:
         accepted = 0
@@ -186,7 +197,7 @@ def device_speculative_decode(target, fd, verify_length, forced, logits, params,
         queued = None
         if stop_at is None and produced < budget and not cancelled():
             k = min(B - 1, budget - produced - 1)  # the target's own token must fit in the budget too
-            conf = host_conf[:k].tolist()
+            conf = host_conf[:k].tolist() if forced is None else forced.confidence(k)
             k = verify_length.choose(k, conf, draft_seconds)
             if forced is not None and k:
                 forced.propose(fd.block_tokens, produced, k)

@@ -142,17 +142,30 @@ def choose_verify_length(confidence: list[float], cost: VerifyCostModel, draft_s
 
 class VerifyLength:
     """One engine's verify length: what its verifies cost and how its drafts are accepted, observed every cycle;
-    with `adaptive`, choose() shortens a block where a shorter one commits more tokens per second."""
+    with `adaptive`, choose() shortens a block where a shorter one commits more tokens per second.
+
+    Every `explore_every`-th cycle that would verify less than the whole draft verifies all of it: acceptance is
+    only observed at the positions a cycle verifies, so a drafter whose confidences start low (or a cost curve that
+    makes short blocks look best) would otherwise keep the calibration from ever seeing the later positions, and
+    the choice from ever growing. Lossless either way: the length only changes how much the target checks."""
+
+    explore_every = 16
 
     def __init__(self, adaptive: bool):
         self.adaptive = adaptive
         self.cost = VerifyCostModel()  # measured T_t(n)
         self.calibration = AcceptanceCalibration()  # measured acceptance against drafter confidence
+        self.since_whole = 0  # cycles since one verified the whole draft
 
     def choose(self, k: int, confidence: list[float], draft_seconds: float) -> int:
         if not self.adaptive or k == 0:
             return k
-        return choose_verify_length(self.calibration(confidence[:k]), self.cost, draft_seconds)
+        self.since_whole += 1
+        chosen = k if self.since_whole >= self.explore_every else choose_verify_length(
+            self.calibration(confidence[:k]), self.cost, draft_seconds)
+        if chosen == k:
+            self.since_whole = 0
+        return chosen
 
     def observe(self, k: int, verify_seconds: float, confidence: list[float], accepted: int) -> None:
         self.cost.observe(k + 1, verify_seconds)

@@ -78,6 +78,27 @@ def test_forced_acceptance_proposes_the_reference_then_misses_at_a_geometric_len
     assert abs(sum(draws) / len(draws) - 3.0) < 0.2  # tau 4: 3 accepted drafts on average
 
 
+def test_forced_acceptance_shows_the_adaptive_length_its_laws_confidences():
+    """With forcing, the adaptive verify length reads the law's confidences (1 - 1/tau per draft), not the random
+    drafter's near-zero ones: it verifies long blocks where the law accepts long prefixes, and the output is still
+    plain decoding's."""
+    model = tiny_model("tiny-hybrid")
+    plain = Engine(model, max_context=512, fast=True, exact=False)
+    engine = Engine(model, drafter=random_drafter(model, block_size=16), max_context=512, fast=True, exact=False,
+                    device_cycle=True, adaptive_verify=True)
+    prompt = prompts(1)[0]
+    ref = generate(plain, prompt, max_tokens=80)
+    engine.forced_acceptance = ForcedAcceptance(ref, 8.0, 128, engine.device, seed=0)
+    assert engine.forced_acceptance.confidence(3) == [1 - 1 / 8.0] * 3
+    generate(engine, prompt, max_tokens=8)  # a context to measure against
+    engine.measure_verify_costs(reps=1)
+    engine.forced_acceptance = ForcedAcceptance(ref, 8.0, 128, engine.device, seed=0)
+    assert generate(engine, prompt, max_tokens=80) == ref
+    sizes = engine.last_stats.verify_sizes
+    long_blocks = sum(c for n, c in sizes.items() if n >= 8)
+    assert long_blocks >= sum(sizes.values()) / 2 and engine.last_stats.tau > 3, sizes
+
+
 def test_device_cycle_without_forcing_stops_and_reuses_like_plain():
     model = tiny_model("tiny-hybrid")
     plain = Engine(model, max_context=512, fast=True, exact=False)

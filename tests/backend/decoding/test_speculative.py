@@ -197,6 +197,19 @@ def test_verify_costs_measured_up_front_seed_the_curve_and_leave_the_engine_as_i
     assert Engine(model, **fast).measure_verify_costs() == {}  # a plain engine has no verify length
 
 
+def test_adaptive_length_verifies_the_whole_draft_now_and_then():
+    """Acceptance is only observed where a cycle verifies: with confidences that make one token look best, every
+    explore_every-th choice still verifies the whole draft, and a whole-draft choice restarts the count."""
+    length = spec.VerifyLength(adaptive=True)
+    length.cost.seed({n: 1.0 + 0.01 * n for n in range(1, 17)})
+    low = [0.01] * 15
+    chosen = [length.choose(15, low, 0.01) for _ in range(2 * length.explore_every)]
+    assert chosen.count(15) == 2 and max(c for c in chosen if c != 15) <= 1
+    assert chosen.index(15) == length.explore_every - 1
+    assert length.choose(15, [0.99] * 15, 0.01) == 15 and length.since_whole == 0  # chosen on its merits
+    assert spec.VerifyLength(adaptive=False).choose(15, low, 0.01) == 15
+
+
 def test_verify_cost_curve_and_the_length_it_chooses():
     """T_t(n): measured sizes as measured, the others on the least-squares line through them (never sloping
     down); the choice maximizes expected committed tokens per second over that curve."""
