@@ -188,7 +188,7 @@ _WORKSPACES: dict = {}  # device -> (partials, sums of squares, counters); grown
 
 
 def split_workspace(device, partial_floats: int, ss_floats: int, counters: int):
-    """Scratch for the split-K partials, shared by every call on a device (launches on a stream run one after
+    """Scratch for the split-K partials (here and in kernels/wide_linear.py), shared by every call on a device (launches on a stream run one after
     another; each call leaves its counters at zero). Grown before CUDA-graph capture (the engine's warm-up runs every
     shape eagerly first); old buffers are kept alive because graphs captured earlier still point at them."""
     key = str(device)
@@ -198,8 +198,8 @@ def split_workspace(device, partial_floats: int, ss_floats: int, counters: int):
         if part.numel() >= partial_floats and ss.numel() >= ss_floats and count.numel() >= counters:
             return part, ss, count
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("rows_linear needs a larger workspace during CUDA-graph capture: run the shape "
-                               "eagerly once first")
+            raise RuntimeError("a split-K kernel (rows_linear, wide_linear) needs a larger workspace during "
+                               "CUDA-graph capture: run the shape eagerly once first")
         partial_floats, ss_floats = max(partial_floats, part.numel()), max(ss_floats, ss.numel())
         counters = max(counters, count.numel())
     new = (torch.empty(max(partial_floats, 1), dtype=torch.float32, device=device),
@@ -277,8 +277,8 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
     cfg = dict(plan(n_tiles, k, bn, bk), **(tiles or {}))
     splits = cfg["SPLITS"]
     part, ss, count = split_workspace(x.device, splits * n_tiles * 2 * 16 * bn if splits > 1 else 0,
-                                 splits * n_tiles * 16 if splits > 1 and norm_weight is not None else 0,
-                                 n_tiles if splits > 1 else 0)
+                                      splits * n_tiles * 16 if splits > 1 and norm_weight is not None else 0,
+                                      n_tiles if splits > 1 else 0)
     y = torch.empty(T, n_out, dtype=x.dtype, device=x.device)
     nw = norm_weight if norm_weight is not None else x
     res = residual.contiguous() if residual is not None else y

@@ -2,7 +2,6 @@
 skinny GEMM whose row bits cannot depend on the other rows:
 
     wide_linear(x, w)                   y = x W^T        x [T <= 16, K], w [N, K]
-    wide_linear(x, w, residual=r)       r + y
 
 Why: a speculative engine runs every decode step and verify block on 16 padded rows (backend/models/qwen3_5_moe.py
 _padded_rows). There cuBLAS computes the output projections (2048 x 4096) as split-K plus a reduction kernel, ~2x
@@ -16,7 +15,7 @@ the loop a round trip per step: kernels/README.md); rows past T are masked to ze
 product of one weight row with one input row, accumulated over K in a fixed order, so a row's bits do not depend on T
 or on its neighbours. K is split into SPLITS ranges fixed by the shape: each program stores its fp32 partial and the
 last program of a tile to arrive (an atomic counter) adds them in split order and applies the epilogue, as
-kernels/rows_linear.py does. y is cast once; the residual is added as PyTorch adds two tensors of x's dtype.
+kernels/rows_linear.py does. y is cast once.
 """
 
 from __future__ import annotations
@@ -39,21 +38,16 @@ TUNED = {(2048, 4096): {"BN": 64, "BK": 256, "SPLITS": 4, "stages": 4, "warps": 
 
 if triton is not None:
     @triton.jit
-    def _epilogue(acc, m, m_ok, rows, r_ok, y_ptr, res_ptr, N, HAS_RESIDUAL: tl.constexpr):
-        """The finished [BN, 16] sums of one tile: the cast, the residual, the store (transposed)."""
-        dt = y_ptr.dtype.element_ty
-        y = acc.to(dt)
-        ok = r_ok[:, None] & m_ok[None, :]
-        at = m[None, :] * N + rows[:, None]
-        if HAS_RESIDUAL:  # residual + y, each rounded as PyTorch rounds the two steps
-            y = (tl.load(res_ptr + at, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
-        tl.store(y_ptr + at, y, mask=ok)
+    def _store(acc, m, m_ok, rows, r_ok, y_ptr, N):
+        """The finished [BN, 16] sums of one tile, cast and stored transposed."""
+        tl.store(y_ptr + m[None, :] * N + rows[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & m_ok[None, :])
 
     # T is never specialised: a decode step and a verify block run one binary
     @triton.jit(do_not_specialize=["T"])
-    def _wide_kernel(x_ptr, w_ptr, y_ptr, res_ptr, part_ptr, count_ptr, T, N, stride_wn, K: tl.constexpr,
-                     KS: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
+    def _wide_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, stride_wn, K: tl.constexpr, KS: tl.constexpr,
+                     BK: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
+                     IEEE: tl.constexpr):
         """Grid (N / BN, SPLITS): weight rows p*BN.. over K range [s * KS, (s + 1) * KS)."""
         p = tl.program_id(0)
         s = tl.program_id(1)
@@ -73,7 +67,7 @@ if triton is not None:
             else:
                 acc = tl.dot(w, xt, acc)
         if SPLITS == 1:
-            _epilogue(acc, m, m_ok, rows, r_ok, y_ptr, res_ptr, N, HAS_RESIDUAL)
+            _store(acc, m, m_ok, rows, r_ok, y_ptr, N)
         else:
             tiles = tl.num_programs(0)
             cell = tl.arange(0, BN)[:, None] * 16 + m[None, :]
@@ -84,14 +78,13 @@ if triton is not None:
                 acc = tl.zeros([BN, 16], dtype=tl.float32)
                 for r in tl.static_range(SPLITS):  # split order, whatever order the programs finished in
                     acc += tl.load(part_ptr + (r * tiles + p) * BN * 16 + cell, cache_modifier=".cg")
-                _epilogue(acc, m, m_ok, rows, r_ok, y_ptr, res_ptr, N, HAS_RESIDUAL)
+                _store(acc, m, m_ok, rows, r_ok, y_ptr, N)
                 tl.atomic_xchg(count_ptr + p, 0)  # ready for the next call (launches on a stream run in order)
 
 
-def wide_linear_torch(x, w, residual=None):
-    """The same in PyTorch: fp32 sums (in another order), one cast, the residual added as PyTorch adds."""
-    y = (x.float() @ w.float().t()).to(x.dtype)
-    return y if residual is None else (residual.float() + y.float()).to(y.dtype)
+def wide_linear_torch(x, w):
+    """The same in PyTorch: fp32 sums (in another order), one cast."""
+    return (x.float() @ w.float().t()).to(x.dtype)
 
 
 def default_tiles(n: int, k: int) -> dict:
@@ -101,19 +94,17 @@ def default_tiles(n: int, k: int) -> dict:
     return {"BN": bn, "BK": 256, "SPLITS": max(1, SMS // -(-n // bn)), "stages": 3, "warps": 4}
 
 
-def wide_linear(x, w, residual=None, *, use_triton: bool | None = None, tiles: dict | None = None):
-    """x [T, K] (T <= 16), w [N, K] -> x W^T [T, N] (+ residual [T, N]). Row t's bits do not depend on T or on the
-    other rows. tiles overrides the launch shape (a sweep)."""
+def wide_linear(x, w, *, use_triton: bool | None = None, tiles: dict | None = None):
+    """x [T, K] (T <= 16), w [N, K] -> x W^T [T, N]. Row t's bits do not depend on T or on the other rows. tiles
+    overrides the launch shape (a sweep)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"wide_linear takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
-    if residual is not None and tuple(residual.shape) != (x.shape[0], w.shape[0]):
-        raise ValueError(f"residual {tuple(residual.shape)} must be [T, N] = [{x.shape[0]}, {w.shape[0]}]")
     if use_triton is None:
         from kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
     if not use_triton:
-        return wide_linear_torch(x, w, residual)
+        return wide_linear_torch(x, w)
     n, k = w.shape
     cfg = dict(default_tiles(n, k), **(tiles or TUNED.get((n, k), {})))
     bk = min(cfg["BK"], triton.next_power_of_2(k))
@@ -129,9 +120,7 @@ def wide_linear(x, w, residual=None, *, use_triton: bool | None = None, tiles: d
     x = x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    res = residual.contiguous() if residual is not None else y
     _wide_kernel[(n_tiles, splits)](
-        x, w, y, res, part, count, x.shape[0], n, w.stride(0), K=k, KS=ks, BK=bk, SPLITS=splits, BN=bn,
-        HAS_RESIDUAL=residual is not None, STAGES=cfg["stages"], IEEE=x.dtype == torch.float32,
-        num_warps=cfg["warps"])
+        x, w, y, part, count, x.shape[0], n, w.stride(0), K=k, KS=ks, BK=bk, SPLITS=splits, BN=bn,
+        STAGES=cfg["stages"], IEEE=x.dtype == torch.float32, num_warps=cfg["warps"])
     return y

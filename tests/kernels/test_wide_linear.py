@@ -12,27 +12,26 @@ import torch
 from kernels.wide_linear import wide_linear, wide_linear_torch
 from tests.kernels.test_fused_moe import interpreted_by_case
 
-# (dtype, N, K, BN, BK, SPLITS, residual). N not a multiple of BN (masked tile rows), K not a multiple of BK (a
-# masked last step), several splits and one, a split count that does not divide the steps.
+# (dtype, N, K, BN, BK, SPLITS). N not a multiple of BN (masked tile rows), K not a multiple of BK (a masked last
+# step), several splits and one, a split count that does not divide the steps.
 CASES = [
     (dt, *case) for dt in ("float32", "float16") for case in [
-        (40, 192, 16, 64, 1, False),
-        (96, 256, 32, 64, 2, False),
-        (72, 200, 32, 64, 3, True),
-        (64, 320, 32, 128, 2, False),
-        (33, 128, 16, 32, 4, True),
+        (40, 192, 16, 64, 1),
+        (96, 256, 32, 64, 2),
+        (72, 200, 32, 64, 3),
+        (64, 320, 32, 128, 2),
+        (33, 128, 16, 32, 4),
     ]
 ]
 
 
 def inputs_for(case, rows: int, device="cpu"):
-    dt, n, k, bn, bk, splits, residual = case
+    dt, n, k, bn, bk, splits = case
     g = torch.Generator().manual_seed(n * k + rows)
     dtype = getattr(torch, dt)
     x, w = torch.randn(rows, k, generator=g).to(device, dtype), (torch.randn(n, k, generator=g) / k ** 0.5).to(
         device, dtype)
-    r = torch.randn(rows, n, generator=g).to(device, dtype) if residual else None
-    return x, w, r, {"BN": bn, "BK": bk, "SPLITS": splits, "stages": 2, "warps": 4}
+    return x, w, {"BN": bn, "BK": bk, "SPLITS": splits, "stages": 2, "warps": 4}
 
 
 SCRIPT = r"""
@@ -42,13 +41,12 @@ sys.path.insert(0, sys.argv[1])
 from tests.kernels.test_wide_linear import CASES, inputs_for
 from kernels.wide_linear import wide_linear, wide_linear_torch
 for case in CASES:
-    x, w, r, tiles = inputs_for(case, 5)
-    y = wide_linear(x, w, r, use_triton=True, tiles=tiles)
-    ref = wide_linear_torch(x, w, r)
+    x, w, tiles = inputs_for(case, 5)
+    y = wide_linear(x, w, use_triton=True, tiles=tiles)
+    ref = wide_linear_torch(x, w)
     err = float((y.double() - ref.double()).norm() / ref.double().norm())
-    alone = torch.cat([wide_linear(x[t:t + 1], w, None if r is None else r[t:t + 1], use_triton=True, tiles=tiles)
-                       for t in range(5)])
-    again = wide_linear(x, w, r, use_triton=True, tiles=tiles)  # the counters were left at zero
+    alone = torch.cat([wide_linear(x[t:t + 1], w, use_triton=True, tiles=tiles) for t in range(5)])
+    again = wide_linear(x, w, use_triton=True, tiles=tiles)  # the counters were left at zero
     print(json.dumps({"case": list(case), "err": err, "rows_equal_alone": torch.equal(y, alone),
                       "repeatable": torch.equal(y, again), "shape": list(y.shape)}), flush=True)
 """
@@ -67,12 +65,10 @@ def test_kernel_matches_pytorch_and_rows_equal_rows_alone_in_interpreter(results
     assert r["shape"] == [5, case[1]]
 
 
-def test_fallback_is_the_product_rounded_once_then_the_residual():
-    x, w, r, _ = inputs_for(("float16", 48, 128, 16, 64, 1, True), 3)
+def test_fallback_is_the_product_rounded_once():
+    x, w, _ = inputs_for(("float16", 48, 128, 16, 64, 1), 3)
     y = (x.double() @ w.double().t()).to(torch.float16)
     torch.testing.assert_close(wide_linear(x, w, use_triton=False), y, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(wide_linear(x, w, r, use_triton=False), (r.float() + y.float()).half(), rtol=1e-3,
-                               atol=1e-3)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -81,8 +77,8 @@ def test_bad_inputs_raise_clear_errors():
         wide_linear(torch.randn(17, 64), w)
     with pytest.raises(ValueError, match="T <= 16"):
         wide_linear(x, torch.randn(32, 63))
-    with pytest.raises(ValueError, match="residual"):
-        wide_linear(x, w, torch.randn(3, 32))
+    with pytest.raises(ValueError, match="T <= 16"):
+        wide_linear(x[0], w)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
