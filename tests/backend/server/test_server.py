@@ -245,7 +245,23 @@ def wait_for(predicate, timeout=20.0):
     return False
 
 
-def test_client_disconnect_cancels_generation(llama):
+@pytest.fixture
+def paced_decoding(monkeypatch):
+    """Each plain decoding step of the in-process servers takes at least 3 ms more (a sleep beside the real sampling),
+    so a 1500-token answer lasts over 4 s on any machine. The tests of cancellation and of the queue's timeout need
+    the engine still generating when their timeouts (1 s, 0.5 s) run out; on a fast machine the tiny model writes
+    1500 tokens in well under a second, and both tests then failed for want of anything to cancel or wait for."""
+    import backend.decoding.engine as engine
+
+    real = engine.sample_token
+
+    def paced(*args, **kwargs):
+        time.sleep(0.003)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine, "sample_token", paced)
+
+
+def test_client_disconnect_cancels_generation(llama, paced_decoding):
     model = oai(llama).models.list().data[0].id
     before = metric(llama, "reviewer_generated_tokens_total")
     cancelled = metric(llama, "reviewer_requests_total", route="chat", outcome="cancelled")
@@ -267,7 +283,7 @@ def test_client_disconnect_cancels_generation(llama):
     assert 0 < metric(llama, "reviewer_generated_tokens_total") - before < 1500
 
 
-def test_waiting_too_long_in_the_queue_is_a_clear_503(tiny_model, live_server):
+def test_waiting_too_long_in_the_queue_is_a_clear_503(tiny_model, live_server, paced_decoding):
     server = live_server(tiny_model("llama"), queue_timeout=0.5)
     model = oai(server).models.list().data[0].id
     body = {"model": model, "messages": ASK, "max_tokens": 1500, "temperature": 0, "stream": True}
