@@ -1,5 +1,5 @@
-"""What a project's tests need beyond its install, as the project declares it elsewhere: tox.ini's test deps, a PEP
-735 dependency group, the pytest plugins its pytest config names. Pure file and text work; smoke.py installs them."""
+"""What a project's tests need beyond its install, as the project declares it elsewhere: tox.ini's test deps and the
+requirements files they name, a PEP 735 dependency group, the pytest plugins its pytest config names. Pure file and text work; smoke.py installs them."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ PYTEST_PLUGIN_OPTIONS = {"--cov": "pytest-cov", "--no-cov": "pytest-cov", "--no-
 TEST_GROUPS = ("test", "tests", "testing", "dev")  # PEP 735 dependency groups that hold what the tests need
 
 
-def tox_test_deps(root: Path) -> list[str]:
-    """The plain requirements of tox.ini's [testenv] deps (the test environment a project declares there), leaving
-    out factor-conditional lines, substitutions and pip options."""
+def tox_deps_lines(root: Path) -> list[str]:
+    """The lines of tox.ini's [testenv] deps, comments removed."""
     path = root / "tox.ini"
     if not path.is_file():
         return []
@@ -31,12 +30,36 @@ def tox_test_deps(root: Path) -> list[str]:
         cfg.read_string(path.read_text(errors="replace"))
     except configparser.Error:
         return []
+    lines = (line.split(" #")[0].strip() for line in cfg.get("testenv", "deps", fallback="").splitlines())
+    return [line for line in lines if line]
+
+
+def tox_test_deps(root: Path) -> list[str]:
+    """The plain requirements of tox.ini's [testenv] deps (the test environment a project declares there), leaving
+    out factor-conditional lines, substitutions and pip options."""
     deps = []
-    for line in cfg.get("testenv", "deps", fallback="").splitlines():
-        line = line.split(" #")[0].strip()
+    for line in tox_deps_lines(root):
         if re.fullmatch(r"[A-Za-z0-9][\w.-]*(\[[\w,.-]+\])?\s*([<>=!~]=?\s*[\w.*+!-]+\s*,?\s*)*", line):
             deps.append(line)
     return deps
+
+
+def tox_requirement_files(root: Path) -> list[str]:
+    """The requirements files tox.ini's [testenv] deps name (`-r test_requirements.txt`, `-r{toxinidir}/req.txt`) and
+    the repository has: funcy's tests need `whatever`, which only its tox.ini's `-r test_requirements.txt` installs."""
+    found = []
+    for line in tox_deps_lines(root):
+        m = re.fullmatch(r"(?:-r|--requirement)\s*=?\s*(?:\{toxinidir\}/)?(\S+)", line)
+        if not m or "{" in m.group(1):
+            continue
+        name = m.group(1)
+        try:
+            inside = (root / name).resolve().is_relative_to(root.resolve())
+        except OSError:
+            inside = False
+        if inside and (root / name).is_file() and name not in found:
+            found.append(name)
+    return found
 
 
 def dependency_group(root: Path) -> str | None:
@@ -62,7 +85,7 @@ def plugins_for_options(output: str) -> list[str]:
 
 def declared_setup(root: Path) -> list[tuple[str, str]]:
     """(what, pip command) for what the project declares its tests need beyond its extras: a dependency group,
-    tox.ini's test deps. Smoke runs them before the tests; verification before a repro that runs pytest."""
+    tox.ini's test deps and the requirements files they name. Smoke runs them before the tests; verification before a repro that runs pytest."""
     steps = []
     group = dependency_group(root)
     if group:
@@ -71,4 +94,6 @@ def declared_setup(root: Path) -> list[tuple[str, str]]:
     if deps:
         steps.append((f"tox.ini's test deps ({', '.join(deps)})",
                       "python -m pip install " + " ".join(shlex.quote(d) for d in deps)))
+    for name in tox_requirement_files(root):
+        steps.append((f"tox.ini's test requirements ({name})", f"python -m pip install -r {shlex.quote(name)}"))
     return steps

@@ -135,11 +135,19 @@ def test_pytest_plugins_the_config_needs_are_installed_not_reported(tmp_path):
 
 def test_what_the_tests_need_beyond_the_install(tmp_path):
     from reviewer.persona.project import python_metadata
-    from reviewer.persona.testdeps import dependency_group, plugins_for_options, tox_test_deps
+    from reviewer.persona.testdeps import declared_setup, dependency_group, plugins_for_options, tox_test_deps
 
     (tmp_path / "tox.ini").write_text("[tox]\nenvlist = py3\n[testenv]\ndeps =\n    pytest>=7, <9\n    pytest-cov\n"
                                       "    {[base]deps}\n    py37: mock\n    coverage[toml] # for reports\n")
     assert tox_test_deps(tmp_path) == ["pytest>=7, <9", "pytest-cov", "coverage[toml]"]
+    # funcy: `deps = -r test_requirements.txt` is where its tests' `whatever` comes from; files it lacks are left out
+    (tmp_path / "test_requirements.txt").write_text("whatever==0.7\n")
+    (tmp_path / "tox.ini").write_text("[testenv]\ndeps =\n    -r test_requirements.txt\n    -r{toxinidir}/missing.txt\n"
+                                      "    -r ../outside.txt\n    pytest\n")
+    (tmp_path.parent / "outside.txt").write_text("evil\n")
+    assert declared_setup(tmp_path) == [("tox.ini's test deps (pytest)", "python -m pip install pytest"),
+                                        ("tox.ini's test requirements (test_requirements.txt)",
+                                         "python -m pip install -r test_requirements.txt")]
     out = ("ERROR: usage: python -m pytest [options]\npython -m pytest: error: unrecognized arguments: --no-cov-on-fail "
            "--cov=semver --cov-report=term-missing -n 4 --frobnicate\n  inifile: setup.cfg")
     assert plugins_for_options(out) == ["pytest-cov", "pytest-xdist"]  # unknown options are left alone
