@@ -135,13 +135,16 @@ def run_smoke(workspace: Workspace, recorder, *, timeout: float,
 
 
 def has_tests(root: Path) -> bool:
+    """A tests/ (test/, testing/) folder, at the top or inside the package (pytimeparse/tests/), or test_*.py /
+    *_test.py files anywhere."""
     if any((root / d).is_dir() for d in ("tests", "test", "testing")):
         return True
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).parts
-        if any(p.startswith(".") or p in ("node_modules", "build", "dist") for p in parts):
+        if any(p.startswith(".") or p in ("node_modules", "build", "dist", "site-packages") for p in parts):
             continue
-        if path.name.startswith("test_") or path.name.endswith("_test.py"):
+        if path.name.startswith("test_") or path.name.endswith("_test.py") or \
+                any(p in ("tests", "test", "testing") for p in parts[:-1]):
             return True
     return False
 
@@ -240,6 +243,10 @@ def importtime_us(output: str, package: str) -> int | None:
     return None
 
 
+# What a test needs from the machine rather than from the project: failures that say this are the review machine's
+# (natsort's tests set en_US.UTF-8 and de_DE.UTF-8, which a minimal machine does not have), not failing tests.
+MACHINE_LACKS = {"locale": re.compile(r"locale\.Error: unsupported locale setting")}
+
 PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
 
@@ -273,6 +280,56 @@ def failure_location(output: str, test_file: str) -> tuple[str | None, int | Non
     return (hits[0][0], int(hits[0][1])) if hits else (test_file or None, None)
 
 
+def failure_sections(output: str) -> dict[str, str]:
+    """Each FAILURES/ERRORS section of pytest's output by the name in its heading ('test_x[1]', 'TestA.test_b',
+    'ERROR collecting tests/test_c.py')."""
+    summary = re.search(r"^=+ short test summary info =+$", output, flags=re.MULTILINE)
+    parts = re.split(r"^_+ (?:(?:ERROR|FAILURE) at (?:setup|teardown|call) of )?(.+?) _+$",
+                     output[:summary.start()] if summary else output, flags=re.MULTILINE)
+    found: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2]):
+        found.setdefault(name.strip(), body)
+    return found
+
+
+def machine_lacks(output: str, problems: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """What the machine lacks (MACHINE_LACKS) -> the ids of the failing tests that say so."""
+    sections = failure_sections(output)
+    found: dict[str, list[str]] = {}
+    for _, tid, message in problems:
+        name = ".".join(tid.split("::")[1:]) if "::" in tid else f"ERROR collecting {tid}"
+        text = sections.get(name, "") + "\n" + message
+        what = next((w for w, pattern in MACHINE_LACKS.items() if pattern.search(text)), None)
+        if what:
+            found.setdefault(what, []).append(tid)
+    return found
+
+
+def unittest_run(smoke: Smoke) -> bool:
+    """pytest collected nothing: the project's tests may be unittest's (pytimeparse's testtimeparse.py, which
+    pytest's test_*.py pattern misses and `python -m unittest discover` runs). True when unittest ran tests."""
+    command = "python -m unittest discover"
+    res = smoke.sh("run the tests with unittest (pytest collected none)", command)
+    ran = re.search(r"^Ran (\d+) tests? in ([\d.]+)s", res.output, flags=re.MULTILINE)
+    if res.timed_out or not ran or int(ran.group(1)) == 0:
+        return False
+    total = int(ran.group(1))
+    smoke.measure(name="test suite time", value=round(res.seconds, 3), unit="s", command=command)
+    if res.exit_code == 0:
+        smoke.notes.append(f"pytest collects no tests; `{command}` runs {total}, all pass ({res.seconds:.1f} s)")
+        return True
+    failing = re.findall(r"^(?:FAIL|ERROR): (\S+) \(([\w.]+)\)", res.output, flags=re.MULTILINE)
+    ids = [f"{where}.{name}" if not where.endswith("." + name) else where for name, where in failing]
+    bad = len(ids) or "some"
+    shown = f" ({ids[0]}" + (f" and {len(ids) - 1} more)" if len(ids) > 1 else ")") if ids else ""
+    smoke.finding(title=f"{bad} of {total} tests fail{shown}", severity="high", category="tests",
+                  details=f"pytest collects no tests; `{command}` in a fresh install runs {total}"
+                          + (": failing " + ", ".join(ids[:20]) if ids else " and fails."),
+                  evidence=tail(res.output, EVIDENCE_CHARS), repro_command=command)
+    smoke.notes.append(f"unittest: {bad} of {total} tests fail")
+    return True
+
+
 def failures_excerpt(output: str) -> str:
     """The FAILURES/ERRORS section pytest prints, which says what was expected and what came back."""
     start = re.search(r"^=+ (FAILURES|ERRORS) =+$", output, flags=re.MULTILINE)
@@ -286,8 +343,8 @@ def python_tests(smoke: Smoke) -> None:
     root = smoke.workspace.root
     if not has_tests(root):
         smoke.finding(title="No tests found", severity="medium", category="tests",
-                      details="The repository has no tests/ folder and no test_*.py or *_test.py files, so a user "
-                              "cannot check that an install works.")
+                      details="The repository has no tests/ or test/ folder and no test_*.py or *_test.py files, so a "
+                              "user cannot check that an install works.")
         smoke.notes.append("no tests found")
         return
     if smoke.sh("is pytest installed?", "python -c 'import pytest'").exit_code != 0:
@@ -319,6 +376,8 @@ def python_tests(smoke: Smoke) -> None:
     problems = pytest_problems(result.output)
     counted = ", ".join(f"{n} {what}" for what, n in counts.items()) or "no summary line"
     if result.exit_code == 5 or (result.exit_code == 0 and not counts.get("passed") and not problems):
+        if unittest_run(smoke):
+            return
         smoke.finding(title="pytest collects no tests", severity="medium", category="tests",
                       details=f"The repository looks like it has tests, but `{command}` ran none ({counted}).",
                       evidence=tail(result.output, EVIDENCE_CHARS), repro_command=command)
@@ -329,6 +388,20 @@ def python_tests(smoke: Smoke) -> None:
         return
     bad = counts.get("failed", 0) + counts.get("errors", 0)
     total = bad + counts.get("passed", 0)
+    for what, lacking in machine_lacks(result.output, problems).items():
+        smoke.finding(title=f"Not tested: {len(lacking)} tests need a {what} this machine does not have",
+                      severity="info", category="environment",
+                      details=f"These tests fail on the review machine for want of a {what} it does not have, which "
+                              f"says nothing about the project: " + ", ".join(lacking[:20])
+                              + (f" and {len(lacking) - 20} more" if len(lacking) > 20 else ""),
+                      evidence=tail(next((b for n, b in failure_sections(result.output).items()
+                                          if MACHINE_LACKS[what].search(b)), ""), EVIDENCE_CHARS))
+        smoke.notes.append(f"{len(lacking)} tests need a {what} the machine lacks")
+        problems = [p for p in problems if p[1] not in lacking]
+        bad, total = bad - len(lacking), total - len(lacking)  # what could run here
+    if counts and bad <= 0 and not problems:
+        smoke.notes.append(f"the other tests pass ({counted}, {result.seconds:.1f} s)")
+        return
     ids = [tid for _, tid, _ in problems]
     if ids:
         first_file = ids[0].split("::")[0]

@@ -111,6 +111,54 @@ def test_no_tests_is_a_finding(tmp_path):
     assert "install time" in measurements and "import time (untested)" in measurements
 
 
+SETUPTOOLS = '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
+
+
+def test_unittest_tests_inside_the_package_are_found_and_run(tmp_path):
+    """Seen on pytimeparse: its tests are pytimeparse/tests/testtimeparse.py, unittest's (nose's) naming, inside the
+    package. They were 'No tests found' (only a top-level tests/ counted), and pytest's test_*.py pattern misses the
+    file; `python -m unittest discover` runs them, and its failures are the finding."""
+    repo = make_repo(tmp_path / "nested", {
+        "pyproject.toml": SETUPTOOLS + '[project]\nname = "nested"\nversion = "0.1"\n'
+                                       '[tool.setuptools]\npackages = ["nested", "nested.tests"]\n',
+        "nested/__init__.py": "def double(x):\n    return x * 2\n",
+        "nested/tests/__init__.py": "",
+        "nested/tests/testdouble.py": "import unittest\nfrom .. import double\n\n\nclass TestDouble(unittest.TestCase):\n"
+                                      "    def test_two(self):\n        self.assertEqual(double(2), 4)\n\n"
+                                      "    def test_bad(self):\n        self.assertEqual(double(3), 7)\n",
+    })
+    result, findings, measurements, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    assert [(f.severity, f.title, f.repro_command) for f in findings] == [
+        ("high", "1 of 2 tests fail (nested.tests.testdouble.TestDouble.test_bad)", "python -m unittest discover")]
+    assert "AssertionError: 6 != 7" in findings[0].evidence
+    assert measurements["test suite time"].command == "python -m unittest discover"
+
+
+def test_tests_that_need_a_locale_the_machine_lacks_are_not_failing_tests(tmp_path):
+    """Seen on natsort: 59 of its tests set en_US.UTF-8 or de_DE.UTF-8 in a fixture, and a machine without those
+    locales errors on each; that says nothing about the project (an info finding, as a missing tool is). A real
+    failure beside them is still the finding, counted without them."""
+    repo = make_repo(tmp_path / "localized", {
+        "pyproject.toml": SETUPTOOLS + '[project]\nname = "localized"\nversion = "0.1"\n',
+        "localized/__init__.py": "def one():\n    return 1\n",
+        "tests/test_one.py": "import locale\n\nimport pytest\n\nfrom localized import one\n\n\n"
+                             "@pytest.fixture()\ndef klingon():\n    locale.setlocale(locale.LC_ALL, 'tlh_XX.UTF-8')\n\n\n"
+                             "def test_sorted(klingon):\n    assert one() == 1\n\n\n"
+                             "def test_formatted():\n    locale.setlocale(locale.LC_ALL, 'tlh_XX.UTF-8')\n\n\n"
+                             "def test_one():\n    assert one() == 1\n\n\n"
+                             "def test_two():\n    assert one() == 2\n",
+    })
+    result, findings, measurements, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    assert [(f.severity, f.title) for f in findings] == [
+        ("info", "Not tested: 2 tests need a locale this machine does not have"),
+        ("high", "1 of 2 tests fail (tests/test_one.py::test_two)")], [f.title for f in findings]
+    assert "::test_sorted" in findings[0].details and "::test_formatted" in findings[0].details
+    assert "locale.Error: unsupported locale setting" in findings[0].evidence
+    assert "test_two" not in findings[0].details and "test_one.py::test_two" in findings[1].details
+
+
 def test_pytest_plugins_the_config_needs_are_installed_not_reported(tmp_path):
     """A project whose pytest config names plugins (addopts = --timeout=60 --reruns=0) its install does not bring:
     smoke installs what tox.ini's testenv lists (pytest-timeout), then, on pytest's usage error, the plugin behind
