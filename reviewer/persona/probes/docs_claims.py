@@ -54,11 +54,15 @@ def from_project(error, namespace_names, package, code):
     if isinstance(error, ImportError):
         return (error.name or "").split(".")[0] == package or f"from '{package}" in str(error)
     try:
-        home = os.path.dirname(os.path.realpath(resolve(package).__file__))
+        home = os.path.realpath(resolve(package).__file__)
     except Exception:  # noqa: BLE001
         home = None
+    # A package's code is its folder; a single-module project's (xmltodict.py at the top) is that file alone: its
+    # folder is the repository root, where the doc examples themselves run ("README.md" as their file name)
+    package_dir = os.path.basename(home or "").startswith("__init__.")
     for frame in tb.extract_tb(error.__traceback__):
-        if home and os.path.realpath(frame.filename).startswith(home + os.sep):
+        where = os.path.realpath(frame.filename)
+        if home and (where.startswith(os.path.dirname(home) + os.sep) if package_dir else where == home):
             return True
     return isinstance(error, (TypeError, AttributeError)) and any(re.search(rf"\b{n}\b", code) for n in namespace_names)
 
@@ -100,8 +104,70 @@ def run_examples(blocks, package, only=None):
                 found |= {(a.asname or a.name).split(".")[0] for a in node.names}
         return found - set(dir(builtins))
 
+    def rebound(code):
+        """The names the code binds afresh, an import or a plain assignment, without reading them first: whatever
+        failed before, they are new (xmltodict's README uses `xmltodict` and `mydict` in examples that cannot run,
+        then has `import xmltodict` and `mydict = {...}` of its own)."""
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return set()
+        bound, read = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, ast.Assign):
+                bound |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                read.add(node.target.id)
+            elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Store):
+                read.add(node.id)
+        return bound - read
+
     def depends_on_skipped(code):  # (recording it as skipped taints its names in turn)
-        return bool(names_of(code) & tainted)
+        return bool((names_of(code) - rebound(code)) & tainted) or lost_state[0] is not None
+
+    def sources(block):
+        if not block["doctest"]:
+            return [block["text"]]
+        return [ex.source for ex in doctest.DocTestParser().get_examples(block["text"])]
+
+    def used_names(code):
+        """The names a piece of code uses, its imports left out."""
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return set()
+        imports = {id(n) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for n in ast.walk(node)}
+        return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in imports}
+
+    # Every name the file's examples use: `from funcy import whatever, you, need` ("import stuff from funcy") names
+    # nothing the docs go on to use; a renamed function the docs import is one they then call
+    used_in_file = set().union(*(used_names(src) for b in blocks if not b.get("setup") for src in sources(b)))
+
+    def template_import(error):
+        """An import of a name the project lacks and the docs never use: the reader's placeholder, not an API."""
+        m = re.search(r"cannot import name '(\w+)'", str(error)) if isinstance(error, ImportError) else None
+        return bool(m) and m.group(1) not in used_in_file
+
+    # A call made for its effect on the process that could not run (`locale.setlocale(locale.LC_ALL, 'en_US.UTF-8')`
+    # on a machine without that locale): what follows in the file relies on state no name shows, and is not judged
+    lost_state = [None]
+
+    def sets_state(code):
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return False
+        if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr) or not isinstance(tree.body[0].value, ast.Call):
+            return False
+        func = tree.body[0].value.func
+        if not isinstance(func, ast.Attribute):
+            return False
+        while isinstance(func, ast.Attribute):
+            func = func.value
+        return isinstance(func, ast.Name) and isinstance(ns.get(func.id), type(os))
 
     def skip_rest(block, statements):
         """The rest of a block after a statement that failed: it builds on that statement and does not run."""
@@ -111,6 +177,8 @@ def run_examples(blocks, package, only=None):
     def record(block, line, code, kind, **kw):
         if kind == "skipped":
             tainted.update(names_of(code))
+            if lost_state[0] is None and sets_state(code):
+                lost_state[0] = f"follows `{code.strip()}`, which could not run here"
         if only is None or line == only:
             outcomes.append(dict(file=block["file"], line=line, code=code.strip(), kind=kind, **kw))
 
@@ -133,9 +201,12 @@ def run_examples(blocks, package, only=None):
                 if ex.options.get(doctest.SKIP) or (only is not None and line > only):
                     continue
                 if depends_on_skipped(ex.source):
-                    record(block, line, ex.source, "skipped", error="depends on an example that could not run")
+                    record(block, line, ex.source, "skipped",
+                           error=lost_state[0] or "depends on an example that could not run")
                     continue
                 got, _, error = attempt(ex.source, block["file"], "single")
+                if error is None:
+                    tainted.difference_update(rebound(ex.source))
                 if error is None and ex.exc_msg is None:
                     ok = checker.check_output(ex.want, got, flags)
                     if not ok:
@@ -156,7 +227,7 @@ def run_examples(blocks, package, only=None):
                            got=shown.strip())
                 elif error is None:
                     record(block, line, ex.source, "mismatch", want=ex.exc_msg.strip(), got=got.strip() or "(nothing)")
-                elif from_project(error, project_names(ns, package), package, ex.source):
+                elif from_project(error, project_names(ns, package), package, ex.source) and not template_import(error):
                     record(block, line, ex.source, "error", error=exception_line(error))
                 else:
                     record(block, line, ex.source, "skipped", error=exception_line(error))
@@ -174,7 +245,7 @@ def run_examples(blocks, package, only=None):
                 break
             code = ast.get_source_segment(block["text"], stmt) or ""
             if depends_on_skipped(code):
-                record(block, line, code, "skipped", error="depends on an example that could not run")
+                record(block, line, code, "skipped", error=lost_state[0] or "depends on an example that could not run")
                 skip_rest(block, tree.body[n + 1:])
                 break
             rest = lines[stmt.end_lineno - 1][stmt.end_col_offset:]
@@ -193,8 +264,11 @@ def run_examples(blocks, package, only=None):
             else:
                 _, _, error = attempt(ast.Module([stmt], type_ignores=[]), block["file"], "exec")
                 value = ns.get(stmt.targets[0].id) if want is not None else None
+            if error is None:
+                tainted.difference_update(rebound(code))
             if error is not None:
-                kind = "error" if from_project(error, project_names(ns, package), package, code) else "skipped"
+                kind = "error" if (from_project(error, project_names(ns, package), package, code)
+                                   and not template_import(error)) else "skipped"
                 record(block, line, code, kind, error=exception_line(error))
                 skip_rest(block, tree.body[n + 1:])
                 break

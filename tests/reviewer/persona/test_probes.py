@@ -358,6 +358,10 @@ half(3)        # 1.4
 >>> half("x")
 'x'
 ```
+
+```python
+missing(2)
+```
 """
     code, got = run_examples_script(tmp_path, PKG, doc)
     assert code == 1
@@ -365,7 +369,8 @@ half(3)        # 1.4
     assert kinds == [(3, "mismatch", "1.5"), (7, "mismatch", "[1]"),
                      (9, "error", "ImportError: cannot import name 'missing' from 'pkg' (" + str(tmp_path)
                       + "/pkg/__init__.py)"),
-                     (10, "error", "TypeError: unsupported operand type(s) for /: 'str' and 'int'")]
+                     (10, "error", "TypeError: unsupported operand type(s) for /: 'str' and 'int'"),
+                     (15, "skipped", "NameError: name 'missing' is not defined")]  # (the docs use what they import)
 
 
 def test_docs_examples_after_a_step_the_reader_must_supply_are_not_judged(tmp_path):
@@ -416,6 +421,40 @@ def test_docs_examples_after_a_step_the_reader_must_supply_are_not_judged(tmp_pa
     # uses its result, the missing file; half(1) after it does not use what the file would have given: checked
     assert kinds == [(11, "skipped"), (14, "skipped"), (16, "skipped"), (20, "mismatch"), (25, "skipped"),
                      (26, "skipped"), (30, "skipped"), (33, "skipped")] and got["checked"] == 11
+
+
+def test_template_imports_lost_state_rebound_names_and_a_single_module_project(tmp_path):
+    """Seen on the fourth round's projects. funcy's README: `from funcy import whatever, you, need` (names the docs
+    never use: the reader's placeholder, not an API). natsort's README: `locale.setlocale(locale.LC_ALL,
+    'en_US.UTF-8')` fails on a machine without that locale, and the LOCALE sorts after it then differ (state no name
+    shows). xmltodict's README: uses `xmltodict` before its own `import xmltodict`, and xmltodict.py is a single module
+    at the top of the repository, so every example, run from there, looked like the project's code."""
+    doc = """# pkg
+```python
+from pkg import whatever, you, need
+```
+
+```pycon
+>>> print(json.dumps(half(2)))
+1.0
+>>> from pkg import half
+>>> half(3)
+9
+>>> int([])
+>>> import locale
+>>> locale.setlocale(locale.LC_ALL, 'xx_XX.UTF-8')
+'xx_XX.UTF-8'
+>>> half(1)
+7
+```
+"""
+    code, got = run_examples_script(tmp_path, {"pkg.py": "def half(x):\n    return x / 2\n"}, doc)
+    kinds = [(o["line"], o["kind"], o.get("got") or o.get("error")) for o in got["outcomes"]]
+    assert code == 1, got
+    assert [k[:2] for k in kinds] == [(3, "skipped"), (7, "skipped"), (10, "mismatch"), (12, "skipped"),
+                                      (14, "skipped"), (16, "skipped")], kinds
+    assert kinds[2][2] == "1.5" and kinds[3][2].startswith("TypeError")
+    assert kinds[5][2] == "follows `locale.setlocale(locale.LC_ALL, 'xx_XX.UTF-8')`, which could not run here"
 
 
 def test_a_documented_command_that_fails_as_the_docs_show_is_not_a_finding():
