@@ -145,6 +145,21 @@ def rst_blocks(rel: str, lines: list[str]) -> list[Block]:
     return out
 
 
+def text(root: Path) -> str:
+    """All the doc files' text, prose and code."""
+    return "\n".join(read(path) for path in doc_files(root))
+
+
+def names(doc_text: str, target: str) -> bool:
+    """Do the docs name `target` (`pkg.sub.mod.func`): the function's own name, or one of its modules under the
+    package (`pkg.sub`, `pkg.sub.mod`)? What the docs name is the project's API, whatever the package exports."""
+    parts = target.split(".")
+    if re.search(rf"(?<![\w.]){re.escape(parts[-1])}(?!\w)", doc_text):
+        return True
+    return any(re.search(rf"(?<![\w.]){re.escape('.'.join(parts[:k]))}(?!\w)", doc_text)
+               for k in range(2, len(parts)))
+
+
 def all_blocks(root: Path) -> list[Block]:
     return [b for path in doc_files(root) for b in blocks(path, root)]
 

@@ -8,7 +8,8 @@ bad input); an exception the function's docstring, the docs or its tests name; a
 says non-empty, a zero or negative one where it says positive; an IndexError on an empty sequence from a function
 whose docstring says it returns an element of it; a KeyError for the very key we passed; a call that only hangs
 (abandoned after a limit); and anything at all when the original call from the tests or docs fails in our hands (then
-our copy of it is wrong). Methods of built-in objects the project only holds (a module-level set's `add`) are not
+our copy of it is wrong). Methods of built-in objects the project only holds (a module-level set's `add`) and the
+project's internals (neither exported by the package nor in a module's `__all__`, nor named by the docs) are not
 called at all.
 """
 
@@ -89,6 +90,9 @@ func = resolve(TARGET)
 if held_builtin(func):
     emit({"crashes": [], "skipped": "a method of a built-in object, not the project's code"})
     sys.exit(0)
+if internal(func, TARGET, DOC_NAMED):
+    emit({"crashes": [], "skipped": "the project's internals: not exported, not in the docs"})
+    sys.exit(0)
 doc = (inspect.getdoc(func) or "") + "\\n" + DOC_TEXT
 crash_types = tuple(getattr(builtins, n) for n in CRASHES)
 try:
@@ -146,17 +150,19 @@ sys.exit(1 if crashes else 0)
 """
 
 
-def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set[str], doc_text: str) -> str:
+def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set[str], doc_text: str,
+                doc_named: bool = True) -> str:
     base, _ = call_source(site)
     multi = len([a for _, a in site.all_args() if a.kind in ("seq", "range", "listrange", "iter", "bytes")]) > 1
-    lines = [f"TARGET = {site.target!r}", f"BASE = ({base})", f"CRASHES = {data(list(CRASHES))}",
+    lines = [f"TARGET = {site.target!r}", f"DOC_NAMED = {doc_named!r}", f"BASE = ({base})",
+             f"CRASHES = {data(list(CRASHES))}",
              f"FIT = {(FIT_CONTRACT.pattern if multi else None)!r}",
              f"EXPECTED = {data(sorted(expected))}", f"DOC_TEXT = {data(doc_text)}", f"LIMIT = {EDGE_CALL_LIMIT_S!r}",
              f"NON_EMPTY = {NON_EMPTY_CONTRACT.pattern!r}", f"POSITIVE = {POSITIVE_CONTRACT.pattern!r}",
              f"ELEMENT = {ELEMENT_CONTRACT.pattern!r}", f"NON_ASCII = {NON_ASCII!r}", "CASES = ["]
     lines += [f"    ({label!r}, {kind!r}, lambda: ({src}))," for label, kind, src in cases] + ["]"]
     return script("\n".join(lines) + "\n" + EDGE_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
-                  prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.exception_line, imports=("re",))
+                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.exception_line, imports=("re",))
 
 
 def cli_edge_script(argv: list[str], index: int, ext: str, cases: list[tuple[str, str]]) -> str:
@@ -192,8 +198,9 @@ def check_functions(probe: Probe) -> None:
         name = site.name
         doc_text = "\n".join(s for _, _, s in sentences if re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", s))
         expected = sites.expected.get(target, set())
+        named = doctext.names(probe.doc_text(), target)
         # Each case carries its own site's arguments; the baseline call is the first site's.
-        code = edge_script(site, [(c[0], c[1], c[2]) for c in cases], expected, doc_text)
+        code = edge_script(site, [(c[0], c[1], c[2]) for c in cases], expected, doc_text, named)
         got, res, _ = run(probe, f"probe: edge inputs of {target}", code, EDGE_SCRIPT_TIMEOUT)
         crashes = (got or {}).get("crashes") or []
         if not crashes:
@@ -203,7 +210,7 @@ def check_functions(probe: Probe) -> None:
         others = f" (and {len(crashes) - 1} more edge inputs)" if len(crashes) > 1 else ""
         listing = "\n".join(f"- `{c['case']}` ({c['kind']} input): {c['error']}" for c in crashes)
         only = [c for c in cases if c[0] in {x["case"] for x in crashes}]
-        repro = command(edge_script(site, [(c[0], c[1], c[2]) for c in only], expected, doc_text))
+        repro = command(edge_script(site, [(c[0], c[1], c[2]) for c in only], expected, doc_text, named))
         title = f"`{short(first['case'], 80)}` raises {first['error'].split(':')[0]}{others}"
         probe.record(title=title, severity="medium", category="crash",
                      details=f"`{target}`, called as the tests or docs call it ({site.where}: `{site.text}`) but with "

@@ -43,6 +43,25 @@ def held_builtin(func):
             and not isinstance(owner, type(sys)) and type(owner).__module__ == "builtins")
 
 
+def internal(func, target, doc_named):
+    """A function of the project's internals: neither exported by the package at its top level (itself, or the class
+    of a method) nor listed in its module's `__all__`, and not named by the docs (`doc_named`, decided on the host).
+    Its tests call it with what its callers inside the project pass (natsort's `compat.fake_fastnumbers.fast_float`,
+    a stand-in for an optional dependency, "natsort is controlling what is passed to this function"): an edge input
+    or a size of our own is outside its contract."""
+    name = getattr(func, "__name__", None)
+    qualname = getattr(func, "__qualname__", None) or name
+    if doc_named or not isinstance(name, str) or not isinstance(qualname, str):
+        return False
+    owner = qualname.split(".")[0]  # the function itself, or the class of a method
+    top = importlib.import_module(target.split(".")[0])
+    exported = getattr(top, owner, None)
+    if exported is not None and (exported is func or "." in qualname):
+        return False
+    module = sys.modules.get(getattr(func, "__module__", None) or "")
+    return owner not in (getattr(module, "__all__", None) or ())
+
+
 class Overtime(BaseException):
     """A call ran past its limit (a BaseException, so the project's `except Exception` does not swallow it)."""
 

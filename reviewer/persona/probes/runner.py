@@ -56,6 +56,11 @@ class Probe:
             self._cache["blocks"] = doctext.all_blocks(self.root)
         return self._cache["blocks"]
 
+    def doc_text(self) -> str:
+        if "doc_text" not in self._cache:
+            self._cache["doc_text"] = doctext.text(self.root)
+        return self._cache["doc_text"]
+
     def sentences(self):
         if "sentences" not in self._cache:
             self._cache["sentences"] = doctext.sentences(self.root)

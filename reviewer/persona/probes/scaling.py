@@ -126,6 +126,9 @@ func = resolve(TARGET)
 if held_builtin(func):
     emit({"variants": [], "skipped": "a method of a built-in object, not the project's code"})
     sys.exit(0)
+if internal(func, TARGET, DOC_NAMED):
+    emit({"variants": [], "skipped": "the project's internals: not exported, not in the docs"})
+    sys.exit(0)
 try:
     where = [os.path.relpath(inspect.getsourcefile(func)), inspect.getsourcelines(func)[1]]
 except Exception:
@@ -138,14 +141,15 @@ sys.exit(1 if any(r["flagged"] for r in results) else 0)
 """
 
 
-def scaling_script(site: CallSite, variants: list[tuple[str, int, str]], excess: float, budget: float) -> str:
+def scaling_script(site: CallSite, variants: list[tuple[str, int, str]], excess: float, budget: float,
+                   doc_named: bool = True) -> str:
     cfg = dict(start=SCALING_START, max=SCALING_MAX, enough=SCALING_ENOUGH_S, call_limit=SCALING_CALL_LIMIT_S,
                points=SCALING_POINTS, repeats=SCALING_REPEATS, batch=SCALING_BATCH_S, cap=OUTPUT_CAP,
                budget=budget, excess=excess)
-    lines = [f"TARGET = {site.target!r}", f"CFG = {cfg!r}", "VARIANTS = ["]
+    lines = [f"TARGET = {site.target!r}", f"DOC_NAMED = {doc_named!r}", f"CFG = {cfg!r}", "VARIANTS = ["]
     lines += [f"    ({label!r}, {ref}, lambda f: ({src}))," for label, ref, src in variants] + ["]"]
     return script("\n".join(lines) + "\n" + SCALING_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
-                  prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.grow, prelude.scale,
+                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.grow, prelude.scale,
                   prelude.slope, prelude.exception_line, stats.median, measure)
 
 
@@ -179,16 +183,17 @@ def probe_scaling(probe: Probe) -> None:
                     variants.append((f"growing {what}", ref, src))
         excess = EXCESS_CLAIMED if claims else EXCESS_UNCLAIMED
         budget = SCALING_SCRIPT_BUDGET_S / len(variants)
-        got, res, _ = run(probe, f"probe: scaling of {site.target}", scaling_script(site, variants, excess, budget),
-                          SCALING_SCRIPT_TIMEOUT)
+        named = doctext.names(probe.doc_text(), site.target)
+        got, res, _ = run(probe, f"probe: scaling of {site.target}",
+                          scaling_script(site, variants, excess, budget, named), SCALING_SCRIPT_TIMEOUT)
         for r, v in zip((got or {}).get("variants") or [], variants):
             if r.get("flagged"):
-                record(probe, site, claims, r, v, (got.get("where") or [None, None]), excess, budget)
+                record(probe, site, claims, r, v, (got.get("where") or [None, None]), excess, budget, named)
                 break  # one finding per function: the first variant that shows it
 
 
 def record(probe: Probe, site: CallSite, claims: list[str], r: dict, variant, where, excess: float,
-           budget: float) -> None:
+           budget: float, named: bool = True) -> None:
     b = r["exponent"]
     table = "\n".join(f"  n={p['n']:>8}  median {p['median'] * 1000:10.3f} ms  (min {p['min'] * 1000:.3f}, "
                       f"max {p['max'] * 1000:.3f})  output {p['out']}" for p in r["points"])
@@ -204,5 +209,5 @@ def record(probe: Probe, site: CallSite, claims: list[str], r: dict, variant, wh
                + (". The docs say:\n" + "\n".join(claims[:3]) if claims else ".") + f"\nTimings:\n{table}")
     probe.record(title=title, severity=severity, category="performance", details=details,
                  evidence=tail(table, EVIDENCE_CHARS),
-                 repro_command=command(scaling_script(site, [variant], excess, budget)),
+                 repro_command=command(scaling_script(site, [variant], excess, budget, named)),
                  file=where[0], line=where[1])

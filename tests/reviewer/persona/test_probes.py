@@ -636,6 +636,47 @@ def test_a_method_of_a_builtin_object_the_project_holds_is_not_probed(tmp_path):
                                                            1.0))["skipped"]
 
 
+def test_the_projects_internals_are_not_probed(tmp_path):
+    """Seen on natsort: its tests call `natsort.compat.fake_fastnumbers.fast_float`, a stand-in for an optional
+    dependency whose docstring says natsort controls what is passed to it; `fast_float('')` raises IndexError, which
+    no user can reach. A function neither the package exports (itself or its class) nor its module lists in
+    `__all__`, nor the docs name, is not given edge inputs or sizes; exported, listed or documented ones are."""
+    from reviewer.persona.probes import edge_inputs, scaling
+    from reviewer.persona.probes.runner import result_line
+
+    (tmp_path / "inner").mkdir()
+    gap = "def gap(values):\n    return values[1] - values[0]\n"
+    (tmp_path / "inner" / "__init__.py").write_text("from inner.core import gap\n")
+    (tmp_path / "inner" / "core.py").write_text(gap + "\n\ndef helper(values):\n    return values[0]\n")
+    (tmp_path / "inner" / "listed.py").write_text("__all__ = ['head']\n\n\ndef head(values):\n    return values[0]\n")
+
+    def run_script(code):
+        done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
+                              env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+        return result_line(done.stdout)
+
+    def site(call, target):
+        tree = ast.parse(call, mode="eval").body
+        return callsites.CallSite(target, "tests/test_x.py:1", call, [callsites.classify(a) for a in tree.args], [],
+                                  False)
+
+    def edge(s, named):
+        cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(s)
+                 for src, shown in [edge_inputs.call_source(s, swaps)]]
+        return run_script(edge_inputs.edge_script(s, cases, set(), "", named))
+
+    internal = edge(site("helper([1, 4])", "inner.core.helper"), False)
+    assert internal["crashes"] == [] and "internals" in internal["skipped"]
+    assert "internals" in run_script(scaling.scaling_script(site("helper([1, 4])", "inner.core.helper"), [], 1.0,
+                                                            1.0, False))["skipped"]
+    assert [c["case"] for c in edge(site("helper([1, 4])", "inner.core.helper"), True)["crashes"]] == ["helper([])"]
+    assert [c["case"] for c in edge(site("gap([1, 4])", "inner.gap"), False)["crashes"]] == ["gap([])"]
+    assert [c["case"] for c in edge(site("head([1, 4])", "inner.listed.head"), False)["crashes"]] == ["head([])"]
+    docs = "Use `inner.core` for the details; `head` gives the first value."
+    assert doctext.names(docs, "inner.core.helper") and doctext.names(docs, "inner.listed.head")
+    assert not doctext.names(docs, "inner.compat.fake.helper2") and not doctext.names("see inner.core2", "inner.core.x")
+
+
 def test_the_probes_stop_when_their_time_is_spent(tmp_path):
     import time
 
