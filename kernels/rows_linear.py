@@ -188,9 +188,10 @@ _WORKSPACES: dict = {}  # device -> (partials, sums of squares, counters); grown
 
 
 def split_workspace(device, partial_floats: int, ss_floats: int, counters: int):
-    """Scratch for the split-K partials (here and in kernels/wide_linear.py), shared by every call on a device (launches on a stream run one after
-    another; each call leaves its counters at zero). Grown before CUDA-graph capture (the engine's warm-up runs every
-    shape eagerly first); old buffers are kept alive because graphs captured earlier still point at them."""
+    """Scratch for the split-K partials (here and in kernels/wide_linear.py), shared by every call on a device
+    (launches on a stream run one after another; each call leaves its counters at zero). Grown before CUDA-graph
+    capture (the engine's warm-up runs every shape eagerly first); old buffers are kept alive because graphs captured
+    earlier still point at them."""
     key = str(device)
     held = _WORKSPACES.setdefault(key, [])
     if held:

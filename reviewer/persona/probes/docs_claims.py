@@ -160,7 +160,8 @@ def run_examples(blocks, package, only=None):
             tree = ast.parse(code)
         except SyntaxError:
             return False
-        if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr) or not isinstance(tree.body[0].value, ast.Call):
+        body = tree.body
+        if len(body) != 1 or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call):
             return False
         func = tree.body[0].value.func
         if not isinstance(func, ast.Attribute):

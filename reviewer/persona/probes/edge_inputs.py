@@ -162,7 +162,8 @@ def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set
              f"ELEMENT = {ELEMENT_CONTRACT.pattern!r}", f"NON_ASCII = {NON_ASCII!r}", "CASES = ["]
     lines += [f"    ({label!r}, {kind!r}, lambda: ({src}))," for label, kind, src in cases] + ["]"]
     return script("\n".join(lines) + "\n" + EDGE_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
-                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.exception_line, imports=("re",))
+                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume,
+                  prelude.exception_line, imports=("re",))
 
 
 def cli_edge_script(argv: list[str], index: int, ext: str, cases: list[tuple[str, str]]) -> str:

@@ -149,8 +149,8 @@ def scaling_script(site: CallSite, variants: list[tuple[str, int, str]], excess:
     lines = [f"TARGET = {site.target!r}", f"DOC_NAMED = {doc_named!r}", f"CFG = {cfg!r}", "VARIANTS = ["]
     lines += [f"    ({label!r}, {ref}, lambda f: ({src}))," for label, ref, src in variants] + ["]"]
     return script("\n".join(lines) + "\n" + SCALING_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
-                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.grow, prelude.scale,
-                  prelude.slope, prelude.exception_line, stats.median, measure)
+                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.grow,
+                  prelude.scale, prelude.slope, prelude.exception_line, stats.median, measure)
 
 
 def choose(probe: Probe) -> list[tuple[CallSite, list[str]]]:
