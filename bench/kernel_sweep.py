@@ -346,14 +346,16 @@ def sweep_rows(inner, reps):
 
         def split(bk, splits, **kw):  # K in `splits` ranges of whole BK steps
             return dict(kw, BK=bk, SPLITS=splits, KS=-(-(-(-k // bk)) // splits) * bk)
+        # stages 0: the K loop unrolled (the first sweep, kernel_sweep_20261201_145720.json, where 4 warps won
+        # nearly everywhere); 3: software-pipelined
         variants = [None]
-        for bn, bk, splits, warps in itertools.product((16, 32), (64, 128, 256), (1, 2), (2, 4)):
+        for bn, bk, splits, stages in itertools.product((16, 32), (64, 128, 256), (1, 2), (0, 3)):
             if "lm_head" in name and splits > 1:
                 continue
-            variants.append(split(bk, splits, BN=bn, warps=warps))
+            variants.append(split(bk, splits, BN=bn, warps=4, stages=stages))
         if "lm_head" in name:
-            variants += [split(bk, 1, BN=bn, warps=wp) for bn, bk, wp in itertools.product((64, 128), (64, 128),
-                                                                                           (2, 4, 8))]
+            variants += [split(bk, 1, BN=bn, warps=wp, stages=st) for bn, bk, wp, st in itertools.product(
+                (64, 128), (64, 128), (4, 8), (0, 3))]
         for tiles in variants:
             invariant = bool(torch.equal(call(ws[0], tiles, 16)[:1], call(ws[0], tiles, 1)))
             row = dict(kernel="rows", case=name, N=n, K=k, tiles=tiles or "plan()", row0_of_16_equals_alone=invariant)

@@ -78,13 +78,40 @@ if triton is not None:
                 ya = res.to(tl.float32) + ya
             tl.store(out + rows_a[None, :], ya.to(dt), mask=ok)
 
+    @triton.jit
+    def _k_step(acc_a, acc_b, ss, k0, x_ptr, nw_ptr, w_ptr, m, m_ok, rows_a, rows_b, a_ok, stride_wn,
+                K: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, EPILOGUE: tl.constexpr, IEEE: tl.constexpr):
+        """One BK step of K from column k0: the rows' norm prologue and the MMA(s) into the accumulators."""
+        offs_k = k0 + tl.arange(0, BK)
+        k_ok = offs_k < K
+        xk = tl.load(x_ptr + m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            xf = xk.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            xk = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
+        wa = tl.load(w_ptr + rows_a[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        if IEEE:
+            acc_a = tl.dot(xk, tl.trans(wa), acc_a, input_precision="ieee")
+        else:
+            acc_a = tl.dot(xk, tl.trans(wa), acc_a)
+        if EPILOGUE != 0:
+            wb = tl.load(w_ptr + rows_b[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            if IEEE:
+                acc_b = tl.dot(xk, tl.trans(wb), acc_b, input_precision="ieee")
+            else:
+                acc_b = tl.dot(xk, tl.trans(wb), acc_b)
+        return acc_a, acc_b, ss
+
     # T is never specialised: a decode step and a verify block run one binary
     @triton.jit(do_not_specialize=["T"])
     def _rows_linear_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, part_ptr, ss_ptr,
                             count_ptr, T, N_OUT, ROTATED, stride_wn, stride_cs, eps, K: tl.constexpr,
                             KS: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
                             EPILOGUE: tl.constexpr, HALF: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                            BN: tl.constexpr, IEEE: tl.constexpr):
+                            BN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
         """Grid (output tiles, SPLITS): tile p, K range [s * KS, (s + 1) * KS). PLAIN tiles are rows p*BN..; SWIGLU
         gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first half with partners
         j + HALF (as kernels/norm_gemv.py)."""
@@ -115,28 +142,16 @@ if triton is not None:
         acc_a = tl.zeros([16, BN], dtype=tl.float32)
         acc_b = tl.zeros([16, BN], dtype=tl.float32)
         ss = tl.zeros([16], dtype=tl.float32)
-        for kk in tl.static_range(0, KS, BK):
-            offs_k = s * KS + kk + tl.arange(0, BK)
-            k_ok = offs_k < K
-            xk = tl.load(x_ptr + m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM:
-                xf = xk.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
-                nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                xk = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
-            wa = tl.load(w_ptr + rows_a[:, None] * stride_wn + offs_k[None, :], mask=a_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            if IEEE:
-                acc_a = tl.dot(xk, tl.trans(wa), acc_a, input_precision="ieee")
-            else:
-                acc_a = tl.dot(xk, tl.trans(wa), acc_a)
-            if EPILOGUE != 0:
-                wb = tl.load(w_ptr + rows_b[:, None] * stride_wn + offs_k[None, :],
-                             mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-                if IEEE:
-                    acc_b = tl.dot(xk, tl.trans(wb), acc_b, input_precision="ieee")
-                else:
-                    acc_b = tl.dot(xk, tl.trans(wb), acc_b)
+        # STAGES 0: the K steps unrolled, each load waited for where it is used; else Triton's software pipeline
+        # keeps STAGES - 1 steps' loads in flight. The sums run in the same order either way.
+        if STAGES == 0:
+            for kk in tl.static_range(0, KS, BK):
+                acc_a, acc_b, ss = _k_step(acc_a, acc_b, ss, s * KS + kk, x_ptr, nw_ptr, w_ptr, m, m_ok, rows_a,
+                                           rows_b, a_ok, stride_wn, K, BK, NORM, EPILOGUE, IEEE)
+        else:
+            for kk in tl.range(0, KS, BK, num_stages=STAGES):
+                acc_a, acc_b, ss = _k_step(acc_a, acc_b, ss, s * KS + kk, x_ptr, nw_ptr, w_ptr, m, m_ok, rows_a,
+                                           rows_b, a_ok, stride_wn, K, BK, NORM, EPILOGUE, IEEE)
         if SPLITS == 1:
             _epilogue(acc_a, acc_b, ss, m, m_ok, rows_a, rows_b, j, a_ok, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr,
                       N_OUT, ROTATED, stride_cs, eps, K, NORM, EPILOGUE, HALF, HAS_RESIDUAL)
@@ -235,7 +250,7 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
     """x [T, K] (T <= 16), w [N, K]; norm_weight [K] for the RMSNorm before the projection. Returns [T, N] ([T, N / 2]
     with swiglu). Row t's bits do not depend on T. rope = (cos, sin, positions, rotated) as in kernels/norm_gemv.py
     (positions: a device tensor of at least T positions). residual [T, N]: returns residual + y. tiles overrides
-    plan()'s {"BN", "SPLITS", "KS", "warps"} (a sweep)."""
+    plan()'s {"BN", "SPLITS", "KS", "warps"} and the pipeline depth "stages" (a sweep)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"rows_linear takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -274,7 +289,7 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
         tiles = tiles or TUNED.get((n, k, SWIGLU if swiglu else PLAIN))
         bn = (tiles or {}).get("BN", bn)
     n_tiles = n // (2 * half) * max(1, half // bn) if rope is not None else triton.cdiv(n_out, bn)
-    bk = (tiles or {}).get("BK", BK)  # tiles may name BN, BK, SPLITS + KS (together) and warps
+    bk = (tiles or {}).get("BK", BK)  # tiles may name BN, BK, SPLITS + KS (together), warps, stages
     cfg = dict(plan(n_tiles, k, bn, bk), **(tiles or {}))
     splits = cfg["SPLITS"]
     part, ss, count = split_workspace(x.device, splits * n_tiles * 2 * 16 * bn if splits > 1 else 0,
@@ -287,5 +302,6 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
         x, nw, w, y, res, cos, sin, pos, part, ss, count, T, n_out, rotated, w.stride(0), stride_cs, eps, K=k,
         KS=cfg["KS"], BK=bk, SPLITS=splits, NORM=norm_weight is not None,
         EPILOGUE=SWIGLU if swiglu else (ROPE if rope is not None else PLAIN), HALF=half,
-        HAS_RESIDUAL=residual is not None, BN=bn, IEEE=x.dtype == torch.float32, num_warps=cfg["warps"])
+        HAS_RESIDUAL=residual is not None, BN=bn, STAGES=cfg.get("stages", 0), IEEE=x.dtype == torch.float32,
+        num_warps=cfg["warps"])
     return y

@@ -224,13 +224,16 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
 def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
               max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
               adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
-              command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0) -> dict:
+              command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0,
+              llama_invariant: str | None = None) -> dict:
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
     drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
     threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
     forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
     random weights accept nothing; labelled "forced" in the record). routing_trace: MoE targets, route every fast-path
-    engine by backend/bench/routing.py's synthetic trace over this many hot experts (labelled in the record)."""
+    engine by backend/bench/routing.py's synthetic trace over this many hot experts (labelled in the record).
+    llama_invariant: Llama targets, how a speculative engine's steps and verifies run ("glue" or "mma":
+    backend.models.llama.Llama.invariant_path; default: that attribute's value)."""
     if threads:
         torch.set_num_threads(threads)
     if device == "auto":
@@ -242,6 +245,11 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     forced_tau = parse_taus(forced_tau)
     if forced_tau and torch.device(device).type != "cuda":
         raise BenchError("--forced-tau times the GPU's device cycle: use --device cuda")
+    if llama_invariant is not None:
+        if llama_invariant not in ("glue", "mma"):
+            raise BenchError(f"--llama-invariant must be glue or mma, got {llama_invariant!r}")
+        from backend.models.llama import Llama
+        Llama.invariant_path = llama_invariant
     if routing_trace and compare_hf:
         raise BenchError("--routing-trace replaces the fast path's routing, which transformers' generate cannot "
                          "follow: add --no-hf")
@@ -291,6 +299,11 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     plain = engine_for(exact=not cuda, invariant_verify=cuda and draft_model is not None)
     result["engine"] = {"path": "fast" if plain.fast else "transformers",
                         "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
+    fast_model = plain.target.fast.model if plain.fast else None
+    if fast_model is not None and hasattr(fast_model, "invariant_path"):  # Llama
+        result["engine"].update(llama_invariant_path=fast_model.invariant_path,
+                                llama_step_path=fast_model.step_path,
+                                llama_mma_projections=sorted(fast_model.mma_projections))
     run_engine(plain, warm, warm_tokens, stops)
     runs["plain"] = run_engine(plain, prompt_ids, max_tokens, stops)
     baseline = runs["plain"]
@@ -403,10 +416,14 @@ def cli(argv: list[str] | None = None) -> int:
                     "top-k among HOT experts (50: ~47 distinct per 16 positions, like a real router); needs --no-hf")
     ap.add_argument("--forced-tau", default="", help="comma-separated tau values: also time speculative runs with "
                     "forced acceptance (random weights; labelled forced in the record), e.g. 4.9,6.4,8.1")
+    ap.add_argument("--llama-invariant", choices=["glue", "mma"], default=None,
+                    help="Llama targets: how the speculative engine's steps and verifies run, batch-invariant: the "
+                    "compiled glue + cuBLAS on 16 padded rows, or our tensor-core row kernels for every projection "
+                    "(default: the model's choice, Llama.invariant_path)")
     a = ap.parse_args(argv)
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,
-         forced_tau=a.forced_tau, routing_trace=a.routing_trace,
+         forced_tau=a.forced_tau, routing_trace=a.routing_trace, llama_invariant=a.llama_invariant,
          command="python -m backend.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 

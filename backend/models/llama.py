@@ -34,6 +34,7 @@ from kernels.rows_linear import rows_linear
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
 # them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+MMA_PROJECTIONS = frozenset({"qkv", "o", "gate_up", "down", "lm_head"})  # every projection _rows can put on rows_linear
 
 
 @dataclass
@@ -187,6 +188,11 @@ class Llama(nn.Module):
     #           where cuBLAS computes a row independently of its neighbours, which setup_caches checks on this device
     #           (backend/models/cublas_rows.py; where it fails, steps take "rows"). A verify then costs about a step.
     step_path: str = "rows"
+    # How a speculative engine's steps and verifies run (use_invariant_verify), both batch-invariant:
+    #   "glue": step_path "glue" (compiled glue + cuBLAS on 16 padded rows) where cuBLAS is row-invariant, else "rows"
+    #   "mma":  step_path "rows" with every projection through kernels/rows_linear.py (tensor cores, the same
+    #           instructions for 1 and 16 rows), so plain steps and verifies cost about the same
+    invariant_path: str = "glue"
 
     def __init__(self, config: LlamaConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0):
         super().__init__()
@@ -224,8 +230,14 @@ class Llama(nn.Module):
         """For a speculative engine: decode steps and verifies through the compiled glue and cuBLAS, where cuBLAS is
         row-invariant on this device (a 16-token verify then costs ~1.2 decode steps, against ~3.3 on _rows; a
         plain step ~1.6x _rows' on the H200: bench/results/spec_e2e_embedded_steps-*_h200_20261201.json).
-        Elsewhere _rows, which is batch-invariant too. Returns whether the numerics now differ from a plain
-        engine's."""
+        Elsewhere _rows, which is batch-invariant too. invariant_path "mma" takes _rows with every projection on
+        tensor cores instead. Returns whether the numerics now differ from a plain engine's."""
+        if self.invariant_path not in ("glue", "mma"):
+            raise ValueError(f"invariant_path must be 'glue' or 'mma', got {self.invariant_path!r}")
+        if self.invariant_path == "mma" and self.one_token_kernels and triton_usable(self.embed):
+            self.mma_projections = MMA_PROJECTIONS  # this model only: plain engines keep the class's CUDA-core set
+            self.set_step_path("rows")
+            return True
         self.set_step_path("glue")
         return self.glue_steps
 

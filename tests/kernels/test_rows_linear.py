@@ -12,24 +12,29 @@ import torch
 from kernels.rows_linear import plan, rows_linear, rows_linear_torch
 from tests.kernels.test_fused_moe import interpreted_by_case
 
-# (dtype, epilogue, N, K, forced SPLITS or None). K not a multiple of 64 (a masked last step), several splits, one.
+# (dtype, epilogue, N, K, forced SPLITS or None, pipeline stages or None). K not a multiple of 64 (a masked last
+# step), several splits, one; the K loop unrolled (stages None: 0) and software-pipelined.
 CASES = [
     (dt, *case) for dt in ("float32", "float16") for case in [
-        ("norm", 48, 96, None),
-        ("norm", 40, 200, 3),
-        ("plain", 33, 150, 2),
-        ("residual", 64, 130, None),
-        ("swiglu", 64, 96, 2),
-        ("rope", 4 * 32, 64, 1),  # heads of 32: q, k rotated, v passes through
-        ("rope", 4 * 32, 100, 2),
-        ("rope16", 4 * 16, 64, None),  # heads of 16: half a head is under the MMA's 16 columns (padded)
+        ("norm", 48, 96, None, None),
+        ("norm", 40, 200, 3, None),
+        ("norm", 40, 330, 2, 3),
+        ("plain", 33, 150, 2, None),
+        ("residual", 64, 130, None, None),
+        ("residual", 64, 300, 1, 2),
+        ("swiglu", 64, 96, 2, None),
+        ("swiglu", 64, 260, 1, 3),
+        ("rope", 4 * 32, 64, 1, None),  # heads of 32: q, k rotated, v passes through
+        ("rope", 4 * 32, 100, 2, None),
+        ("rope", 4 * 32, 200, 1, 2),
+        ("rope16", 4 * 16, 64, None, None),  # heads of 16: half a head is under the MMA's 16 columns (padded)
     ]
 ]
 POSITION = 37
 
 
 def inputs_for(case, rows: int, device="cpu"):
-    dt, epilogue, n, k, splits = case
+    dt, epilogue, n, k, splits, stages = case
     g = torch.Generator().manual_seed(n * k + rows)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     dtype = getattr(torch, dt)
@@ -48,8 +53,10 @@ def inputs_for(case, rows: int, device="cpu"):
         emb = torch.cat((freqs, freqs), -1)
         kw["rope"] = (emb.cos().to(device, dtype), emb.sin().to(device, dtype),
                       torch.arange(POSITION, POSITION + rows, device=device), 3 * d)
-    tiles = {"SPLITS": splits, "KS": -(-(-(-k // 64)) // splits) * 64} if splits else None
-    return x, w, kw, tiles
+    tiles = {"SPLITS": splits, "KS": -(-(-(-k // 64)) // splits) * 64} if splits else {}
+    if stages:
+        tiles["stages"] = stages
+    return x, w, kw, tiles or None
 
 
 def one_row(kw, t):
@@ -105,7 +112,7 @@ def test_plan_depends_on_the_shape_only():
 
 def test_fallback_is_the_documented_rounding():
     """The PyTorch twin: W (x * nw) * rstd in fp32 equals the model's rms_norm then F.linear within rounding."""
-    x, w, kw, _ = inputs_for(("float32", "norm", 48, 96, None), 3)
+    x, w, kw, _ = inputs_for(("float32", "norm", 48, 96, None, None), 3)
     xf = x.double()
     ref = (kw["norm_weight"].double() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)) @ w.double().t()
     torch.testing.assert_close(rows_linear(x, w, use_triton=False, **kw).double(), ref, rtol=1e-5, atol=1e-5)
@@ -124,21 +131,23 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("case", [("bfloat16", "rope", (9 + 2 * 3) * 64, 576, None),
-                                  ("bfloat16", "swiglu", 2 * 1536, 576, None),
-                                  ("bfloat16", "residual", 576, 1536, None),
-                                  ("bfloat16", "norm", 49152, 576, None)], ids=lambda c: c[1])
+@pytest.mark.parametrize("case", [("bfloat16", "rope", (9 + 2 * 3) * 64, 576, None, None),
+                                  ("bfloat16", "swiglu", 2 * 1536, 576, None, None),
+                                  ("bfloat16", "residual", 576, 1536, None, None),
+                                  ("bfloat16", "norm", 49152, 576, None, None),
+                                  ("bfloat16", "swiglu", 2 * 1536, 576, 1, 3),
+                                  ("bfloat16", "residual", 576, 1536, 2, 3)], ids=lambda c: f"{c[1]}-stages{c[5]}")
 @pytest.mark.parametrize("rows", [2, 9, 16])
 def test_cuda_bf16_rows_are_batch_invariant_at_the_smollm2_shapes(case, rows):
-    x, w, kw, _ = inputs_for(case, rows, "cuda")
+    x, w, kw, tiles = inputs_for(case, rows, "cuda")
     if "rope" in kw:
         d = 64
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
         emb = torch.cat([torch.arange(2048, device="cuda").float()[:, None] * inv[None]] * 2, -1)
         kw["rope"] = (emb.cos().bfloat16(), emb.sin().bfloat16(), torch.arange(700, 700 + rows, device="cuda"),
                       12 * d)
-    block = rows_linear(x, w, **kw)
+    block = rows_linear(x, w, tiles=tiles, **kw)
     ref = rows_linear_torch(x, w, **kw)
     assert ((block.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
     for t in range(rows):
-        assert torch.equal(block[t:t + 1], rows_linear(x[t:t + 1], w, **one_row(kw, t))), t
+        assert torch.equal(block[t:t + 1], rows_linear(x[t:t + 1], w, tiles=tiles, **one_row(kw, t))), t

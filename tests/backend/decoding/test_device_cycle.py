@@ -230,16 +230,21 @@ def _embedded():
 
 
 @cuda
-@pytest.mark.parametrize("step_path", ["rows", "glue"])
+@pytest.mark.parametrize("step_path", ["rows", "glue", "mma"])
 def test_cuda_embedded_position_logits_are_batch_invariant(step_path):
     """A position's logits in bf16 are bitwise the same from a plain decode step and from inside a verify block of
     every size 2..16 (CUDA graphs, the engine's defaults), also after a prefix-reuse cut of the cache: on the row
-    kernels (plain engines) and on the glue over cuBLAS (speculative engines, where cuBLAS passes its check)."""
+    kernels (plain engines), on the glue over cuBLAS (speculative engines, where cuBLAS passes its check) and on the
+    tensor-core row kernels (speculative engines, Llama.invariant_path "mma")."""
     from backend.models import load_fast
 
     loaded = _embedded()
     fm = load_fast(loaded.model, max_context=2048, compile=True)
-    fm.model.set_step_path(step_path)
+    if step_path == "mma":
+        fm.model.invariant_path = "mma"
+        assert fm.model.use_invariant_verify() and fm.model.mma_projections and fm.model.batch_invariant
+    else:
+        fm.model.set_step_path(step_path)
     if step_path == "glue" and not fm.model.glue_steps:
         pytest.skip("cuBLAS is not row-invariant on this device: speculative engines keep the row kernels")
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Explain pytest fixtures."}],
@@ -268,13 +273,16 @@ def test_cuda_embedded_position_logits_are_batch_invariant(step_path):
 
 
 @cuda
-def test_cuda_embedded_speculative_equals_plain_greedy():
-    """The shipped drafter on the embedded model's real weights, bf16, the engine's GPU defaults: speculative
-    output is token-identical to plain decoding on every prompt."""
+@pytest.mark.parametrize("invariant_path", ["glue", "mma"])
+def test_cuda_embedded_speculative_equals_plain_greedy(invariant_path, monkeypatch):
+    """The shipped drafter on the embedded model's real weights, bf16, the engine's GPU defaults (and each of
+    Llama's invariant paths): speculative output is token-identical to plain decoding on every prompt."""
     from backend.bench.run import PROMPTS, make_prompts
     from backend.chat import stop_token_ids
     from backend.dflash.checkpoint import find_shipped_drafter, load_drafter
+    from backend.models.llama import Llama
 
+    monkeypatch.setattr(Llama, "invariant_path", invariant_path)
     loaded = _embedded()
     drafter = load_drafter(find_shipped_drafter(loaded.name))
     plain = Engine(loaded.model, max_context=4096, invariant_verify=True)  # plain decoding in the same numerics
