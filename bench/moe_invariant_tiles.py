@@ -15,9 +15,6 @@ computed alone in direct mode: the condition under which the mode may change wit
 
     python bench/moe_invariant_tiles.py --out bench/results          # H200: ~2 minutes
 
-`--one-token` sweeps the tiles of a one-token call in the same numerics (the entry's "one_token": any N and K
-tiles and warps, no K split, checked bitwise against the entry's own tiles; ~1 minute).
-
 It prints the table entry to copy into kernels/fused_moe_configs.json under the device's name
 (`E256_H2048_I512_K8_S1_invariant`; kernels.fused_moe.invariant_config reads it). bench/fused_moe.py --tune
 writes a fresh table without it: merge, do not overwrite.
@@ -113,64 +110,12 @@ def candidates() -> list[dict]:
     return base, gate_up, down
 
 
-def one_token_candidates(base: dict) -> list[dict]:
-    """Tiles for a one-token call in the invariant numerics: any BN, BK, warps and stages, never a K split (the
-    MMA's rows, BM, stay the call's)."""
-    gate_up = [dict(BN=bn, BK=bk, warps=wp, stages=st, split=1) for bn, bk, wp, st in [
-        (16, 128, 4, 4), (16, 256, 4, 3), (16, 128, 2, 4), (32, 128, 4, 4), (32, 64, 4, 6), (16, 64, 4, 6),
-        (64, 128, 4, 3), (32, 128, 8, 4), (16, 256, 2, 3)]]
-    down = [dict(BN=bn, BK=bk, warps=wp, stages=st) for bn, bk, wp, st in [
-        (32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 4), (16, 256, 4, 2), (128, 64, 4, 3), (32, 256, 4, 2)]]
-    return [dict(gate_up=base["gate_up"], down=base["down"])] + [
-        dict(gate_up=gu, down=base["down"]) for gu in gate_up] + [dict(gate_up=base["gate_up"], down=dn) for dn in down]
-
-
-def sweep_one_token(args, layers, x, routes) -> None:
-    """--one-token: the invariant entry's one-token tiles ("one_token"), bitwise the entry's own tiles' output."""
-    entry = fm.invariant_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), K)
-    if entry["gate_up"].get("split", 1) != 1:
-        raise SystemExit("the invariant entry splits K: one-token tiles cannot give its bits")
-    reference = [fm.fused_moe(x[t:t + 1], layer["gate_up"], layer["down"], w[t:t + 1], ids[t:t + 1], layer["shared"],
-                              config=entry) for layer, (w, ids) in zip(layers, routes) for t in range(16)]
-    rows = []
-    for cand in one_token_candidates(entry):
-        cfg = dict(entry, one_token=cand)
-        row = dict(cand)
-        try:
-            row["us_1"] = time_graph_us(run_layers(layers, x, routes, cfg, 1)) / args.layers
-            got = [fm.fused_moe(x[t:t + 1], layer["gate_up"], layer["down"], w[t:t + 1], ids[t:t + 1],
-                                layer["shared"], config=cfg) for layer, (w, ids) in zip(layers, routes) for t in range(16)]
-            row["bitwise_entry"] = all(torch.equal(a, b) for a, b in zip(got, reference))
-        except Exception as exc:  # a tile set that does not compile or fit
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    ok = [r for r in rows if "error" not in r and r["bitwise_entry"]]
-    best = min(ok, key=lambda r: r["us_1"])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    result = {"benchmark": "moe_invariant_tiles", "mode": "one_token", "device": torch.cuda.get_device_name(),
-              "date": now.isoformat(), "command": "python " + " ".join(sys.argv), "torch": torch.__version__,
-              "timing": f"us per layer at one token, CUDA-graph replay of {args.layers} distinct layers, median",
-              "check": "bitwise_entry: every one of 16 tokens x each layer's routing equals the invariant entry's "
-                       "own tiles' output for it",
-              "entry_tiles": {"gate_up": entry["gate_up"], "down": entry["down"]}, "rows": rows,
-              "best": {"gate_up": best["gate_up"], "down": best["down"], "us_1": best["us_1"]}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"moe_invariant_tiles_one_token_h200_{now.strftime('%Y%m%d_%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print("one_token entry:", json.dumps({"gate_up": best["gate_up"], "down": best["down"]}), "\nwrote", path,
-          flush=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hot", type=int, default=50, help="hot experts per layer (the trace's locality)")
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--one-token", action="store_true",
-                    help="sweep the invariant entry's one-token tiles instead (bitwise its own tiles' output)")
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -181,8 +126,6 @@ def main() -> None:
     uniform = routing(args.layers, 16, None, g, device)
     distinct = statistics.mean(ids.unique().numel() for _, ids in traced)
     print(f"hot set {args.hot}: {distinct:.1f} distinct experts per 16 tokens", flush=True)
-    if args.one_token:
-        return sweep_one_token(args, layers, x, traced)
     tokens = [int(t) for t in args.tokens.split(",")]
     base, gate_up, down = candidates()
 

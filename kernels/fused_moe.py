@@ -458,14 +458,6 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
                             None if residual is None else residual.contiguous(), cfg.get("decode"),
                             hidden_states.dtype)
         return result if out is None else out.copy_(result)
-    if num_tokens == 1 and cfg.get("one_token"):
-        # a decode step in the invariant numerics: its own N and K tiles, the same MMA (BM rows) accumulating over K
-        # in the same order with no K split, so the same bits as the 16-token tiles give that token (checked per
-        # candidate by bench/moe_invariant_tiles.py --one-token, and on the GPU by tests/kernels/test_fused_moe.py)
-        one = cfg["one_token"]
-        if "BM" in one or one["gate_up"].get("split", 1) != 1 or cfg["gate_up"].get("split", 1) != 1:
-            raise ValueError("one_token tiles keep the call's BM and split K in neither tile set: else the bits differ")
-        cfg = dict(cfg, **one)
     # direct_tokens: direct mode up to that many tokens, sorted above (a row's bits are the same in both: each
     # block row is its own slot's dot products over the same tiles, whoever shares the block)
     direct = cfg["direct"] and num_tokens <= min(cfg["BM"], cfg.get("direct_tokens", cfg["BM"]))
