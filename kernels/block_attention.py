@@ -55,7 +55,7 @@ if triton is not None:
                         sq_h, sq_t, skn_h, skn_t, svn_h, svn_t, skc_h, skc_n, svc_h, svc_n,
                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_T: tl.constexpr, SPLIT_COLS: tl.constexpr, N_SPLITS: tl.constexpr,
-                        N_CHUNKS: tl.constexpr, IEEE: tl.constexpr):
+                        N_CHUNKS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
         h = tl.program_id(0)  # key/value head
         split = tl.program_id(1)  # slice of cached columns; split N_SPLITS: the block's own tokens
         chunk = tl.program_id(2)  # slice of the GROUP * T query rows
@@ -77,10 +77,14 @@ if triton is not None:
             # before its own position, start + t: those of earlier block tokens were written to the cache before
             # this launch (block_attention does it), so a block position is computed exactly as a decode step at
             # that position computes it (batch invariance); for T = 1 this is the plain decode step.
+            # Not CAUSAL (a DFlash drafter's bidirectional block): every row sees the cached columns before the
+            # block, and all of the block's tokens come from the projection.
             c0 = split * SPLIT_COLS
             last_split = split == N_SPLITS - 1
-            c1 = tl.where(last_split, start + T - 1, tl.minimum(c0 + SPLIT_COLS, start + T - 1))
-            row_end = tl.where(last_split, start + t, tl.minimum(c0 + SPLIT_COLS, start + t))
+            limit = start + T - 1 if CAUSAL else start
+            row_limit = start + t if CAUSAL else start + 0 * t
+            c1 = tl.where(last_split, limit, tl.minimum(c0 + SPLIT_COLS, limit))
+            row_end = tl.where(last_split, row_limit, tl.minimum(c0 + SPLIT_COLS, row_limit))
             for c in range(c0, c1, BLOCK_N):
                 cols = c + tl.arange(0, BLOCK_N)
                 ok = cols < c1
@@ -100,7 +104,10 @@ if triton is not None:
             k = tl.load(kn_ptr + h * skn_h + j[:, None] * skn_t + d[None, :], mask=j_ok[:, None], other=0.0)
             v = tl.load(vn_ptr + h * svn_h + j[:, None] * svn_t + d[None, :], mask=j_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
-            s = tl.where(j_ok[None, :] & (j[None, :] == t[:, None]), s, float("-inf"))
+            if CAUSAL:
+                s = tl.where(j_ok[None, :] & (j[None, :] == t[:, None]), s, float("-inf"))
+            else:
+                s = tl.where(j_ok[None, :], s, float("-inf"))
             m_i = tl.max(s, axis=1)
             p = tl.exp(s - m_i[:, None])
             acc = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else "tf32")
@@ -172,7 +179,7 @@ def _check(q, k_new, v_new, k_cache, v_cache, start):
         raise ValueError("start must be a one-element integer tensor")
 
 
-def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | None = None):
+def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | None = None, causal: bool = True):
     """The same as block_attention with index_copy_ and SDPA (the fallback, and the reference in tests)."""
     _check(q, k_new, v_new, k_cache, v_cache, start)
     H, T, D = q.shape
@@ -180,20 +187,22 @@ def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | 
     k_cache.index_copy_(1, positions, k_new)
     v_cache.index_copy_(1, positions, v_new)
     end = int(span) if span is not None else int(positions[-1]) + 1
-    mask = torch.arange(end, device=q.device)[None, :] <= positions[:, None]
+    cols = torch.arange(end, device=q.device)[None, :]
+    mask = cols <= positions[:, None] if causal else (cols <= positions[-1]).expand(T, end)
     out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end], attn_mask=mask,
                                          enable_gqa=H != k_new.shape[0])
     return out[0].transpose(0, 1).reshape(T, H * D)
 
 
 def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_triton: bool | None = None,
-                    out: torch.Tensor | None = None):
+                    out: torch.Tensor | None = None, causal: bool = True):
     """See the module docstring. span >= start + T (a host number; the caller's attention span). out: a [T, H * D]
-    tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one."""
+    tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one. causal=False: every
+    block token sees all of the block (a DFlash drafter's bidirectional layers) and the cached columns before it."""
     if use_triton is None:
         use_triton = triton_usable(q)
     if not use_triton:
-        result = block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span)
+        result = block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span, causal)
         return result if out is None else out.copy_(result)
     _check(q, k_new, v_new, k_cache, v_cache, start)
     H, T, D = q.shape
@@ -213,7 +222,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     rows = group * T
     block_m = BLOCK_ROWS
     n_chunks = math.ceil(rows / block_m)
-    if T > 1:  # the block's keys and values go to the cache first: later block rows read them as cached columns
+    if T > 1 and causal:  # the block's keys and values go to the cache first: later rows read them as cached columns
         _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
                                       v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1),
                                       v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1)
@@ -230,9 +239,25 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
-        N_CHUNKS=n_chunks, IEEE=q.dtype == torch.float32, num_warps=8 if D > 128 else 4)
+        N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, num_warps=8 if D > 128 else 4)
     dc = min(D, COMBINE_COLS)
     _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, T, out.stride(0), GROUP=group, D=D, DC=dc,
                                           BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,
                                           num_warps=4)
     return out
+
+
+def write_block(k_new, v_new, k_cache, v_cache, start, *, use_triton: bool | None = None) -> None:
+    """k_new, v_new [Hkv, T, D] into the caches at columns start .. start + T - 1 (start: a one-element device
+    tensor), in one launch where Triton runs (two index_copy_ elsewhere). Any T."""
+    if use_triton is None:
+        use_triton = triton_usable(k_new)
+    hkv, T, D = k_new.shape
+    if not use_triton or not supports(D) or k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        positions = start.reshape(1).long() + torch.arange(T, device=k_new.device)
+        k_cache.index_copy_(1, positions, k_new)
+        v_cache.index_copy_(1, positions, v_new)
+        return
+    _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
+                                  v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                  v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1)

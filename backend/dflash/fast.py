@@ -34,6 +34,8 @@ from backend.dflash.model import DFlashDrafter, rope
 from backend.models.llama import fuse_rows, glue
 from backend.sampling import sampling_probs
 from kernels.argmax import argmax_confidence
+from kernels.block_attention import block_attention, supports, write_block
+from kernels.fused_moe import triton_usable
 
 
 class FastDrafter:
@@ -58,6 +60,14 @@ class FastDrafter:
         self._pre, self._post, self._head, self._context, self._context_kv = (
             glue(f, self.compiled) for f in (_layer_pre, _layer_post, _head, _context, _context_kv))
         self.fused = [FusedProjections(layer) for layer in layers]
+        # the block's attention through kernels/block_attention.py (cache write + attention in two or three
+        # launches, causal or bidirectional, no mask): on the H200 cuDNN's SDPA with a mask built per replay, and
+        # two index_copy_ per layer, were ~40% of the SmolLM2 drafter's GPU time (bench/drafter_step.py --profile)
+        self.block_kernel = (self.cuda_graphs and triton_usable(weight) and supports(head_dim)
+                             and all(layer.sliding_window is None for layer in layers))
+        # RoPE tables for every position, gathered by device positions inside the compiled glue (computed per replay
+        # they were ~10 elementwise launches); the same fp32 arithmetic per position as drafter.rotary
+        self.cos, self.sin = drafter.rotary(torch.arange(self.max_context, device=self.device), self.dtype)
         features = len(drafter.target_layer_ids) * cfg.hidden_size
         # graph inputs (static addresses)
         self.length_dev = torch.zeros(1, dtype=torch.long, device=self.device)  # context length on the device
@@ -174,14 +184,14 @@ class FastDrafter:
         return graph, logits
 
     def _absorb(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        """Context keys/values of `feats` [n, F] at `positions` [n] (device) into every layer's cache."""
+        """Context keys/values of `feats` [n, F] at `positions` [n] (device; consecutive) into every layer's
+        cache."""
         d = self.drafter
         context = self._context(d, feats)  # [1, n, hidden]
-        cos, sin = d.rotary(positions, context.dtype)
         for i, (layer, w) in enumerate(zip(d.layers, self.fused)):
-            k, v = self._context_kv(layer, w.kv, w.kv_bias, context, cos, sin)  # [1, kv heads, n, D]
-            self.k[i].index_copy_(1, positions, k[0])
-            self.v[i].index_copy_(1, positions, v[0])
+            # [1, kv heads, n, D]
+            k, v = self._context_kv(layer, w.kv, w.kv_bias, context, self.cos, self.sin, positions)
+            write_block(k[0], v[0], self.k[i], self.v[i], positions[:1], use_triton=self.block_kernel)
 
     def _body(self, rows: int, span: int) -> torch.Tensor:
         """What one graph replays: absorb `rows` features (keep of them), then draft the block after token.
@@ -196,25 +206,22 @@ class FastDrafter:
         x = d._embed(ids)[None]
         if d.cfg.input_embedding_scale != 1.0:
             x = x * d.cfg.input_embedding_scale
-        cos, sin = d.rotary(positions, x.dtype)
-        cols = torch.arange(span, device=self.device)[None, :]
-        query = positions[:, None]
-        in_context = cols < start
-        in_block = (cols >= start) & (cols < start + B)
         masks = {}
         for i, (layer, w) in enumerate(zip(d.layers, self.fused)):
-            key = (layer.causal, layer.sliding_window)
-            if key not in masks:  # one mask per kind of layer, built on the device
-                visible = in_context | (in_block & (cols <= query) if layer.causal else in_block)
-                if layer.sliding_window is not None:
-                    visible = visible & (query - cols < layer.sliding_window)
-                masks[key] = visible[None, None]
-            q, k, v = self._pre(layer, w.qkv, w.qkv_bias, x, cos, sin)
-            self.k[i].index_copy_(1, positions, k[0])
-            self.v[i].index_copy_(1, positions, v[0])
-            attn = layer.self_attn
-            out = F.scaled_dot_product_attention(q, self.k[i, :, :span][None], self.v[i, :, :span][None],
-                                                 attn_mask=masks[key], enable_gqa=attn.heads != attn.kv_heads)
+            q, k, v = self._pre(layer, w.qkv, w.qkv_bias, x, self.cos, self.sin, positions)
+            if self.block_kernel:  # [B, heads * D]
+                out = block_attention(q[0], k[0], v[0], self.k[i], self.v[i], start, span, use_triton=True,
+                                      causal=layer.causal)
+            else:
+                key = (layer.causal, layer.sliding_window)
+                if key not in masks:  # one mask per kind of layer, built on the device
+                    masks[key] = self._mask(layer, positions, start, span)
+                self.k[i].index_copy_(1, positions, k[0])
+                self.v[i].index_copy_(1, positions, v[0])
+                attn = layer.self_attn
+                out = F.scaled_dot_product_attention(q, self.k[i, :, :span][None], self.v[i, :, :span][None],
+                                                     attn_mask=masks[key], enable_gqa=attn.heads != attn.kv_heads)
+                out = out[0].transpose(0, 1).reshape(B, -1)
             x = self._post(layer, w.gate_up, x, out)
         logits = self._head(d, x)
         choice, confidence = argmax_confidence(logits)
@@ -225,6 +232,18 @@ class FastDrafter:
         self.block_tokens[1:].copy_(choice)
         return logits
 
+    def _mask(self, layer, positions, start, span: int) -> torch.Tensor:
+        """SDPA's mask for one kind of layer (causal or not, sliding window), built on the device: the context
+        before the block, and the block as the layer sees it. [1, 1, B, span] bool."""
+        B = self.block_size
+        cols = torch.arange(span, device=self.device)[None, :]
+        query = positions[:, None]
+        in_block = (cols >= start) & (cols < start + B)
+        visible = (cols < start) | (in_block & (cols <= query) if layer.causal else in_block)
+        if layer.sliding_window is not None:
+            visible = visible & (query - cols < layer.sliding_window)
+        return visible[None, None]
+
 
 # ---- the glue, as plain functions so that torch.compile fuses them (llama.glue: compiled once per layer object) ----
 
@@ -234,9 +253,9 @@ def _context(drafter, feats):
     return drafter.hidden_norm(drafter.fc(feats))[None]
 
 
-def _context_kv(layer, w_kv, b_kv, context, cos, sin):
-    """One layer's context keys (normed, rotated) and values, through the fused k/v rows."""
-    return _keys_values(layer.self_attn, F.linear(context, w_kv, b_kv), cos, sin)
+def _context_kv(layer, w_kv, b_kv, context, cos_table, sin_table, positions):
+    """One layer's context keys (normed, rotated at `positions`) and values, through the fused k/v rows."""
+    return _keys_values(layer.self_attn, F.linear(context, w_kv, b_kv), cos_table[positions], sin_table[positions])
 
 
 def _keys_values(attn, kv, cos, sin):
@@ -247,8 +266,10 @@ def _keys_values(attn, kv, cos, sin):
     return rope(attn.k_norm(k).transpose(1, 2), cos, sin), v.transpose(1, 2)
 
 
-def _layer_pre(layer, w_qkv, b_qkv, x, cos, sin):
-    """Pre-norm, the fused q/k/v projection, q/k norms and RoPE of one drafter layer for the block x [1, B, hidden]."""
+def _layer_pre(layer, w_qkv, b_qkv, x, cos_table, sin_table, positions):
+    """Pre-norm, the fused q/k/v projection, q/k norms and RoPE (at `positions`) of one drafter layer for the block
+    x [1, B, hidden]."""
+    cos, sin = cos_table[positions], sin_table[positions]
     attn, h = layer.self_attn, layer.input_layernorm(x)
     n = h.shape[1]
     q, kv = F.linear(h, w_qkv, b_qkv).split([attn.heads * attn.head_dim, 2 * attn.kv_heads * attn.head_dim], -1)
@@ -258,9 +279,9 @@ def _layer_pre(layer, w_qkv, b_qkv, x, cos, sin):
 
 
 def _layer_post(layer, w_gate_up, x, attn_out):
-    """Output projection + residual, then the MLP (its gate and up projections fused) + residual."""
-    n = x.shape[1]
-    x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(1, n, -1))
+    """Output projection of the attention rows attn_out [B, heads * D] + residual, then the MLP (its gate and up
+    projections fused) + residual."""
+    x = x + layer.self_attn.o_proj(attn_out[None])
     mlp = layer.mlp
     gate, up = F.linear(layer.post_attention_layernorm(x), w_gate_up).chunk(2, dim=-1)
     return x + mlp.down_proj(mlp.act(gate) * up)

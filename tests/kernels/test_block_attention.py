@@ -26,8 +26,8 @@ def make_case(heads, kv_heads, head_dim, T, start, max_context=1024, dtype=torch
     return q, k_new, v_new, k_cache, v_cache, torch.tensor([start], device=device)
 
 
-def reference64(q, k_new, v_new, k_cache, v_cache, start):
-    """Softmax attention over cache[:start] + the block (causal), in float64, one query at a time."""
+def reference64(q, k_new, v_new, k_cache, v_cache, start, causal=True):
+    """Softmax attention over cache[:start] + the block (causal, or all of it), in float64, one query at a time."""
     H, T, D = q.shape
     group = H // k_new.shape[0]
     out = torch.empty(T, H, D, dtype=torch.float64)
@@ -35,8 +35,9 @@ def reference64(q, k_new, v_new, k_cache, v_cache, start):
         keys = torch.cat([k_cache[h // group, :start], k_new[h // group]]).double()
         values = torch.cat([v_cache[h // group, :start], v_new[h // group]]).double()
         for t in range(T):
-            w = torch.softmax(keys[:start + t + 1] @ q[h, t].double() / D ** 0.5, dim=0)
-            out[t, h] = w @ values[:start + t + 1]
+            end = start + t + 1 if causal else start + T
+            w = torch.softmax(keys[:end] @ q[h, t].double() / D ** 0.5, dim=0)
+            out[t, h] = w @ values[:end]
     return out.reshape(T, H * D)
 
 
@@ -51,14 +52,18 @@ CASES = [  # heads, kv_heads, head_dim, T, start, span
     (16, 2, 256, 1, 70, 71),
 ]
 
+# causal=False (a DFlash drafter's bidirectional block layers): blocks of several tokens
+BIDIRECTIONAL = [c for c in CASES if c[3] > 1]
 
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_fallback_matches_float64_attention_and_writes_the_cache(case):
+def test_fallback_matches_float64_attention_and_writes_the_cache(case, causal):
     heads, kv_heads, head_dim, T, start, span = case
     q, k_new, v_new, k_cache, v_cache, pos = make_case(heads, kv_heads, head_dim, T, start)
-    ref = reference64(q, k_new, v_new, k_cache, v_cache, start)
+    ref = reference64(q, k_new, v_new, k_cache, v_cache, start, causal)
     before = k_cache.clone()
-    out = block_attention_torch(q, k_new, v_new, k_cache, v_cache, pos, span)
+    out = block_attention_torch(q, k_new, v_new, k_cache, v_cache, pos, span, causal)
     assert out.shape == (T, heads * head_dim)
     assert (out.double() - ref).abs().max() < 1e-4
     assert torch.equal(k_cache[:, start:start + T], k_new) and torch.equal(v_cache[:, start:start + T], v_new)
@@ -88,7 +93,7 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_block_attention import CASES, make_case
+from tests.kernels.test_block_attention import BIDIRECTIONAL, CASES, make_case
 from kernels.block_attention import block_attention, block_attention_torch
 for case in CASES:
     heads, kv_heads, head_dim, T, start, span = case
@@ -101,6 +106,15 @@ for case in CASES:
     print(json.dumps({"case": list(case), "err": (out - ref).abs().max().item(),
                       "cache_equal": bool(torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])),
                       "span_invariant": bool(torch.equal(out, wide))}), flush=True)
+for case in BIDIRECTIONAL:
+    heads, kv_heads, head_dim, T, start, span = case
+    a = make_case(heads, kv_heads, head_dim, T, start)
+    b = make_case(heads, kv_heads, head_dim, T, start)
+    out = block_attention(*a, span=span, use_triton=True, causal=False)
+    ref = block_attention_torch(*b, span=span, causal=False)
+    print(json.dumps({"case": list(case) + ["bidirectional"], "err": (out - ref).abs().max().item(),
+                      "cache_equal": bool(torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])),
+                      "span_invariant": True}), flush=True)
 """
 
 
@@ -109,7 +123,8 @@ def interpreted():
     return interpreted_by_case(INTERPRETER_SCRIPT)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", CASES + [c + ("bidirectional",) for c in BIDIRECTIONAL],
+                         ids=lambda c: "-".join(map(str, c)))
 def test_triton_kernel_matches_fallback_in_interpreter(interpreted, case):
     r = interpreted[tuple(case)]
     assert r["cache_equal"], "the kernel wrote the cache differently"
@@ -118,13 +133,14 @@ def test_triton_kernel_matches_fallback_in_interpreter(interpreted, case):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_cuda_bf16_kernel_matches_fallback(case):
+def test_cuda_bf16_kernel_matches_fallback(case, causal):
     heads, kv_heads, head_dim, T, start, span = case
     a = make_case(heads, kv_heads, head_dim, T, start, dtype=torch.bfloat16, device="cuda")
     b = make_case(heads, kv_heads, head_dim, T, start, dtype=torch.bfloat16, device="cuda")
-    out = block_attention(*a, span=span)
-    ref = block_attention_torch(*b, span=span)
+    out = block_attention(*a, span=span, causal=causal)
+    ref = block_attention_torch(*b, span=span, causal=causal)
     assert torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
     assert out.shape == (T, heads * head_dim) and out.dtype == torch.bfloat16

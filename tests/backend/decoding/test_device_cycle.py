@@ -220,6 +220,36 @@ def test_cuda_drafter_graph_equals_its_eager_forward():
     torch.testing.assert_close(c1, c2, rtol=1e-2, atol=1e-4)
 
 
+@cuda
+def test_cuda_drafter_block_kernel_drafts_what_the_eager_drafter_drafts():
+    """FastDrafter on the GPU attends through kernels/block_attention.py (causal and bidirectional layers, no mask)
+    and gathers RoPE from its tables: the same drafts as DFlashDrafter.draft's SDPA over a concatenated context, and
+    confidences to rounding (fp32), for a first draft and for drafts after absorbing verify features."""
+    model = tiny_model("tiny-llama").cuda()
+    drafter = random_drafter(model, block_size=8, num_layers=3, block_attention="mixed")
+    for layer, causal in zip(drafter.layers, [True, False, True]):
+        layer.sliding_window, layer.causal = None, causal
+    drafter.check_target(model)
+    feats = torch.randn(1, 40, len(drafter.target_layer_ids) * drafter.cfg.hidden_size, device="cuda") * 3
+    more = torch.randn(1, 5, feats.shape[-1], device="cuda") * 3
+    fast = FastDrafter(drafter, max_context=128)
+    assert fast.block_kernel
+    fast.add_pending(feats)
+    ctx = drafter.new_context()
+    ctx.add_pending(feats)
+    for token, absorbed in ((17, None), (23, more)):
+        if absorbed is not None:  # a verify's features, all kept
+            ctx.add_pending(absorbed)
+            fast.launch(token=token, features=absorbed[0], rows=5, keep=torch.tensor([5], device="cuda"))
+        else:
+            fast.launch(token=token)
+        eager = drafter.draft(ctx, token, 0.0, 1.0, torch.Generator(device="cuda"))
+        torch.cuda.synchronize()
+        assert fast.block_tokens.tolist() == [token] + eager.tokens
+        torch.testing.assert_close(fast.confidence, torch.tensor(eager.confidence, device="cuda"), rtol=1e-3,
+                                   atol=1e-4)
+
+
 def _embedded():
     from backend.loading import ModelLoadError, load_model
 
