@@ -49,7 +49,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sdpa", default=None, choices=["cudnn", "efficient", "flash", "math"],
                     help="force one scaled_dot_product_attention backend for the drafter's layers (default: torch's "
-                         "choice)")
+                         "choice); with --attention sdpa")
+    ap.add_argument("--attention", default="kernel", choices=["kernel", "sdpa"],
+                    help="the drafter's attention: kernels/block_attention.py (FastDrafter's default on CUDA) or SDPA "
+                         "with a device-built mask (what it ran before 2026-12-02)")
     a = ap.parse_args(argv)
     if a.sdpa:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -59,6 +62,7 @@ def main(argv=None) -> int:
         sdpa_kernel([backend]).__enter__()  # for the whole run: the graphs capture the forced backend
     target, drafter = build(a.shape)
     fd = FastDrafter(drafter, max_context=4096)
+    fd.block_kernel = fd.block_kernel and a.attention == "kernel"
     width = len(drafter.target_layer_ids) * drafter.cfg.hidden_size
     fd.add_pending(torch.randn(1, a.context, width, device="cuda", dtype=fd.dtype))
     feats = torch.randn(16, width, device="cuda", dtype=fd.dtype)
@@ -83,7 +87,8 @@ def main(argv=None) -> int:
     times.sort()
     out = {"benchmark": "drafter_step", "shape": a.shape, "context": a.context, "command": " ".join(sys.argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info("cuda"),
-           "sdpa": a.sdpa or "default", "draft_ms_median": times[len(times) // 2], "draft_ms_min": times[0],
+           "attention": "kernel" if fd.block_kernel else "sdpa", "sdpa": a.sdpa or "default",
+           "draft_ms_median": times[len(times) // 2], "draft_ms_min": times[0],
            "drafter_params_m": sum(p.numel() for p in drafter.parameters()) / 1e6}
     print(f"{a.shape}: one draft (absorb 16 rows + block of 16 + head) {out['draft_ms_median']:.3f} ms median, "
           f"{out['draft_ms_min']:.3f} ms min", flush=True)

@@ -16,13 +16,16 @@ target steps. Here:
     absorb the last verify's features (all its rows, written at the context's end; only `keep` of them count),
     advance the context length on the device by `keep`, then the block forward, the head over the drafted positions
     only, in the model dtype, and argmax + confidence (kernels/argmax.py);
-  - positions, the context length, masks and RoPE come from device tensors, so nothing waits for the host: the
-    speculative cycle reads one small result per cycle (backend/decoding/device_cycle.py).
+  - positions and the context length are device tensors and RoPE is gathered from tables, so nothing waits for the
+    host: the speculative cycle reads one small result per cycle (backend/decoding/device_cycle.py);
+  - attention runs through kernels/block_attention.py on CUDA (block keys written to the cache and attended in the
+    same launches, causal or bidirectional per layer, no mask): cuDNN's SDPA with a mask built every replay and two
+    index_copy_ a layer were ~40% of the SmolLM2 drafter's GPU time (0.39 -> 0.25 ms a draft on the H200,
+    bench/drafter_step.py). Layers with a sliding window (none shipped) keep SDPA and a device-built mask.
 The arithmetic is DFlashDrafter's own (its modules are called), except that each layer's q/k/v and gate/up
 projections run as one matmul each over fused weight rows (fuse_rows: the modules keep working on views of them, so
 the weights are held once): two cuBLAS launches a layer instead of five, and one for the context's keys and values
-instead of two (the fused rows' k/v part). The block's keys are written to the cache and masked instead of
-concatenated. Draft quality never touches the output: the target verifies every token.
+instead of two (the fused rows' k/v part). The block's keys are written to the cache instead of concatenated. Draft quality never touches the output: the target verifies every token.
 """
 
 from __future__ import annotations
