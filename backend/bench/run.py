@@ -28,6 +28,7 @@ from backend.decoding.device_cycle import ForcedAcceptance
 from backend.loading import load_model
 from backend.decoding.engine import Engine, SamplingParams
 from backend.dflash.checkpoint import find_shipped_drafter, load_drafter, random_drafter
+from backend.models.llama import Llama
 
 TINY_MODELS = ("tiny-hybrid", "tiny-moe", "tiny-llama")  # tiny-moe: another name for tiny-hybrid
 PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)
@@ -221,19 +222,32 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
     return 0
 
 
-def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
-              max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
-              adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
-              command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0,
-              llama_invariant: str | None = None) -> dict:
+def run_bench(*args, llama_invariant: str | None = None, **kwargs) -> dict:
+    """_run_bench with Llama.invariant_path set to llama_invariant ("glue" or "mma") for the run, then restored."""
+    if llama_invariant is None:
+        return _run_bench(*args, **kwargs)
+    if llama_invariant not in ("glue", "mma"):
+        raise BenchError(f"--llama-invariant must be glue or mma, got {llama_invariant!r}")
+    before = Llama.invariant_path
+    Llama.invariant_path = llama_invariant
+    try:
+        return _run_bench(*args, **kwargs)
+    finally:
+        Llama.invariant_path = before
+
+
+def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
+               max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
+               adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
+               command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0) -> dict:
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
     drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
     threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
     forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
     random weights accept nothing; labelled "forced" in the record). routing_trace: MoE targets, route every fast-path
     engine by backend/bench/routing.py's synthetic trace over this many hot experts (labelled in the record).
-    llama_invariant: Llama targets, how a speculative engine's steps and verifies run ("glue" or "mma":
-    backend.models.llama.Llama.invariant_path; default: that attribute's value)."""
+    (run_bench's llama_invariant: Llama targets, how a speculative engine's steps and verifies run, "glue" or "mma":
+    backend.models.llama.Llama.invariant_path; default: that attribute's value.)"""
     if threads:
         torch.set_num_threads(threads)
     if device == "auto":
@@ -245,11 +259,6 @@ def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str =
     forced_tau = parse_taus(forced_tau)
     if forced_tau and torch.device(device).type != "cuda":
         raise BenchError("--forced-tau times the GPU's device cycle: use --device cuda")
-    if llama_invariant is not None:
-        if llama_invariant not in ("glue", "mma"):
-            raise BenchError(f"--llama-invariant must be glue or mma, got {llama_invariant!r}")
-        from backend.models.llama import Llama
-        Llama.invariant_path = llama_invariant
     if routing_trace and compare_hf:
         raise BenchError("--routing-trace replaces the fast path's routing, which transformers' generate cannot "
                          "follow: add --no-hf")

@@ -77,7 +77,7 @@ class Engine:
     acceptance on the device, one host sync per cycle; None: on CUDA whenever the fast path runs outside exact
     mode; True elsewhere too, for tests). invariant_verify: the fast model's decode steps and verifies in numerics
     where a verify is cheap and a position's logits do not depend on how it was reached (the model file's
-    use_invariant_verify: Qwen3.5/3.6-MoE's padded rows, Llama's glue over a row-invariant cuBLAS), so greedy
+    use_invariant_verify: Qwen3.5/3.6-MoE's padded rows, Llama's tensor-core row kernels), so greedy
     speculative output is token-identical to this engine's plain decoding (None: on for a CUDA engine with a
     drafter outside exact mode; a plain engine that serves as its reference needs invariant_verify=True). Plain
     engines keep the fastest one-token kernels, whose rounding can differ at near-ties."""

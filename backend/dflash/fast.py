@@ -25,7 +25,8 @@ target steps. Here:
 The arithmetic is DFlashDrafter's own (its modules are called), except that each layer's q/k/v and gate/up
 projections run as one matmul each over fused weight rows (fuse_rows: the modules keep working on views of them, so
 the weights are held once): two cuBLAS launches a layer instead of five, and one for the context's keys and values
-instead of two (the fused rows' k/v part). The block's keys are written to the cache instead of concatenated. Draft quality never touches the output: the target verifies every token.
+instead of two (the fused rows' k/v part). The block's keys are written to the cache instead of concatenated. Draft
+quality never touches the output: the target verifies every token.
 """
 
 from __future__ import annotations

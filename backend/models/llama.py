@@ -230,11 +230,12 @@ class Llama(nn.Module):
             linear_rows_invariant([first.wqkv, first.wo, first.w_gate_up, first.w_down, self.lm_head]))
 
     def use_invariant_verify(self) -> bool:
-        """For a speculative engine: decode steps and verifies through the compiled glue and cuBLAS, where cuBLAS is
-        row-invariant on this device (a 16-token verify then costs ~1.2 decode steps, against ~3.3 on _rows; a
-        plain step ~1.6x _rows' on the H200: bench/results/spec_e2e_embedded_steps-*_h200_20261201.json).
-        Elsewhere _rows, which is batch-invariant too. invariant_path "mma" takes _rows with every projection on
-        tensor cores instead. Returns whether the numerics now differ from a plain engine's."""
+        """For a speculative engine, by invariant_path: "mma", decode steps and verifies through _rows with every
+        projection on tensor cores (kernels/rows_linear.py: a 16-token verify ~1.15 of its own step); "glue", through
+        the compiled glue and cuBLAS where cuBLAS is row-invariant on this device (a 16-token verify ~1.1 steps, a
+        step ~1.6x _rows' on the H200: bench/results/spec_e2e_embedded_steps-*_h200_20261201.json), else _rows on
+        the CUDA-core kernels (batch-invariant too; a verify ~3 steps). Returns whether the numerics now differ from
+        a plain engine's."""
         if self.invariant_path not in ("glue", "mma"):
             raise ValueError(f"invariant_path must be 'glue' or 'mma', got {self.invariant_path!r}")
         if self.invariant_path == "mma" and self.one_token_kernels and triton_usable(self.embed):
