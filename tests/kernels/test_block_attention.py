@@ -52,8 +52,9 @@ CASES = [  # heads, kv_heads, head_dim, T, start, span
     (16, 2, 256, 1, 70, 71),
 ]
 
-# causal=False (a DFlash drafter's bidirectional block layers): blocks of several tokens
-BIDIRECTIONAL = [c for c in CASES if c[3] > 1]
+# causal=False (a DFlash drafter's bidirectional block layers): blocks of several tokens at head dims <= 64 (the
+# interpreter is slow at 256; the CUDA test takes every case both ways)
+BIDIRECTIONAL = [c for c in CASES if c[3] > 1 and c[2] <= 64]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
