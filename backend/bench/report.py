@@ -106,8 +106,10 @@ def format_table(res: dict) -> str:
             continue
         lines += [f"\n{labels[key]}: {r['cycles']} cycles, tau {r['tau']:.2f}, "
                   f"T_d {r['T_d_ms']:.2f} ms, T_t {r['T_t_ms']:.2f} ms, accept/rollback {r['rollback_ms']:.2f} ms, "
-                  f"host {r['host_ms_per_cycle']:.2f} ms, cycle {r['cycle_ms']:.2f} ms; identical "
-                  f"{r['identical']}/{r['identical_of']} prompts",
+                  f"host {r['host_ms_per_cycle']:.2f} ms, cycle {r['cycle_ms']:.2f} ms"
+                  + (f" (+ a first draft of {r['first_draft_ms_per_generation']:.2f} ms a generation)"
+                     if r.get("first_draft_ms_per_generation") else "")
+                  + f"; identical {r['identical']}/{r['identical_of']} prompts",
                   f"  eta predicted tau*L_target/(T_t+T_d) = {r['eta_predicted']:.2f}, "
                   f"measured {r['eta_measured']:.2f}",
                   "  acceptance by draft position: "

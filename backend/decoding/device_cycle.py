@@ -164,10 +164,12 @@ def device_speculative_decode(target, fd, verify_length, forced, logits, params,
     done = torch.cuda.Event() if cuda else None
     marks = _Marks(cuda)  # 0 verify 1 acceptance test 2 draft 3
     t = time.perf_counter()
+    marks.record(2)
     fd.launch(token=token)
     q = fd.sample(params.temperature, params.top_p, rng) if not greedy else None
+    marks.record(3)
     queued = None  # (k, the confidences of the draft it verifies) of the verify on the device, not committed yet
-    draft_seconds = 0.0
+    draft_seconds = None  # the last draft's time; None until the first draft's is read
     while True:
         # the cycle's one host sync
         host.copy_(result, non_blocking=cuda)
@@ -175,6 +177,9 @@ def device_speculative_decode(target, fd, verify_length, forced, logits, params,
         if cuda:
             done.record()
             done.synchronize()
+        if draft_seconds is None:  # the first draft: before any cycle, so timed apart from the cycles' drafts
+            draft_seconds = marks.seconds(2, 3)
+            stats.first_draft_seconds += draft_seconds
         finished, emit, stop_at = None, [], None
         if queued is not None:
             k, conf = queued

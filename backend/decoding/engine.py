@@ -52,6 +52,8 @@ class GenerationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     rollback_seconds: float = 0.0  # bringing caches to the accepted prefix (crop + linear-attention replay)
+    # the device cycle's first draft, queued after the prefill, before any cycle (so in no cycle's draft_seconds)
+    first_draft_seconds: float = 0.0
     # committed tokens the restricted draft vocabulary could never have proposed (0 without a restricted vocabulary)
     out_of_draft_vocab: int = 0
     # verify blocks by size (number of tokens sent to the target, including the known token) -> count

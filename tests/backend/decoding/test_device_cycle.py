@@ -51,6 +51,7 @@ def test_device_cycle_equals_plain_decoding_at_every_accept_length(kind):
             assert generate(engine, prompt, max_tokens=90) == ref
             stats = engine.last_stats
             assert stats.generated_tokens == len(ref) and engine.draft_context.length == len(engine.target.ids)
+            assert stats.first_draft_seconds > 0 and stats.draft_seconds > 0  # the first draft timed apart
             seen |= {k for k, n in enumerate(stats.accepted_per_position) if n}
     assert stats.tau > 4 and len(seen) >= 12, (stats.tau, seen)
 
