@@ -21,19 +21,27 @@ import torch
 
 from kernels.fused_moe import triton, triton_usable
 from kernels.moe_reference import rms_norm_scaled
+from kernels.rows_linear import split_workspace
 
 SMALL_BATCH = 64  # up to this many tokens, one token per program
 ROUTER_MAX_TOKENS = 16  # route_topk_from_hidden's own matmul up to this many tokens (a decode step or a verify block)
 ROUTER_K_SPLIT = 4  # K slices of the router matmul
 ROUTER_BLOCK_E = 16  # experts per program
+# Route inside the router matmul's launch (its last program to finish adds the K slices and routes all tokens as one
+# [16, E] tile) instead of a second launch. Off: not yet timed on a GPU (written 2026-12-02, issue 26; the two launches
+# cost 3.1 + 2.6 us a layer on the H200). A token's bits then differ from the two-launch path's (another reduction
+# layout), but not between a decode step and a verify block, which is what speculative decoding needs.
+ROUTE_IN_MATMUL = False
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_tokens"])
     def _router_partial_kernel(h_ptr, w_ptr, nw_ptr, normed_ptr, part_ptr, num_tokens, E, H, k_per_split, stride_h,
-                               stride_w, eps, BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                               PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, HP: tl.constexpr):
+                               stride_w, eps, count_ptr, weights_ptr, ids_ptr, BM: tl.constexpr, BE: tl.constexpr,
+                               BK: tl.constexpr, PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, HP: tl.constexpr,
+                               ROUTE: tl.constexpr, PARTS: tl.constexpr, RENORMALIZE: tl.constexpr, K: tl.constexpr,
+                               KP: tl.constexpr, EP: tl.constexpr):
         """Grid (expert tiles, K slices): part[slice, token, expert] = h[token, slice] . w[expert, slice], fp32.
         HAS_NORM (one token): h is the raw residual stream, normed here (rms_norm_scaled with weight nw) from its
         sum of squares, which each program takes over the whole row (4 KB at the 35B-A3B width, from L2); the
@@ -64,6 +72,21 @@ if triton is not None:
             acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
         out = part_ptr + (split * BM + m[:, None]) * E + e[None, :]
         tl.store(out, acc, mask=(m < num_tokens)[:, None] & (e < E)[None, :])
+        if ROUTE:  # the last program to finish adds the slices in order and routes every token (no second launch)
+            # acq_rel: this program's partials are visible before the count; the last one sees all of them
+            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+            if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+                cols = tl.arange(0, EP)
+                col_ok = cols < E
+                tok_ok = m < num_tokens
+                logits = tl.zeros([BM, EP], tl.float32)
+                for part in tl.static_range(PARTS):
+                    logits += tl.load(part_ptr + (part * BM + m)[:, None] * E + cols[None, :],
+                                      mask=tok_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+                logits = logits.to(weights_ptr.dtype.element_ty).to(tl.float32)  # as F.linear rounds
+                logits = tl.where(tok_ok[:, None] & col_ok[None, :], logits, float("-inf"))
+                _route_tile(logits, m, tok_ok, cols, col_ok, weights_ptr, ids_ptr, RENORMALIZE, K, KP, EP, BM)
+                tl.atomic_xchg(count_ptr, 0)  # ready for the next call (launches on a stream run in order)
 
     @triton.jit(do_not_specialize=["num_tokens"])
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, E, stride_l,
@@ -85,6 +108,12 @@ if triton is not None:
                                   mask=tok_ok[:, None] & col_ok[None, :], other=0.0)
             logits = logits.to(weights_ptr.dtype.element_ty).to(tl.float32)
             logits = tl.where(tok_ok[:, None] & col_ok[None, :], logits, float("-inf"))
+        _route_tile(logits, tok, tok_ok, cols, col_ok, weights_ptr, ids_ptr, RENORMALIZE, K, KP, EP, BT)
+
+    @triton.jit
+    def _route_tile(logits, tok, tok_ok, cols, col_ok, weights_ptr, ids_ptr, RENORMALIZE: tl.constexpr,
+                    K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BT: tl.constexpr):
+        """Route the BT tokens `tok` from their fp32 logits [BT, EP] (-inf past E): softmax, top-K, renormalise, store."""
         p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         p = tl.where(col_ok[None, :], p, 0.0)
         p = p / tl.sum(p, axis=1)[:, None]
@@ -146,12 +175,13 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_t
 
 def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True,
                            use_triton: bool | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
-                           normed_out: torch.Tensor | None = None):
+                           normed_out: torch.Tensor | None = None, one_launch: bool | None = None):
     """route_topk(F.linear(h, router), ...) for h [M, H] and router [E, H]: with Triton and M <= ROUTER_MAX_TOKENS,
     the matmul runs in a kernel of ours (fp32 partial sums over ROUTER_K_SPLIT slices, added in a fixed order) whose
     rounded logits the routing kernel takes directly; otherwise F.linear + route_topk.
     rms_norm=(weight, eps): h is not normed yet; route rms_norm_scaled(h, weight, eps) (for one token, inside the
-    matmul kernel: no launch of its own), and write that normed h to normed_out [M, H] (required) for the experts."""
+    matmul kernel: no launch of its own), and write that normed h to normed_out [M, H] (required) for the experts.
+    one_launch: route in the matmul's launch (default ROUTE_IN_MATMUL)."""
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
         raise ValueError(f"expected h [tokens, hidden] and router [experts, hidden], got {tuple(h.shape)} and "
                          f"{tuple(router.shape)}")
@@ -172,14 +202,22 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     k_per_split = triton.cdiv(hidden, ROUTER_K_SPLIT * block_k) * block_k
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, ROUTER_MAX_TOKENS, experts, dtype=torch.float32, device=h.device)
-    _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
-        h, router, rms_norm[0] if norm_inside else h, normed_out if norm_inside else h, parts, num_tokens, experts,
-        hidden, k_per_split, h.stride(0), router.stride(0), rms_norm[1] if norm_inside else 0.0,
-        BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k, PRECISION="ieee" if h.dtype == torch.float32 else "tf32",
-        HAS_NORM=norm_inside, HP=triton.next_power_of_2(hidden), num_warps=4, num_stages=3)
     weights = torch.empty(num_tokens, top_k, dtype=h.dtype, device=h.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=h.device)
     padded = triton.next_power_of_2(experts)
+    route = ROUTE_IN_MATMUL if one_launch is None else one_launch
+    if route:  # one counter of the split-K kernels' workspace (each call leaves it at zero)
+        count = split_workspace(h.device, 0, 0, 1)[2]
+    else:
+        count = parts  # unused
+    _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
+        h, router, rms_norm[0] if norm_inside else h, normed_out if norm_inside else h, parts, num_tokens, experts,
+        hidden, k_per_split, h.stride(0), router.stride(0), rms_norm[1] if norm_inside else 0.0, count, weights, ids,
+        BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k, PRECISION="ieee" if h.dtype == torch.float32 else "tf32",
+        HAS_NORM=norm_inside, HP=triton.next_power_of_2(hidden), ROUTE=route, PARTS=splits, RENORMALIZE=renormalize,
+        K=top_k, KP=triton.next_power_of_2(top_k), EP=padded, num_warps=4, num_stages=3)
+    if route:
+        return weights, ids
     _route_kernel[(num_tokens,)](
         parts, weights, ids, num_tokens, experts, experts, RENORMALIZE=renormalize, K=top_k,
         KP=triton.next_power_of_2(top_k), EP=padded, BT=1, PARTS=splits, PART_ROWS=ROUTER_MAX_TOKENS,

@@ -278,9 +278,18 @@ for m, e, hidden, k in [(1, 256, 640, 8), (5, 60, 96, 4), (16, 256, 640, 8), (20
     weights, ids = route_topk_from_hidden(h, w, k, use_triton=True)
     w_ref, ids_ref = route_topk_torch(F.linear(h, w), k)
     first_w, first_ids = route_topk_from_hidden(h[:1], w, k, use_triton=True)  # one token alone: the same bits
+    # routed inside the matmul's launch (its last program), twice: the counter is left at zero
+    one_w, one_ids = route_topk_from_hidden(h, w, k, use_triton=True, one_launch=True)
+    again_w, again_ids = route_topk_from_hidden(h, w, k, use_triton=True, one_launch=True)
+    alone_w, alone_ids = route_topk_from_hidden(h[:1], w, k, use_triton=True, one_launch=True)
     print(json.dumps({"case": [m, e, hidden, k], "same_ids": torch.equal(ids, ids_ref),
                       "w_err": (weights - w_ref).abs().max().item(),
-                      "row_invariant": torch.equal(first_w[0], weights[0]) and torch.equal(first_ids[0], ids[0])}))
+                      "row_invariant": torch.equal(first_w[0], weights[0]) and torch.equal(first_ids[0], ids[0]),
+                      "one_launch_same_ids": torch.equal(one_ids, ids_ref),
+                      "one_launch_w_err": (one_w - w_ref).abs().max().item(),
+                      "one_launch_repeatable": torch.equal(one_w, again_w) and torch.equal(one_ids, again_ids),
+                      "one_launch_row_invariant": torch.equal(alone_w[0], one_w[0])
+                      and torch.equal(alone_ids[0], one_ids[0])}))
 """
 
 
@@ -335,6 +344,9 @@ def test_router_matmul_kernel_routes_like_linear_then_topk():
     for r in results:
         assert r["same_ids"] and r["w_err"] < 1e-5, r
         assert r["row_invariant"] or r["case"][0] > ROUTER_MAX_TOKENS, r
+        # one_launch (routing by the matmul's last program): the same experts, and its own bits for a token alone
+        assert r["one_launch_same_ids"] and r["one_launch_w_err"] < 1e-5 and r["one_launch_repeatable"], r
+        assert r["one_launch_row_invariant"] or r["case"][0] > ROUTER_MAX_TOKENS, r
     assert sum(r["case"][0] <= ROUTER_MAX_TOKENS for r in results) == 3  # the kernel path is what is held to bits
 
 
@@ -473,6 +485,12 @@ def test_router_matmul_kernel_on_gpu_matches_linear_then_topk():
     assert (weights.float() - w_ref.float()).abs().max().item() < 2e-2
     one_w, one_ids = route_topk_from_hidden(h[:1], w, 8)  # a decode step routes its token as the verify does
     assert torch.equal(one_ids[0], ids[0]) and torch.equal(one_w[0], weights[0])
+    # routed inside the matmul's launch: the same experts; a token alone gets the bits it gets among 16
+    fused_w, fused_ids = route_topk_from_hidden(h, w, 8, one_launch=True)
+    assert torch.equal(fused_ids, ids) and (fused_w.float() - weights.float()).abs().max().item() < 1e-2
+    alone_w, alone_ids = route_topk_from_hidden(h[:1], w, 8, one_launch=True)
+    assert torch.equal(alone_ids[0], fused_ids[0]) and torch.equal(alone_w[0], fused_w[0])
+    assert torch.equal(route_topk_from_hidden(h, w, 8, one_launch=True)[0], fused_w)  # the counter was reset
 
 
 @pytest.mark.gpu
