@@ -559,8 +559,14 @@ def main() -> None:
     ap.add_argument("--llama-steps", choices=["rows", "glue"], default=None,
                     help="Llama: decode steps and verifies through our row kernels or the compiled glue + cuBLAS "
                     "(Llama.step_path)")
+    ap.add_argument("--route-in-matmul", action="store_true",
+                    help="Qwen3.5-MoE: route inside the router matmul's launch (kernels.moe_routing.ROUTE_IN_MATMUL)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
+    if args.route_in_matmul:
+        import kernels.moe_routing
+
+        kernels.moe_routing.ROUTE_IN_MATMUL = True
     if args.llama_steps:
         Llama.step_path = args.llama_steps
     device = torch.device(args.device)
@@ -591,11 +597,13 @@ def main() -> None:
                       mma_projections=sorted(Llama.mma_projections), llama_step_path=Llama.step_path,
                       qwen_invariant_steps=Qwen35Moe.invariant_steps,
                       qwen_wide_projections=sorted(Qwen35Moe.wide_projections),
+                      route_in_matmul=args.route_in_matmul,
                       row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
         tag = (f"_compile-{args.compile}" if args.compile else "") + (
             f"_mma-{args.mma.replace(',', '_')}" if args.mma else "") + ("_invariant" if args.invariant else "") + (
             f"_wide-{args.wide.replace(',', '_')}" if args.wide is not None else "") + (
-            f"_steps-{args.llama_steps}" if args.llama_steps else "")
+            f"_steps-{args.llama_steps}" if args.llama_steps else "") + ("_route-in-matmul" if args.route_in_matmul
+                                                                         else "")
         name = f"target_step_{shape}_{device.type}{tag}_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
         (Path(args.out) / name).write_text(json.dumps(record, indent=1))
         stock = record.get("stock", {})
