@@ -113,7 +113,8 @@ if triton is not None:
     @triton.jit
     def _route_tile(logits, tok, tok_ok, cols, col_ok, weights_ptr, ids_ptr, RENORMALIZE: tl.constexpr,
                     K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BT: tl.constexpr):
-        """Route the BT tokens `tok` from their fp32 logits [BT, EP] (-inf past E): softmax, top-K, renormalise, store."""
+        """Route the BT tokens `tok` from their fp32 logits [BT, EP] (-inf past E): softmax, top-K, renormalise,
+        store."""
         p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         p = tl.where(col_ok[None, :], p, 0.0)
         p = p / tl.sum(p, axis=1)[:, None]
