@@ -314,7 +314,7 @@ def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str 
     result["engine"] = {"path": "fast" if plain.fast else "transformers",
                         "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
     fast_model = plain.target.fast.model if plain.fast else None
-    if fast_model is not None and hasattr(fast_model, "invariant_path"):  # Llama
+    if isinstance(fast_model, Llama):
         result["engine"].update(llama_invariant_path=fast_model.invariant_path,
                                 llama_step_path=fast_model.step_path,
                                 llama_mma_projections=sorted(fast_model.mma_projections))

@@ -292,9 +292,9 @@ def failure_sections(output: str) -> dict[str, str]:
     return found
 
 
-def machine_lacks(output: str, problems: list[tuple[str, str, str]]) -> dict[str, list[str]]:
-    """What the machine lacks (MACHINE_LACKS) -> the ids of the failing tests that say so."""
-    sections = failure_sections(output)
+def machine_lacks(sections: dict[str, str], problems: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """What the machine lacks (MACHINE_LACKS) -> the ids of the failing tests that say so (sections: the output's
+    failure_sections)."""
     found: dict[str, list[str]] = {}
     for _, tid, message in problems:
         name = ".".join(tid.split("::")[1:]) if "::" in tid else f"ERROR collecting {tid}"
@@ -388,14 +388,15 @@ def python_tests(smoke: Smoke) -> None:
         return
     bad = counts.get("failed", 0) + counts.get("errors", 0)
     total = bad + counts.get("passed", 0)
-    for what, lacking in machine_lacks(result.output, problems).items():
+    sections = failure_sections(result.output)
+    for what, lacking in machine_lacks(sections, problems).items():
         smoke.finding(title=f"Not tested: {len(lacking)} tests need a {what} this machine does not have",
                       severity="info", category="environment",
                       details=f"These tests fail on the review machine for want of a {what} it does not have, which "
                               f"says nothing about the project: " + ", ".join(lacking[:20])
                               + (f" and {len(lacking) - 20} more" if len(lacking) > 20 else ""),
-                      evidence=tail(next((b for n, b in failure_sections(result.output).items()
-                                          if MACHINE_LACKS[what].search(b)), ""), EVIDENCE_CHARS))
+                      evidence=tail(next((b for b in sections.values() if MACHINE_LACKS[what].search(b)), ""),
+                                    EVIDENCE_CHARS))
         smoke.notes.append(f"{len(lacking)} tests need a {what} the machine lacks")
         problems = [p for p in problems if p[1] not in lacking]
         bad, total = bad - len(lacking), total - len(lacking)  # what could run here

@@ -303,6 +303,31 @@ def run_examples_script(tmp_path: Path, package_files: dict[str, str], doc: str,
     return done.returncode, result_line(done.stdout)
 
 
+def run_probe_script(code: str, root: Path) -> dict:
+    """A probe's generated script run over the package lying in `root` (no install): its result line."""
+    from reviewer.persona.probes.runner import result_line
+
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=root,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, timeout=120)
+    return result_line(done.stdout)
+
+
+def call_site(call: str, target: str) -> callsites.CallSite:
+    """The call site a test file's `call` (source text) of `target` makes."""
+    tree = ast.parse(call, mode="eval").body
+    return callsites.CallSite(target, "tests/test_x.py:1", call, [callsites.classify(a) for a in tree.args],
+                              [(k.arg, callsites.classify(k.value)) for k in tree.keywords], False)
+
+
+def edge_result(site: callsites.CallSite, root: Path, doc_named: bool = True) -> dict:
+    """The edge-input probe's result for `site`: every variant of its arguments, run over the package in `root`."""
+    from reviewer.persona.probes import edge_inputs
+
+    cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(site)
+             for src, shown in [edge_inputs.call_source(site, swaps)]]
+    return run_probe_script(edge_inputs.edge_script(site, cases, set(), "", doc_named), root)
+
+
 PKG = {"pkg/__init__.py": "from pkg.core import pkg, half\nOPTION = 1\n",
        "pkg/core.py": "def pkg(x):\n    return [x]\n\n\ndef half(x):\n    return x / 2\n"}
 
@@ -561,8 +586,7 @@ def test_a_call_that_hangs_is_abandoned_and_not_reported(tmp_path):
     (tmp_path / "hangs").mkdir()
     (tmp_path / "hangs" / "__init__.py").write_text(
         "def spin(values):\n    while not values:\n        pass\n    return values[0]\n")
-    one = callsites.classify(ast.parse("[1]", mode="eval").body)
-    site = callsites.CallSite("hangs.spin", "tests/test_x.py:1", "spin([1])", [one], [], False)
+    site = call_site("spin([1])", "hangs.spin")
     cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(site)
              for src, shown in [edge_inputs.call_source(site, swaps)]]
     assert [c[0] for c in cases] == ["spin([])"]
@@ -576,9 +600,6 @@ def test_an_element_getter_on_empty_input_and_a_missing_key_we_passed_are_not_cr
     """Seen on toolz: `last('')` raising IndexError (its docstring: "The last element in a sequence") and
     `topk(2, rows, key='')` raising KeyError('') are Python's contracts, not crashes; `gap([])`, with no such
     docstring, still is."""
-    from reviewer.persona.probes import edge_inputs
-    from reviewer.persona.probes.runner import result_line
-
     (tmp_path / "seqs").mkdir()
     (tmp_path / "seqs" / "__init__.py").write_text(
         'def last(seq):\n    """The last element in a sequence."""\n    return seq[-1]\n\n\n'
@@ -586,16 +607,7 @@ def test_an_element_getter_on_empty_input_and_a_missing_key_we_passed_are_not_cr
         "def gap(values):\n    return values[1] - values[0]\n")
 
     def crashes(call, target):
-        tree = ast.parse(call, mode="eval").body
-        args = [callsites.classify(a) for a in tree.args]
-        kwargs = [(k.arg, callsites.classify(k.value)) for k in tree.keywords]
-        site = callsites.CallSite(target, "tests/test_x.py:1", call, args, kwargs, False)
-        cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(site)
-                 for src, shown in [edge_inputs.call_source(site, swaps)]]
-        done = subprocess.run([sys.executable, "-"], input=edge_inputs.edge_script(site, cases, set(), ""),
-                              capture_output=True, text=True, cwd=tmp_path,
-                              env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
-        return [c["case"] for c in result_line(done.stdout)["crashes"]]
+        return [c["case"] for c in edge_result(call_site(call, target), tmp_path)["crashes"]]
 
     assert crashes("last('abc')", "seqs.last") == []
     assert crashes("pick([{'a': 1}], key='a')", "seqs.pick") == []
@@ -607,33 +619,16 @@ def test_a_method_of_a_builtin_object_the_project_holds_is_not_probed(tmp_path):
     Python's code, not the project's, and each call changes the project's state for the next (`NAMES.pop(0)` empties
     the list); probing it spends a slot of the probes' budget on nothing. Neither probe calls it; the project's own
     functions still are."""
-    from reviewer.persona.probes import edge_inputs, scaling
-    from reviewer.persona.probes.runner import result_line
+    from reviewer.persona.probes import scaling
 
     (tmp_path / "held").mkdir()
     (tmp_path / "held" / "__init__.py").write_text("NAMES = ['a']\n\n\ndef gap(values):\n"
                                                    "    return values[1] - values[0]\n")
-
-    def run_script(code):
-        done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
-                              env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
-        return result_line(done.stdout)
-
-    def site(call, target):
-        tree = ast.parse(call, mode="eval").body
-        return callsites.CallSite(target, "tests/test_x.py:1", call, [callsites.classify(a) for a in tree.args], [],
-                                  False)
-
-    def edge(s):
-        cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(s)
-                 for src, shown in [edge_inputs.call_source(s, swaps)]]
-        return run_script(edge_inputs.edge_script(s, cases, set(), ""))
-
-    held = edge(site("NAMES.pop(0)", "held.NAMES.pop"))
+    held = edge_result(call_site("NAMES.pop(0)", "held.NAMES.pop"), tmp_path)
     assert held["crashes"] == [] and "built-in" in held["skipped"]
-    assert [c["case"] for c in edge(site("gap([1, 4])", "held.gap"))["crashes"]] == ["gap([])"]
-    assert "built-in" in run_script(scaling.scaling_script(site("NAMES.pop(0)", "held.NAMES.pop"), [], 1.0,
-                                                           1.0))["skipped"]
+    assert [c["case"] for c in edge_result(call_site("gap([1, 4])", "held.gap"), tmp_path)["crashes"]] == ["gap([])"]
+    pop = scaling.scaling_script(call_site("NAMES.pop(0)", "held.NAMES.pop"), [], 1.0, 1.0)
+    assert "built-in" in run_probe_script(pop, tmp_path)["skipped"]
 
 
 def test_the_projects_internals_are_not_probed(tmp_path):
@@ -641,8 +636,7 @@ def test_the_projects_internals_are_not_probed(tmp_path):
     dependency whose docstring says natsort controls what is passed to it; `fast_float('')` raises IndexError, which
     no user can reach. A function neither the package exports (itself or its class) nor its module lists in
     `__all__`, nor the docs name, is not given edge inputs or sizes; exported, listed or documented ones are."""
-    from reviewer.persona.probes import edge_inputs, scaling
-    from reviewer.persona.probes.runner import result_line
+    from reviewer.persona.probes import scaling
 
     (tmp_path / "inner").mkdir()
     gap = "def gap(values):\n    return values[1] - values[0]\n"
@@ -650,28 +644,16 @@ def test_the_projects_internals_are_not_probed(tmp_path):
     (tmp_path / "inner" / "core.py").write_text(gap + "\n\ndef helper(values):\n    return values[0]\n")
     (tmp_path / "inner" / "listed.py").write_text("__all__ = ['head']\n\n\ndef head(values):\n    return values[0]\n")
 
-    def run_script(code):
-        done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
-                              env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
-        return result_line(done.stdout)
+    def crashes(call, target, named):
+        return [c["case"] for c in edge_result(call_site(call, target), tmp_path, named)["crashes"]]
 
-    def site(call, target):
-        tree = ast.parse(call, mode="eval").body
-        return callsites.CallSite(target, "tests/test_x.py:1", call, [callsites.classify(a) for a in tree.args], [],
-                                  False)
-
-    def edge(s, named):
-        cases = [(shown, swaps[0][1], src) for swaps in edge_inputs.variants(s)
-                 for src, shown in [edge_inputs.call_source(s, swaps)]]
-        return run_script(edge_inputs.edge_script(s, cases, set(), "", named))
-
-    internal = edge(site("helper([1, 4])", "inner.core.helper"), False)
+    internal = edge_result(call_site("helper([1, 4])", "inner.core.helper"), tmp_path, False)
     assert internal["crashes"] == [] and "internals" in internal["skipped"]
-    assert "internals" in run_script(scaling.scaling_script(site("helper([1, 4])", "inner.core.helper"), [], 1.0,
-                                                            1.0, False))["skipped"]
-    assert [c["case"] for c in edge(site("helper([1, 4])", "inner.core.helper"), True)["crashes"]] == ["helper([])"]
-    assert [c["case"] for c in edge(site("gap([1, 4])", "inner.gap"), False)["crashes"]] == ["gap([])"]
-    assert [c["case"] for c in edge(site("head([1, 4])", "inner.listed.head"), False)["crashes"]] == ["head([])"]
+    sizes = scaling.scaling_script(call_site("helper([1, 4])", "inner.core.helper"), [], 1.0, 1.0, False)
+    assert "internals" in run_probe_script(sizes, tmp_path)["skipped"]
+    assert crashes("helper([1, 4])", "inner.core.helper", True) == ["helper([])"]
+    assert crashes("gap([1, 4])", "inner.gap", False) == ["gap([])"]
+    assert crashes("head([1, 4])", "inner.listed.head", False) == ["head([])"]
     docs = "Use `inner.core` for the details; `head` gives the first value."
     assert doctext.names(docs, "inner.core.helper") and doctext.names(docs, "inner.listed.head")
     assert not doctext.names(docs, "inner.compat.fake.helper2") and not doctext.names("see inner.core2", "inner.core.x")
