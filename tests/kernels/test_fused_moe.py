@@ -251,6 +251,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from kernels import route_topk, route_topk_torch
+torch.manual_seed(0)
 for dt in ("float32", "float16"):
     for m, e, k, renorm in [(1, 16, 2, True), (5, 60, 8, True), (40, 256, 8, True), (33, 128, 4, False),
                            (100, 256, 8, True)]:  # the last: past SMALL_BATCH, several tokens per program
@@ -357,8 +358,11 @@ def test_routing_kernel_matches_transformers_router_math():
     for r in results:
         dt = r["case"][0]
         assert r["dtype"] == f"torch.{dt}" and r["ids_dtype"] == "torch.int64"
-        assert r["same_probs"] and (r["same_ids"] or dt == "float16"), r
+        # the same probability at every rank; an id may differ only where two probabilities round to one value
+        # (the kernel takes the lowest index among ties, torch.topk's order among ties is unspecified)
+        assert r["same_probs"], r
         assert r["w_err"] < (1e-6 if dt == "float32" else 1e-3), r
+    assert sum(r["same_ids"] for r in results) >= 8, results  # ties are rare: most cases pick the very same ids
 
 
 # --- The model patch ------------------------------------------------------------------------------------------
