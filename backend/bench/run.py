@@ -206,6 +206,17 @@ def run_engine(engine, prompts, max_tokens, stops, force=None):
     return res
 
 
+def score(r: dict, costs: dict, plain: dict, l_target_ms: float, baseline: dict) -> None:
+    """A speculative run against plain decoding: identical outputs, predicted and measured eta, and the verify cost
+    curve its adaptive length measured at load (empty for a fixed length)."""
+    if costs:
+        r["verify_cost_ms_at_load"] = {n: round(1e3 * t, 4) for n, t in costs.items()}
+    compare(r, plain)
+    if r.get("cycles"):
+        r["eta_predicted"] = r["tau"] * l_target_ms / (r["T_t_ms"] + r["T_d_ms"])
+        r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+
+
 def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
          max_tokens: int = 64, json_out: Path | None = None, **options) -> int:
     """`reviewer bench`: run_bench(...), print the table (and write JSON); returns the exit code (0, or 2 after a
@@ -352,12 +363,7 @@ def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str 
             costs = engine.measure_verify_costs() if adaptive_on else {}  # the adaptive length's curve, at load
             counter.by_size.clear()
             r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops)
-            if costs:
-                r["verify_cost_ms_at_load"] = {n: round(1e3 * t, 4) for n, t in costs.items()}
-            compare(r, runs["plain"])
-            if r.get("cycles"):
-                r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
-                r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+            score(r, costs, runs["plain"], result["L_target_ms"], baseline)
             if counter.handles:  # exact mode pads every verify to the fast model's max_block
                 padded = engine.fast and engine.target.exact
                 full = engine.target.fast.max_block if padded else draft_model.block_size
@@ -383,12 +389,7 @@ def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str 
             r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops, force)
             r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation "
                                       "up to a geometric accept length (a forced condition, not a drafter's tau)"}
-            if costs:
-                r["verify_cost_ms_at_load"] = {n: round(1e3 * t, 4) for n, t in costs.items()}
-            compare(r, runs["plain"])
-            if r.get("cycles"):
-                r["eta_predicted"] = r["tau"] * result["L_target_ms"] / (r["T_t_ms"] + r["T_d_ms"])
-                r["eta_measured"] = r["decode_tok_s"] / baseline["decode_tok_s"]
+            score(r, costs, runs["plain"], result["L_target_ms"], baseline)
     if tables is not None:
         result["routing_trace"] = {
             "what": "synthetic (backend/bench/routing.py): per MoE layer, each position takes its top-k among a hot "

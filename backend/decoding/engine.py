@@ -51,7 +51,9 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: cycles whose draft position k was accepted
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    rollback_seconds: float = 0.0  # bringing caches to the accepted prefix (crop + linear-attention replay)
+    # bringing caches to the accepted prefix (crop + linear-attention replay); the device cycle adds its acceptance
+    # test, which the host cycle counts in verify_seconds
+    rollback_seconds: float = 0.0
     # the device cycle's first draft, queued after the prefill, before any cycle (so in no cycle's draft_seconds)
     first_draft_seconds: float = 0.0
     # committed tokens the restricted draft vocabulary could never have proposed (0 without a restricted vocabulary)

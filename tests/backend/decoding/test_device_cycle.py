@@ -11,6 +11,8 @@ lossless), and speculative == plain greedy on the embedded model's real weights 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -117,6 +119,30 @@ def test_device_cycle_without_forcing_stops_and_reuses_like_plain():
     assert engine.last_stats.cached_tokens > 0
     sampled = generate(engine, second, max_tokens=30, temperature=0.9, seed=4)
     assert len(sampled) == 30 and all(0 <= t < 128 for t in sampled)
+
+
+def test_the_commit_is_timed_as_rollback_not_left_to_the_host(monkeypatch):
+    """The commit after each sync (target.accept: a hybrid target replays its Gated DeltaNet states to the kept
+    prefix there) is timed with the acceptance test as rollback_seconds, so the bench's host share (what a cycle
+    spends outside draft, verify and rollback) does not carry it. A commit made 20 ms slower must show up there in
+    every cycle but the last (whose commit no later sync waits for)."""
+    from backend.decoding.target import FastTarget
+
+    model = tiny_model("tiny-hybrid")
+    engine = Engine(model, drafter=random_drafter(model, block_size=8, num_layers=2), max_context=512, fast=True,
+                    exact=False, device_cycle=True)
+    prompt = prompts(1)[0]
+    ref = generate(engine, prompt, max_tokens=24)
+    accept = FastTarget.accept
+
+    def slow_accept(self, keep, ids=None):
+        time.sleep(0.02)
+        accept(self, keep, ids)
+
+    monkeypatch.setattr(FastTarget, "accept", slow_accept)
+    assert generate(engine, prompt, max_tokens=24) == ref
+    stats = engine.last_stats
+    assert stats.cycles >= 3 and stats.rollback_seconds >= 0.02 * (stats.cycles - 1), stats
 
 
 @pytest.mark.parametrize("kind", ["tiny-llama", "tiny-hybrid"])
