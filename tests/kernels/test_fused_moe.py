@@ -260,7 +260,8 @@ for dt in ("float32", "float16"):
         w_ref, ids_ref = route_topk_torch(logits, k, renorm)
         probs = torch.softmax(logits, -1, dtype=torch.float)
         print(json.dumps({"case": [dt, m, e, k, renorm], "dtype": str(w.dtype), "ids_dtype": str(ids.dtype),
-                          "same_ids": torch.equal(ids, ids_ref),
+                          "same_ids": torch.equal(ids, ids_ref), "slots": ids.numel(),
+                          "differing": int((ids != ids_ref).sum()),
                           # a differing id is fine only if it ties: the same probability at the same rank
                           "same_probs": torch.equal(probs.gather(1, ids), probs.gather(1, ids_ref)),
                           "w_err": (w.double() - w_ref.double()).abs().max().item()}))
@@ -362,7 +363,8 @@ def test_routing_kernel_matches_transformers_router_math():
         # (the kernel takes the lowest index among ties, torch.topk's order among ties is unspecified)
         assert r["same_probs"], r
         assert r["w_err"] < (1e-6 if dt == "float32" else 1e-3), r
-    assert sum(r["same_ids"] for r in results) >= 8, results  # ties are rare: most cases pick the very same ids
+    # ties are rare (fp16 logits tie most): nearly every (token, rank) slot holds the very same expert
+    assert sum(r["differing"] for r in results) <= sum(r["slots"] for r in results) // 50, results
 
 
 # --- The model patch ------------------------------------------------------------------------------------------
