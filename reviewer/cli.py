@@ -43,13 +43,13 @@ def settings_or_exit(**overrides) -> Settings:
         raise fail(str(e)) from None
 
 
-DbOption = Annotated[Optional[str], typer.Option("--db", help="Database path or URL [default: reviews.db, or config].")]
+DbOption = Annotated[Optional[str], typer.Option("--db", help="Database path or URL (default: reviews.db, or config).")]
 LlmOption = Annotated[
     Optional[list[str]],
     typer.Option(
         "--llm",
         help="LLM backend: embedded (start a local `reviewer serve`), openai, anthropic, an OpenAI-compatible base URL "
-        "(http://host:port/v1) or unix:///path.sock. Repeat for a failover list. [default: embedded, or config]",
+        "(http://host:port/v1) or unix:///path.sock. Repeat for a failover list. Default: embedded, or config.",
     ),
 ]
 ModelOption = Annotated[Optional[str], typer.Option("--model", help="Model name to ask the LLM for.")]
@@ -61,7 +61,7 @@ ContextWindowOption = Annotated[
 ]
 PersonaOption = Annotated[
     Optional[list[str]],
-    typer.Option("--persona", "-p", help="Persona to run (repeatable). [default: smoke, performance, correctness, docs]"),
+    typer.Option("--persona", "-p", help="Persona to run (repeatable). Default: smoke, performance, correctness, docs."),
 ]
 PersonasDirOption = Annotated[
     Optional[list[Path]], typer.Option("--personas-dir", help="Extra folder of persona .md files (repeatable).")
@@ -79,7 +79,7 @@ class ReportFormat(str, Enum):
 def run(
     target: Annotated[str, typer.Argument(help="Git URL (https, ssh, file://) or local path of a git repository.")],
     persona: PersonaOption = None,
-    ref: Annotated[Optional[str], typer.Option(help="Branch, tag or commit to review [default: the default branch].")] = None,
+    ref: Annotated[Optional[str], typer.Option(help="Branch, tag or commit to review (default: the default branch).")] = None,
     llm: LlmOption = None,
     model: ModelOption = None,
     context_window: ContextWindowOption = None,
@@ -121,9 +121,9 @@ def loop(
     context_window: ContextWindowOption = None,
     db: DbOption = None,
     personas_dir: PersonasDirOption = None,
-    worker: Annotated[Optional[str], typer.Option(help="This worker's name in a shared queue [default: host name].")] = None,
+    worker: Annotated[Optional[str], typer.Option(help="This worker's name in a shared queue (default: host name).")] = None,
     lease: Annotated[
-        Optional[float], typer.Option(help="Seconds a claimed review stays claimed without a heartbeat [default: 300].")
+        Optional[float], typer.Option(help="Seconds a claimed review stays claimed without a heartbeat (default: 300).")
     ] = None,
 ) -> None:
     """Review continuously: watch repositories for new commits and review each new commit once, one at a time.
@@ -175,7 +175,7 @@ def serve(
     uds: Annotated[Optional[str], typer.Option(help="Serve on this unix socket path instead of TCP.")] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, bfloat16 or float32.")] = "auto",
-    max_context: Annotated[Optional[int], typer.Option(help="Context window in tokens [default: the model's].")] = None,
+    max_context: Annotated[Optional[int], typer.Option(help="Context window in tokens (default: the model's).")] = None,
     api_key: Annotated[
         Optional[str], typer.Option(envvar="REVIEWER_SERVE_API_KEY", help="Require this key on every route but /health.")
     ] = None,
@@ -185,7 +185,7 @@ def serve(
     ] = False,
     max_body_mb: Annotated[
         Optional[float], typer.Option(help="Largest request body accepted, MiB; a larger one is refused with 413 before "
-                                           "it is read. [default: 64 bytes per token of the context window, at least 1]")
+                                           "it is read. Default: 64 bytes per token of the context window, at least 1.")
     ] = None,
     body_timeout: Annotated[
         float, typer.Option(help="Seconds a request body may take to arrive in full (408 after that).")

@@ -49,6 +49,19 @@ def test_every_command_has_real_help(command):
     assert len(result.output.split("Usage:")[1].splitlines()[2].strip()) > 20
 
 
+@pytest.mark.parametrize("command, defaults", [("run", ["reviews.db", "the default branch", "smoke, performance"]),
+                                               ("loop", ["host name", "300"]), ("serve", ["the model's"])])
+def test_help_shows_the_defaults_it_names(command, defaults):
+    """Rich reads `[default: x]` in a help string as a markup tag and drops it (the help showed "commit to review .");
+    the defaults must reach the reader."""
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"}, terminal_width=400)
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for default in defaults:
+        assert f"default: {default}" in text or f"Default: {default}" in text, (default, text)
+    assert " . " not in text, text  # what a dropped tag leaves before its full stop
+
+
 def test_worker_side_needs_no_torch(tmp_path):
     proc = run_without_torch("report", "--db", str(tmp_path / "missing.db"), "--format", "json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
