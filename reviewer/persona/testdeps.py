@@ -62,13 +62,32 @@ def tox_requirement_files(root: Path) -> list[str]:
     return found
 
 
-def dependency_group(root: Path) -> str | None:
-    """A PEP 735 dependency group of pyproject.toml that holds the tests' needs (test, tests, testing, dev)."""
+def dependency_groups(root: Path) -> dict:
+    """pyproject.toml's PEP 735 [dependency-groups] table ({} if none or unreadable)."""
     try:
         groups = tomllib.loads((root / "pyproject.toml").read_text()).get("dependency-groups", {})
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
-        return None
-    return next((g for g in TEST_GROUPS if g in groups), None) if isinstance(groups, dict) else None
+        return {}
+    return groups if isinstance(groups, dict) else {}
+
+
+def dependency_group(root: Path) -> str | None:
+    """A PEP 735 dependency group of pyproject.toml that holds the tests' needs (test, tests, testing, dev)."""
+    groups = dependency_groups(root)
+    return next((g for g in TEST_GROUPS if g in groups), None)
+
+
+def group_requirements(groups: dict, name: str, seen: frozenset = frozenset()) -> list[str]:
+    """The requirement strings of a dependency group, its `{include-group = "..."}` entries expanded. pip learned
+    `--group` only in 25.1 and a sandbox's fresh venv has the pip its Python bundles (tinydb's `dev` group "did not
+    install: no such option: --group"), so smoke installs the strings themselves."""
+    found = []
+    for item in groups.get(name, []) if name not in seen else []:
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("include-group"), str):
+            found += group_requirements(groups, item["include-group"], seen | {name})
+    return list(dict.fromkeys(found))
 
 
 def plugins_for_options(output: str) -> list[str]:
@@ -88,8 +107,10 @@ def declared_setup(root: Path) -> list[tuple[str, str]]:
     tox.ini's test deps and the requirements files they name. Smoke runs them before the tests; verification before a repro that runs pytest."""
     steps = []
     group = dependency_group(root)
-    if group:
-        steps.append((f"the `{group}` dependency group", f"python -m pip install --group {group}"))
+    requirements = group_requirements(dependency_groups(root), group) if group else []
+    if requirements:
+        steps.append((f"the `{group}` dependency group",
+                      "python -m pip install " + " ".join(shlex.quote(r) for r in requirements)))
     deps = tox_test_deps(root)
     if deps:
         steps.append((f"tox.ini's test deps ({', '.join(deps)})",

@@ -170,6 +170,81 @@ def run_examples(blocks, package, only=None):
             func = func.value
         return isinstance(func, ast.Name) and isinstance(ns.get(func.id), type(os))
 
+    def sketches_project(code):
+        """A class or function the docs define under a name the project's own object holds: a sketch of its code
+        ("Dropping the details, ``Use`` is basically: class Use: ..." in schema's README), not code for the reader
+        to run; run, it would replace the real `Use` for every later example."""
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return False
+        defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        mine = set(project_names(ns, package))
+        return bool(tree.body) and all(isinstance(n, defs) and n.name in mine for n in tree.body)
+
+    def no_claim(code):
+        """An example that says nothing of the project: a bare literal (output shown behind a stray prompt, tinydb's
+        `>>> [{'name': 'John', 'age': 22}]`), or `help(...)` (pydoc's page, whose layout is the Python version's: the
+        docs show its first lines, then a blank line, which ends doctest's expected output)."""
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return False
+        if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+            return False
+        value = tree.body[0].value
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "help":
+            return True
+        try:
+            ast.literal_eval(value)
+            return True
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return False
+
+    def unset_environment(code):
+        """The variable an example reads with `os.environ.get("X")` / `os.getenv("X")` that is not set here: a value
+        the reader supplies (itsdangerous' docs: `SECRET_KEY = os.environ.get("SECRET_KEY")`, then `export
+        SECRET_KEY=...`), or None."""
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return None
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call) or not n.args or not isinstance(n.args[0], ast.Constant):
+                continue
+            f = n.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            on = f.value if isinstance(f, ast.Attribute) else None
+            environ = (isinstance(on, ast.Attribute) and on.attr == "environ") or (
+                isinstance(on, ast.Name) and on.id == "environ")
+            if (name == "getenv" or (name == "get" and environ)) and isinstance(n.args[0].value, str) \
+                    and n.args[0].value not in os.environ:
+                return n.args[0].value
+        return None
+
+    def assumes_module(block):
+        """The package's module, when the block reads `pkg.X` that the module has and that the object an earlier
+        example bound to the package's name lacks (schema's README binds `schema = Schema(...)`, then a later block
+        subclasses `schema.Schema`, written as after `import schema`); else None."""
+        current = ns.get(package)
+        if current is None or isinstance(current, type(os)):
+            return None
+        attrs = set()
+        for src in sources(block):
+            try:
+                tree = ast.parse(src)
+            except SyntaxError:
+                continue
+            attrs |= {n.attr for n in ast.walk(tree)
+                      if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == package}
+        try:
+            module = resolve(package)
+        except Exception:  # noqa: BLE001 - no module to assume
+            return None
+        if attrs and all(hasattr(module, a) for a in attrs) and not all(hasattr(current, a) for a in attrs):
+            return module
+        return None
+
     def skip_rest(block, statements):
         """The rest of a block after a statement that failed: it builds on that statement and does not run."""
         for stmt in statements:
@@ -201,9 +276,12 @@ def run_examples(blocks, package, only=None):
                 line = block["line"] + ex.lineno
                 if ex.options.get(doctest.SKIP) or (only is not None and line > only):
                     continue
-                if depends_on_skipped(ex.source):
-                    record(block, line, ex.source, "skipped",
-                           error=lost_state[0] or "depends on an example that could not run")
+                if sketches_project(ex.source) or no_claim(ex.source):
+                    continue
+                unset = unset_environment(ex.source)
+                if depends_on_skipped(ex.source) or unset:
+                    record(block, line, ex.source, "skipped", error=f"reads ${unset}, which the reader sets" if unset
+                           else lost_state[0] or "depends on an example that could not run")
                     continue
                 got, _, error = attempt(ex.source, block["file"], "single")
                 if error is None:
@@ -245,8 +323,12 @@ def run_examples(blocks, package, only=None):
             if only is not None and line > only:
                 break
             code = ast.get_source_segment(block["text"], stmt) or ""
-            if depends_on_skipped(code):
-                record(block, line, code, "skipped", error=lost_state[0] or "depends on an example that could not run")
+            if sketches_project(code) or no_claim(code):
+                continue
+            unset = unset_environment(code)
+            if depends_on_skipped(code) or unset:
+                record(block, line, code, "skipped", error=f"reads ${unset}, which the reader sets" if unset
+                       else lost_state[0] or "depends on an example that could not run")
                 skip_rest(block, tree.body[n + 1:])
                 break
             rest = lines[stmt.end_lineno - 1][stmt.end_col_offset:]
@@ -289,9 +371,12 @@ def run_examples(blocks, package, only=None):
         if only is not None and block["line"] > only:
             break
         before = dict(ns)
+        module = assumes_module(block)
+        if module is not None:
+            ns[package] = module
         run_block(block)
         # `import pkg` in one snippet (to set an option) must not turn `from pkg import pkg` of the others into the
-        # module: a snippet's rebinding of a name to a module stays in that snippet.
+        # module: a snippet's rebinding of a name to a module stays in that snippet (so does an assumed module).
         for name, old in before.items():
             if ns.get(name) is not old and isinstance(ns.get(name), type(os)) and not isinstance(old, type(os)):
                 ns[name] = old

@@ -482,6 +482,65 @@ from pkg import whatever, you, need
     assert kinds[5][2] == "follows `locale.setlocale(locale.LC_ALL, 'xx_XX.UTF-8')`, which could not run here"
 
 
+def test_a_sketch_of_the_projects_code_and_the_package_name_reused_for_an_object(tmp_path):
+    """Seen on the fifth round (schema 0.7.7's README). "``Use`` is basically: class Use: ..." sketches the project's
+    own class: run, it replaced the real `Use`, and a later `Use(int, error=...)` raised TypeError. And one example
+    binds `schema = Schema(...)`, a later block subclasses `schema.Schema`, written as after `import schema`: that
+    block sees the module, the examples after it the object again. What they compute is still checked. Not claims
+    (tinydb's and dpath's READMEs): a bare literal behind a stray prompt, and `help(...)` shown up to a blank line.
+    And itsdangerous' `SECRET_KEY = os.environ.get("SECRET_KEY")`: a value the reader supplies, unset here."""
+    files = {"pkg/__init__.py": "class Use:\n    def __init__(self, f, error=None):\n        self.f = f\n\n"
+                                "    def run(self, x):\n        return self.f(x)\n\n\n"
+                                "class Box:\n    def __init__(self, v):\n        self.v = v\n"}
+    doc = """# pkg
+```pycon
+>>> from pkg import Use, Box
+>>> pkg = Box(3)
+>>> pkg.v
+3
+```
+
+``Use`` is basically:
+
+```python
+class Use:
+    def __init__(self, f):
+        self.f = f
+```
+
+```python
+class Mine(pkg.Box):
+    pass
+
+Mine(2).v    # 2
+```
+
+```pycon
+>>> Use(int, error="bad").run("4")
+4
+>>> pkg.v
+3
+>>> Use(int).run("5")
+6
+>>> help(Box)
+Help on class Box in module pkg:
+
+>>> [{'v': 3}]
+```
+
+```python
+import os
+KEY = os.environ.get("REVIEWER_UNSET_KEY")
+Box(KEY).v.upper()    # 'X'
+```
+"""
+    code, got = run_examples_script(tmp_path, files, doc)
+    kinds = [(o["line"], o["kind"], o.get("got") or o.get("error")) for o in got["outcomes"]]
+    assert code == 1 and kinds == [(29, "mismatch", "5"),
+                                   (39, "skipped", "reads $REVIEWER_UNSET_KEY, which the reader sets")], kinds
+    assert got["checked"] == 8, got
+
+
 def test_a_documented_command_that_fails_as_the_docs_show_is_not_a_finding():
     fails = "sh -c 'echo ERROR 1.5 is not valid >&2; exit 2'"
     spec = {"text": fails, "argv": ["sh", "-c", "x"], "prefix": 1, "expected": "ERROR 1.5 is not valid"}

@@ -204,6 +204,13 @@ def test_what_the_tests_need_beyond_the_install(tmp_path):
     assert dependency_group(tmp_path) is None
     (tmp_path / "pyproject.toml").write_text('[dependency-groups]\ndocs = ["sphinx"]\ndev = ["pytest"]\n')
     assert dependency_group(tmp_path) == "dev"
+    # the group's requirements themselves, its includes expanded (a sandbox's pip may predate `--group`)
+    (tmp_path / "tox.ini").unlink()
+    (tmp_path / "pyproject.toml").write_text(
+        '[dependency-groups]\ntest = ["pytest>=8", {include-group = "cov"}, {include-group = "test"}]\n'
+        'cov = ["pytest-cov", "coverage[toml] >= 7"]\n')
+    assert declared_setup(tmp_path) == [("the `test` dependency group",
+                                         "python -m pip install 'pytest>=8' pytest-cov 'coverage[toml] >= 7'")]
     (tmp_path / "setup.py").write_text("from setuptools import setup\nsetup(name='toolz', version='1.0')\n")
     assert python_metadata(tmp_path)[0] == "toolz"  # pyproject names no project: setup.py's literal name
 
