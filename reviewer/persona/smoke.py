@@ -26,7 +26,10 @@ from pathlib import Path
 from reviewer import stats
 from reviewer.persona.probes.suite import from_smoke, run_probes
 from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, python_metadata
-from reviewer.persona.testdeps import declared_setup, plugins_for_options
+from reviewer.persona.pytest_output import (MACHINE_LACKS, failure_location, failure_sections, failures_excerpt,
+                                            machine_lacks, pytest_counts, pytest_problems)
+from reviewer.persona.testdeps import (MODULE_DISTRIBUTIONS, declared_setup, missing_test_modules, named_in_repository,
+                                       plugins_for_options)
 from reviewer.sandbox.command import CommandResult
 from reviewer.sandbox.workspace import Workspace
 from reviewer.text import tail
@@ -243,68 +246,6 @@ def importtime_us(output: str, package: str) -> int | None:
     return None
 
 
-# What a test needs from the machine rather than from the project: failures that say this are the review machine's
-# (natsort's tests set en_US.UTF-8 and de_DE.UTF-8, which a minimal machine does not have), not failing tests.
-MACHINE_LACKS = {"locale": re.compile(r"locale\.Error: unsupported locale setting")}
-
-PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
-
-
-def pytest_counts(output: str) -> dict[str, int]:
-    """Counts from pytest's last summary line ('1 failed, 7 passed in 0.05s'); {} if there is none."""
-    for line in reversed(output.splitlines()):
-        if re.search(r"\bin [\d.]+s\b", line) and (PYTEST_COUNT.search(line) or "no tests ran" in line):
-            counts = {}
-            for n, what in PYTEST_COUNT.findall(line):
-                counts["errors" if what.startswith("error") else what] = int(n)
-            return counts
-    return {}
-
-
-def pytest_problems(output: str) -> list[tuple[str, str, str]]:
-    """(FAILED|ERROR, test id, message) from pytest's `-rfE` short summary."""
-    found = []
-    for line in output.splitlines():
-        m = re.match(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$", line.strip())
-        if m:
-            found.append((m.group(1), m.group(2), m.group(3) or ""))
-    return found
-
-
-def failure_location(output: str, test_file: str) -> tuple[str | None, int | None]:
-    """Where the first failure happened: the first 'path.py:LINE: Error' traceback line, preferring the test's file."""
-    hits = re.findall(r"^([\w./\\-]+\.py):(\d+): \w", output, flags=re.MULTILINE)
-    for path, line in hits:
-        if path == test_file:
-            return path, int(line)
-    return (hits[0][0], int(hits[0][1])) if hits else (test_file or None, None)
-
-
-def failure_sections(output: str) -> dict[str, str]:
-    """Each FAILURES/ERRORS section of pytest's output by the name in its heading ('test_x[1]', 'TestA.test_b',
-    'ERROR collecting tests/test_c.py')."""
-    summary = re.search(r"^=+ short test summary info =+$", output, flags=re.MULTILINE)
-    parts = re.split(r"^_+ (?:(?:ERROR|FAILURE) at (?:setup|teardown|call) of )?(.+?) _+$",
-                     output[:summary.start()] if summary else output, flags=re.MULTILINE)
-    found: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2]):
-        found.setdefault(name.strip(), body)
-    return found
-
-
-def machine_lacks(sections: dict[str, str], problems: list[tuple[str, str, str]]) -> dict[str, list[str]]:
-    """What the machine lacks (MACHINE_LACKS) -> the ids of the failing tests that say so (sections: the output's
-    failure_sections)."""
-    found: dict[str, list[str]] = {}
-    for _, tid, message in problems:
-        name = ".".join(tid.split("::")[1:]) if "::" in tid else f"ERROR collecting {tid}"
-        text = sections.get(name, "") + "\n" + message
-        what = next((w for w, pattern in MACHINE_LACKS.items() if pattern.search(text)), None)
-        if what:
-            found.setdefault(what, []).append(tid)
-    return found
-
-
 def unittest_run(smoke: Smoke) -> bool:
     """pytest collected nothing: the project's tests may be unittest's (pytimeparse's testtimeparse.py, which
     pytest's test_*.py pattern misses and `python -m unittest discover` runs). True when unittest ran tests."""
@@ -328,15 +269,6 @@ def unittest_run(smoke: Smoke) -> bool:
                   evidence=tail(res.output, EVIDENCE_CHARS), repro_command=command)
     smoke.notes.append(f"unittest: {bad} of {total} tests fail")
     return True
-
-
-def failures_excerpt(output: str) -> str:
-    """The FAILURES/ERRORS section pytest prints, which says what was expected and what came back."""
-    start = re.search(r"^=+ (FAILURES|ERRORS) =+$", output, flags=re.MULTILINE)
-    end = re.search(r"^=+ short test summary info =+$", output, flags=re.MULTILINE)
-    if not start:
-        return ""
-    return output[start.start(): end.start() if end and end.start() > start.start() else None].strip()
 
 
 def python_tests(smoke: Smoke) -> None:
@@ -364,6 +296,7 @@ def python_tests(smoke: Smoke) -> None:
             smoke.notes.append(f"pytest's config needs {', '.join(plugins)}, which the install does not bring; "
                                "installed")
             result = smoke.sh("run the tests", command)
+    result = install_missing_imports(smoke, root, result, command)
     if result.exit_code in (0, 1) or result.timed_out:  # a suite that ran (not a usage or collection error)
         smoke.measure(name="test suite time", value=round(result.seconds, 3), unit="s", command=command)
     if result.timed_out:
@@ -422,6 +355,42 @@ def python_tests(smoke: Smoke) -> None:
                   evidence=tail(evidence.strip(), EVIDENCE_CHARS) if len(evidence) > EVIDENCE_CHARS
                   else evidence.strip(), repro_command=repro, file=file, line=line)
     smoke.notes.append(f"tests: {counted} ({result.seconds:.1f} s)")
+
+
+def install_missing_imports(smoke: Smoke, root: Path, result: CommandResult, command: str) -> CommandResult:
+    """Tests that stop at collection for a third-party module nothing installs (dpath's tests import nose2): install
+    it and run them again, so that the tests are judged, not the missing module ("6 of 6 tests fail" said before).
+    A module that nothing in the repository names is a finding of its own, since a contributor's fresh install cannot
+    run those tests; one named somewhere the review does not install from (a CI workflow, say) is a note."""
+    modules = missing_test_modules(result.output, root) if result.exit_code in (1, 2) else []
+    if not modules:
+        return result
+    dists = [MODULE_DISTRIBUTIONS.get(m, m) for m in modules]
+    got = smoke.sh(f"install what the tests import ({', '.join(dists)})",
+                   "python -m pip install " + " ".join(shlex.quote(d) for d in dists))
+    if got.exit_code != 0:
+        smoke.notes.append(f"the tests import {', '.join(modules)}, which nothing installs, and it did not install: "
+                           f"{pip_error(got.output)}")
+        return result
+    where = {d: named_in_repository(root, d) for d in dists}
+    named = [f"{d} (named in {w})" for d, w in where.items() if w]
+    if named:
+        smoke.notes.append(f"the tests import {', '.join(named)}, which the install does not bring; installed")
+    rerun = smoke.sh("run the tests", command)
+    unnamed = [d for d, w in where.items() if not w]
+    if unnamed:
+        files = list(dict.fromkeys(re.findall(r"ERROR collecting (\S+)", result.output)))
+        counted = ", ".join(f"{n} {what}" for what, n in pytest_counts(rerun.output).items()) or "no summary line"
+        smoke.finding(title=f"The tests need {', '.join(unnamed)}, which nothing in the repository declares",
+                      severity="low", category="tests",
+                      details=f"`{command}` in a fresh install stops while collecting {len(files)} test modules "
+                              f"(ModuleNotFoundError for {', '.join(modules)}). No requirements file, pyproject.toml, "
+                              f"setup.py, tox.ini, Makefile or CI workflow names {', '.join(unnamed)}, so a "
+                              f"contributor's fresh install cannot run these tests. Installed by hand, the tests "
+                              f"ran: {counted}.",
+                      evidence=tail(result.output, EVIDENCE_CHARS),
+                      repro_command="python -m pytest -q " + " ".join(shlex.quote(f) for f in files[:3]))
+    return rerun
 
 
 def install_test_environment(smoke: Smoke, root: Path) -> None:

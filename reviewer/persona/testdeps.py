@@ -1,5 +1,6 @@
 """What a project's tests need beyond its install, as the project declares it elsewhere: tox.ini's test deps and the
-requirements files they name, a PEP 735 dependency group, the pytest plugins its pytest config names. Pure file and text work; smoke.py installs them."""
+requirements files they name, a PEP 735 dependency group, the pytest plugins its pytest config names, and the modules
+its tests import that nothing installs. Pure file and text work; smoke.py installs them."""
 
 from __future__ import annotations
 
@@ -118,3 +119,48 @@ def declared_setup(root: Path) -> list[tuple[str, str]]:
     for name in tox_requirement_files(root):
         steps.append((f"tox.ini's test requirements ({name})", f"python -m pip install -r {shlex.quote(name)}"))
     return steps
+
+
+# import names whose distribution on PyPI is named otherwise (the common ones; anything else is tried as named)
+MODULE_DISTRIBUTIONS = {"yaml": "PyYAML", "PIL": "Pillow", "sklearn": "scikit-learn", "cv2": "opencv-python",
+                        "bs4": "beautifulsoup4", "dateutil": "python-dateutil", "attr": "attrs", "jwt": "PyJWT",
+                        "Crypto": "pycryptodome", "dns": "dnspython", "git": "GitPython", "serial": "pyserial",
+                        "OpenSSL": "pyOpenSSL", "dotenv": "python-dotenv", "magic": "python-magic"}
+# where a project names what its tests need, read as text
+DECLARING_SUFFIXES = (".txt", ".in", ".toml", ".cfg", ".ini", ".yml", ".yaml")
+DECLARING_NAMES = ("setup.py", "noxfile.py", "Makefile", "Pipfile", "tox.ini", "environment.yml")
+
+
+def missing_test_modules(output: str, root: Path) -> list[str]:
+    """The third-party modules pytest could not import while collecting the tests ('E   ModuleNotFoundError: No
+    module named 'nose2''), leaving out the standard library and the repository's own modules (dpath's tests import
+    nose2, which neither its install nor anything in its sdist brings)."""
+    import sys
+
+    found = []
+    for name in re.findall(r"^E\s+ModuleNotFoundError: No module named '([\w.]+)'", output, re.MULTILINE):
+        top = name.split(".")[0]
+        local = any((base / top).is_dir() or (base / f"{top}.py").is_file()
+                    for base in (root, root / "src", root / "tests", root / "test"))
+        if top not in sys.stdlib_module_names and not local and top not in found:
+            found.append(top)
+    return found
+
+
+def named_in_repository(root: Path, distribution: str) -> str | None:
+    """The first file (relative path) that names `distribution` where requirements live (requirements files,
+    pyproject, setup.py, tox.ini, CI workflows, a Makefile), or None."""
+    word = re.compile(rf"(?<![\w-]){re.escape(distribution).replace('-', '[-_]').replace('_', '[-_]')}(?![\w-])",
+                      re.IGNORECASE)
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if ".git" in rel.parts or not path.is_file() or len(rel.parts) > 4:
+            continue
+        if path.suffix not in DECLARING_SUFFIXES and path.name not in DECLARING_NAMES:
+            continue
+        try:
+            if path.stat().st_size < 1_000_000 and word.search(path.read_text(errors="replace")):
+                return str(rel)
+        except OSError:
+            continue
+    return None

@@ -250,7 +250,28 @@ def run_examples(blocks, package, only=None):
         for stmt in statements:
             tainted.update(names_of(ast.get_source_segment(block["text"], stmt) or ""))
 
+    # Names a `for` loop of an example left bound (dpath's README: `for x in dpath.search(x, ...)` turns the document
+    # `x` into the last tuple, and the examples after it "on that same dictionary" give [] and 0): a finding about an
+    # example that uses one says so, since that is the docs' mistake a maintainer must see
+    loop_bound, bound_before = {}, set()
+
+    def note_loops(line, code):
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.For, ast.AsyncFor)):
+                for target in ast.walk(node.target):
+                    if isinstance(target, ast.Name) and target.id in bound_before:  # a loop over a document name
+                        loop_bound[target.id] = (line, code.strip().splitlines()[0])
+        for name in rebound(code):
+            loop_bound.pop(name, None)
+            bound_before.add(name)
+
     def record(block, line, code, kind, **kw):
+        if kind in ("mismatch", "error"):
+            kw["loop_bound"] = {n: loop_bound[n] for n in sorted(names_of(code) & loop_bound.keys())}
         if kind == "skipped":
             tainted.update(names_of(code))
             if lost_state[0] is None and sets_state(code):
@@ -286,6 +307,7 @@ def run_examples(blocks, package, only=None):
                 got, _, error = attempt(ex.source, block["file"], "single")
                 if error is None:
                     tainted.difference_update(rebound(ex.source))
+                    note_loops(line, ex.source)
                 if error is None and ex.exc_msg is None:
                     ok = checker.check_output(ex.want, got, flags)
                     if not ok:
@@ -349,6 +371,7 @@ def run_examples(blocks, package, only=None):
                 value = ns.get(stmt.targets[0].id) if want is not None else None
             if error is None:
                 tainted.difference_update(rebound(code))
+                note_loops(line, code)
             if error is not None:
                 kind = "error" if (from_project(error, project_names(ns, package), package, code)
                                    and not template_import(error)) else "skipped"
@@ -529,6 +552,9 @@ def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[i
         details = (f"{o['file']}:{o['line']}:\n    {o['code']}\nraises {o['error']} (run after the examples before it)."
                    + (f"\nThe examples at lines {', '.join(map(str, also))} fail the same way." if also else ""))
         severity = "high" if "Import" in o["error"] else "medium"
+    for name, (line, loop) in (o.get("loop_bound") or {}).items():
+        details += (f"\nNote: `{name}` there is what the loop `{short(loop, 80)}` at {o['file']}:{line} left in it, "
+                    f"not what the docs bound to `{name}` before that loop.")
     before = [b for b in file_blocks if b["line"] <= o["line"]]  # the repro needs only what comes before the example
     repro = command(examples_script(before, probe.package, only=o["line"]), env="PYTHONHASHSEED=0")
     probe.record(title=title, severity=severity, category="docs", details=details,

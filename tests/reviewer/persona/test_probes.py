@@ -489,6 +489,8 @@ def test_a_sketch_of_the_projects_code_and_the_package_name_reused_for_an_object
     block sees the module, the examples after it the object again. What they compute is still checked. Not claims
     (tinydb's and dpath's READMEs): a bare literal behind a stray prompt, and `help(...)` shown up to a blank line.
     And itsdangerous' `SECRET_KEY = os.environ.get("SECRET_KEY")`: a value the reader supplies, unset here."""
+    from reviewer.persona.probes.docs_claims import example_finding
+    from reviewer.persona.probes.runner import Probe
     files = {"pkg/__init__.py": "class Use:\n    def __init__(self, f, error=None):\n        self.f = f\n\n"
                                 "    def run(self, x):\n        return self.f(x)\n\n\n"
                                 "class Box:\n    def __init__(self, v):\n        self.v = v\n"}
@@ -528,6 +530,13 @@ Help on class Box in module pkg:
 >>> [{'v': 3}]
 ```
 
+```pycon
+>>> box = Box([1, 2])
+>>> for box in [Box(5)]: pass
+>>> box.v
+[1, 2]
+```
+
 ```python
 import os
 KEY = os.environ.get("REVIEWER_UNSET_KEY")
@@ -536,9 +545,18 @@ Box(KEY).v.upper()    # 'X'
 """
     code, got = run_examples_script(tmp_path, files, doc)
     kinds = [(o["line"], o["kind"], o.get("got") or o.get("error")) for o in got["outcomes"]]
-    assert code == 1 and kinds == [(29, "mismatch", "5"),
-                                   (39, "skipped", "reads $REVIEWER_UNSET_KEY, which the reader sets")], kinds
-    assert got["checked"] == 8, got
+    assert code == 1 and kinds == [(29, "mismatch", "5"), (40, "mismatch", "5"),
+                                   (46, "skipped", "reads $REVIEWER_UNSET_KEY, which the reader sets")], kinds
+    # a loop over a name the docs bound before (dpath's `for x in dpath.search(x, ...)`): the finding says so
+    assert [o["loop_bound"] for o in got["outcomes"][:2]] == [{}, {"box": [39, "for box in [Box(5)]: pass"]}]
+    assert got["checked"] == 11, got
+    recorded = []
+    probe = Probe(root=tmp_path, sh=None, finding=lambda **kw: recorded.append(kw), measure=None, deadline=0.0,
+                  package="pkg")
+    example_finding(probe, [], got["outcomes"][1])
+    assert recorded[0]["details"].endswith("Note: `box` there is what the loop `for box in [Box(5)]: pass` at "
+                                           "README.md:39 left in it, not what the docs bound to `box` before that "
+                                           "loop."), recorded
 
 
 def test_a_documented_command_that_fails_as_the_docs_show_is_not_a_finding():

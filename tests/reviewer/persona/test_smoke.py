@@ -9,7 +9,8 @@ import pytest
 from sqlmodel import select
 
 from reviewer.examples import git, make_example_repo
-from reviewer.persona.smoke import detect, importtime_us, pytest_counts, run_smoke
+from reviewer.persona.pytest_output import pytest_counts
+from reviewer.persona.smoke import detect, importtime_us, run_smoke
 from reviewer.run.recorder import DbRecorder
 from reviewer.sandbox.workspace import create_workspace, resolve_target
 from reviewer.store import db
@@ -179,6 +180,36 @@ def test_pytest_plugins_the_config_needs_are_installed_not_reported(tmp_path):
     assert "installed tox.ini's test deps (pytest, pytest-timeout)" in result.summary
     assert "pytest's config needs pytest-rerunfailures, which the install does not bring; installed" in result.summary
     assert "test suite time" in measurements
+
+
+def test_a_module_the_tests_import_and_nothing_installs(tmp_path):
+    """dpath's tests import nose2, which neither its install nor anything in its sdist brings: pytest stops while
+    collecting, and smoke said "6 of 6 tests fail". Now it installs the module and runs the tests again; that nothing
+    in the repository names it is a low finding of its own (its repro still fails in a fresh install), and a module a
+    CI workflow installs is a note. six stands in for nose2 (small, on PyPI, not in a fresh venv)."""
+    from reviewer.persona.testdeps import MODULE_DISTRIBUTIONS, missing_test_modules
+
+    files = {"pyproject.toml": '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
+                               '[project]\nname = "needy"\nversion = "0.1"\n',
+             "needy/__init__.py": "def one():\n    return 1\n",
+             "tests/test_one.py": "import six\nfrom needy import one\n\n\ndef test_one():\n    assert one() == 1\n"}
+    repo = make_repo(tmp_path / "needy", files)
+    # the standard library and the repository's own modules are never installed from PyPI; yaml is PyYAML there
+    output = "\n".join(f"E   ModuleNotFoundError: No module named '{m}'" for m in ("os.missing", "needy.sub", "yaml"))
+    assert missing_test_modules(output, repo) == ["yaml"] and MODULE_DISTRIBUTIONS["yaml"] == "PyYAML"
+    result, findings, _, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    titles = [(f.severity, f.title) for f in findings]
+    assert titles == [("low", "The tests need six, which nothing in the repository declares")], (titles, result.summary)
+    assert findings[0].repro_command == "python -m pytest -q tests/test_one.py"
+    assert "1 passed" in findings[0].details and "No module named 'six'" in findings[0].evidence
+    assert "1 passed" in result.summary
+    files[".github/workflows/ci.yml"] = "jobs:\n  test:\n    steps:\n      - run: pip install -e . six pytest\n"
+    result, findings, _, _, ws = smoke_review(make_repo(tmp_path / "named", files), tmp_path / "second")
+    ws.remove()
+    assert findings == [] and "1 passed" in result.summary, ([f.title for f in findings], result.summary)
+    assert "the tests import six (named in .github/workflows/ci.yml), which the install does not bring; installed" \
+        in result.summary
 
 
 def test_what_the_tests_need_beyond_the_install(tmp_path):
