@@ -12,7 +12,9 @@ command), so that "pytest is missing" never passes for "the tests fail". The rul
   not found, `python -m X` without X, pytest rejecting options of a plugin it lacks).
 
 Besides the install, the fresh workspace gets what smoke gave the tests: pytest when the repro runs it, the project's
-declared test environment (reviewer/persona/testdeps.py: a dependency group, tox.ini's deps). Without them a repro
+declared test environment (reviewer/persona/testdeps.py: a dependency group, tox.ini's deps), and, when the repro
+stops for them, the modules the tests import that nothing installs (except for a `--collect-only` repro, which is how
+the finding that nothing declares them reproduces). Without them a repro
 that runs pytest failed with "No module named pytest", which counted as reproducing whatever the finding said.
 
 `verification` keeps what happened (setup and repro exit codes, seconds, the output's tail) so a reader can judge. A
@@ -27,7 +29,7 @@ from collections.abc import Callable
 
 from sqlmodel import select
 
-from reviewer.persona.testdeps import declared_setup
+from reviewer.persona.testdeps import MODULE_DISTRIBUTIONS, declared_setup, missing_test_modules
 from reviewer.sandbox import isolation
 from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace
 from reviewer.store import db
@@ -100,6 +102,11 @@ def check(repro: str, target: Target, setup: str | None, settings, policy) -> tu
             done = ws.run(command, timeout=SETUP_TIMEOUT)
             lines.append(f"setup `{command}`: " + outcome(done))
         result = ws.run(repro, timeout=min(REPRO_TIMEOUT, command_timeout))
+        modules = missing_test_modules(result.output, ws.root) if undeclared_imports_matter(repro, result) else []
+        if modules:  # what smoke installed for the tests, nothing declares, and this repro is not about
+            command = "python -m pip install " + " ".join(MODULE_DISTRIBUTIONS.get(m, m) for m in modules)
+            lines.append(f"setup `{command}`: " + outcome(ws.run(command, timeout=SETUP_TIMEOUT)))
+            result = ws.run(repro, timeout=min(REPRO_TIMEOUT, command_timeout))
         missing = None if result.timed_out else missing_tool(repro, result.exit_code, result.output)
         verified = None if missing else result.timed_out or result.exit_code != 0
         lines.append(f"repro `{repro}`: {outcome(result)} -> " + (
@@ -118,6 +125,14 @@ def repro_setup(root, repro: str) -> list[str]:
         return []
     return (["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"]
             + [command for _, command in declared_setup(root)])
+
+
+def undeclared_imports_matter(repro: str, result) -> bool:
+    """A failed pytest repro gets the third-party modules its tests import that nothing installs (smoke installed them
+    before running the tests), unless it only collects: `--collect-only` is how smoke's finding that nothing declares
+    them reproduces."""
+    return ("pytest" in repro and "--collect-only" not in repro and not result.timed_out
+            and result.exit_code not in (0, 127))
 
 
 def missing_tool(repro: str, exit_code: int, output: str) -> str | None:

@@ -24,6 +24,9 @@ from reviewer.persona.project import EVIDENCE_CHARS
 from reviewer.text import tail
 
 PATHLIKE = re.compile(r"/|\.(txt|csv|tsv|json|jsonl|ya?ml|toml|ini|cfg|xml|html?|md|rst|py|dat|log|png|jpe?g)$", re.I)
+# a file name by its look, any extension (sqlparse's README runs `sqlformat ... query.sql`, a file the reader brings):
+# wider than PATHLIKE, which picks the argument the edge-input probe swaps for an empty file
+FILE_NAME = re.compile(r"^[\w.~-]+\.[A-Za-z][A-Za-z0-9]{0,7}$")
 
 
 # --- runs inside the sandbox (copied into the check scripts) --------------------------------------------------------
@@ -591,11 +594,12 @@ def check_help(probe: Probe) -> None:
 def runnable(cmd: doctext.Command, root: Path) -> bool:
     """Can the documented line run as written: nothing for the reader to fill in, every file it names exists?"""
     for stage in cmd.text.split("|"):
-        for token in stage.split():
-            token = token.strip("'\"")
+        tokens = [t.strip("'\"") for t in stage.split()]
+        for before, token in zip([""] + tokens, tokens):
             if doctext.is_placeholder(token) or "://" in token:
                 return False
-            if PATHLIKE.search(token) and not token.startswith("-") and not (root / token).exists():
+            named = PATHLIKE.search(token) or (FILE_NAME.match(token) and before != "-m")  # not `python -m pkg.mod`
+            if named and not token.startswith("-") and not (root / token).exists():
                 return False
     return True
 

@@ -595,6 +595,16 @@ python -m tool.sub check
         (2, "tool in.txt --fast", None), (11, 'echo "a b" | tool --stdin', "a-b"), (17, "tool run FILE", None),
         (18, "python -m tool.sub check", None)]
     assert [doctext.is_placeholder(t) for t in found[2].argv] == [False, False, True]
+    # run as written only when every file it names is there, whatever the extension (sqlparse's `query.sql`); a
+    # module after `-m` is not a file
+    from reviewer.persona.probes.docs_claims import runnable
+
+    line = lambda text: doctext.Command("README.md", 1, text)  # noqa: E731
+    assert not runnable(line("sqlformat --reindent query.sql"), tmp_path)
+    (tmp_path / "query.sql").write_text("select 1")
+    assert runnable(line("sqlformat --reindent query.sql"), tmp_path)
+    assert runnable(line("python -m tool.sub check --level 1.5"), tmp_path)
+    assert not runnable(line("tool in.txt --fast"), tmp_path)
 
 
 def test_call_sites_come_from_tests_and_docs_with_literal_arguments(tmp_path):

@@ -201,7 +201,7 @@ def test_a_module_the_tests_import_and_nothing_installs(tmp_path):
     ws.remove()
     titles = [(f.severity, f.title) for f in findings]
     assert titles == [("low", "The tests need six, which nothing in the repository declares")], (titles, result.summary)
-    assert findings[0].repro_command == "python -m pytest -q tests/test_one.py"
+    assert findings[0].repro_command == "python -m pytest --collect-only -q tests/test_one.py"
     assert "1 passed" in findings[0].details and "No module named 'six'" in findings[0].evidence
     assert "1 passed" in result.summary
     files[".github/workflows/ci.yml"] = "jobs:\n  test:\n    steps:\n      - run: pip install -e . six pytest\n"

@@ -171,6 +171,42 @@ def test_verification_sets_up_first_and_says_false_when_the_repro_passes(env):
     assert verify_findings(dbp, plain_id) == {"reproduced": 0, "not_reproduced": 0, "unchecked": 0}  # done once
 
 
+def test_verification_gives_pytest_repros_the_modules_the_tests_import_and_nothing_installs(env):
+    """Smoke installs a module the tests import and nothing declares (dpath's nose2) before judging the tests, so the
+    fresh workspace gets it too for a pytest repro that stops for it: a passing test then does not "reproduce" for
+    want of six. The finding that nothing declares it reproduces by collection alone (`--collect-only`), without."""
+    source = env / "needy-source"
+    for name, text in {"pyproject.toml": '[build-system]\nrequires = ["setuptools>=61"]\n'
+                                         'build-backend = "setuptools.build_meta"\n[project]\nname = "needy"\n'
+                                         'version = "0.1"\n',
+                       "needy/__init__.py": "def one():\n    return 1\n",
+                       "tests/test_one.py": "import six\nfrom needy import one\n\n\ndef test_one():\n"
+                                            "    assert one() == 1\n\n\ndef test_two():\n    assert one() == 2\n"}.items():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(text)
+    repo = make_example_repo(env / "needy", source=source)
+    dbp = str(env / "m.db")
+    with db.session(dbp) as s:
+        r = db.get_or_create_repository(s, repo.resolve().as_uri())
+        run = db.ReviewRun(repository_id=r.id, commit_sha=git(repo, "rev-parse", "HEAD"), status="completed")
+        s.add(run)
+        s.flush()
+        for title, repro in [("passes", "python -m pytest -x tests/test_one.py::test_one"),
+                             ("fails", "python -m pytest -x tests/test_one.py::test_two"),
+                             ("undeclared", "python -m pytest --collect-only -q tests/test_one.py")]:
+            s.add(db.Finding(run_id=run.id, persona="smoke", title=title, severity="low", category="tests",
+                             repro_command=repro))
+        s.add(db.Measurement(run_id=run.id, persona="smoke", name="install time", value=1.0, unit="s",
+                             command="python -m pip install -e ."))
+        s.commit()
+        run_id = run.id
+    assert verify_findings(dbp, run_id) == {"reproduced": 2, "not_reproduced": 1, "unchecked": 0}
+    rows = {t: (v, text) for t, v, text in query(dbp, "SELECT title, verified, verification FROM finding")}
+    assert rows["passes"][0] == 0 and "setup `python -m pip install six`" in rows["passes"][1], rows["passes"]
+    assert rows["fails"][0] == 1 and "assert 1 == 2" in rows["fails"][1], rows["fails"]
+    assert rows["undeclared"][0] == 1 and "pip install six" not in rows["undeclared"][1], rows["undeclared"]
+
+
 def test_kill_9_mid_review_then_restart_requeues_it(env):
     repo = make_project(env / "quick", test_seconds=5)
     dbp = env / "reviews.db"
