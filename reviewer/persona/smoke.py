@@ -139,14 +139,14 @@ def run_smoke(workspace: Workspace, recorder, *, timeout: float,
 
 def has_tests(root: Path) -> bool:
     """A tests/ (test/, testing/) folder, at the top or inside the package (pytimeparse/tests/), or test_*.py /
-    *_test.py files anywhere."""
+    *_test.py / tests.py files anywhere (jsonpatch's tests.py, which its pytest.ini's python_files names)."""
     if any((root / d).is_dir() for d in ("tests", "test", "testing")):
         return True
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).parts
         if any(p.startswith(".") or p in ("node_modules", "build", "dist", "site-packages") for p in parts):
             continue
-        if path.name.startswith("test_") or path.name.endswith("_test.py") or \
+        if path.name.startswith("test_") or path.name.endswith("_test.py") or path.name in ("tests.py", "test.py") or \
                 any(p in ("tests", "test", "testing") for p in parts[:-1]):
             return True
     return False

@@ -6,7 +6,8 @@ A crash is an exception that says the code did not expect the input (thresholds.
 ZeroDivisionError, ...), or a traceback from a CLI. Not findings: ValueError and TypeError (how Python code rejects
 bad input); an exception the function's docstring, the docs or its tests name; an empty input where the docstring
 says non-empty, a zero or negative one where it says positive; an IndexError on an empty sequence from a function
-whose docstring says it returns an element of it; a KeyError for the very key we passed; a call that only hangs
+whose docstring says it returns an element of it; a ZeroDivisionError for a zero we passed to a function whose
+docstring says it divides; a KeyError for the very key we passed; a call that only hangs
 (abandoned after a limit); and anything at all when the original call from the tests or docs fails in our hands (then
 our copy of it is wrong). Methods of built-in objects the project only holds (a module-level set's `add`) and the
 project's internals (neither exported by the package nor in a module's `__all__`, nor named by the docs) are not
@@ -21,9 +22,9 @@ from reviewer.persona.probes import doctext, prelude
 from reviewer.persona.probes.callsites import Arg, CallSite
 from reviewer.persona.probes.docs_claims import PATHLIKE, run_cli, short
 from reviewer.persona.probes.runner import Probe, command, data, run, script
-from reviewer.persona.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, EDGE_CALL_LIMIT_S, EDGE_MAX_FUNCTIONS,
-                                                EDGE_SCRIPT_TIMEOUT, ELEMENT_CONTRACT, FIT_CONTRACT, NON_ASCII,
-                                                NON_EMPTY_CONTRACT, POSITIVE_CONTRACT)
+from reviewer.persona.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, DIVISION_CONTRACT, EDGE_CALL_LIMIT_S,
+                                                EDGE_MAX_FUNCTIONS, EDGE_SCRIPT_TIMEOUT, ELEMENT_CONTRACT, FIT_CONTRACT,
+                                                NON_ASCII, NON_EMPTY_CONTRACT, POSITIVE_CONTRACT)
 from reviewer.persona.project import EVIDENCE_CHARS
 from reviewer.text import tail
 
@@ -124,6 +125,8 @@ for label, kind, build in CASES:
             continue
         if kind == "empty" and isinstance(e, IndexError) and re.search(ELEMENT, doc):
             continue  # it returns an element, and an empty sequence has none
+        if kind == "zero" and isinstance(e, ZeroDivisionError) and re.search(DIVISION, doc):
+            continue  # it divides, by the zero we passed: Python's contract for `/`
         if isinstance(e, KeyError) and e.args and e.args[0] in ("", NON_ASCII):
             continue  # it looked up the key we passed (`key=''`), which is not there: a lookup, not a crash
         lines = traceback.format_exception(type(e), e, e.__traceback__)
@@ -150,16 +153,23 @@ sys.exit(1 if crashes else 0)
 """
 
 
+def inline(pattern: re.Pattern) -> str:
+    """A compiled pattern as text for a probe script, its IGNORECASE kept ("Divide two numbers." must match `divide`;
+    passed as `.pattern` alone, the contracts were matched case-sensitively)."""
+    return ("(?i)" if pattern.flags & re.IGNORECASE else "") + pattern.pattern
+
+
 def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set[str], doc_text: str,
                 doc_named: bool = True) -> str:
     base, _ = call_source(site)
     multi = len([a for _, a in site.all_args() if a.kind in ("seq", "range", "listrange", "iter", "bytes")]) > 1
     lines = [f"TARGET = {site.target!r}", f"DOC_NAMED = {doc_named!r}", f"BASE = ({base})",
              f"CRASHES = {data(list(CRASHES))}",
-             f"FIT = {(FIT_CONTRACT.pattern if multi else None)!r}",
+             f"FIT = {(inline(FIT_CONTRACT) if multi else None)!r}",
              f"EXPECTED = {data(sorted(expected))}", f"DOC_TEXT = {data(doc_text)}", f"LIMIT = {EDGE_CALL_LIMIT_S!r}",
-             f"NON_EMPTY = {NON_EMPTY_CONTRACT.pattern!r}", f"POSITIVE = {POSITIVE_CONTRACT.pattern!r}",
-             f"ELEMENT = {ELEMENT_CONTRACT.pattern!r}", f"NON_ASCII = {NON_ASCII!r}", "CASES = ["]
+             f"NON_EMPTY = {inline(NON_EMPTY_CONTRACT)!r}", f"POSITIVE = {inline(POSITIVE_CONTRACT)!r}",
+             f"ELEMENT = {inline(ELEMENT_CONTRACT)!r}", f"DIVISION = {inline(DIVISION_CONTRACT)!r}",
+             f"NON_ASCII = {NON_ASCII!r}", "CASES = ["]
     lines += [f"    ({label!r}, {kind!r}, lambda: ({src}))," for label, kind, src in cases] + ["]"]
     return script("\n".join(lines) + "\n" + EDGE_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
                   prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume,

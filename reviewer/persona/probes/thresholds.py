@@ -61,6 +61,9 @@ POSITIVE_CONTRACT = re.compile(r"positive|> ?0\b|>= ?1\b|non-?negative|greater t
 # A function that returns an element of its sequence ("The last element in a sequence", toolz.last; `nth`) has no
 # element to return from an empty one: its IndexError there is Python's own contract (as `[][0]`), not a crash.
 ELEMENT_CONTRACT = re.compile(r"\b(element|item|entry|member)s? (of|in|from)\b", re.I)
+# A function that says it divides ("Divide two numbers.", pydash.divide) raising ZeroDivisionError for a zero we passed
+# keeps Python's own contract for `/`, as `20 / 0` does; elsewhere (a percentile at 0) it is still a crash.
+DIVISION_CONTRACT = re.compile(r"\bdivi(de|des|ded|ding|sion|sor)\b|\bquotient\b", re.I)
 # Several sequences that must fit together (matrices, parallel lists): emptying one of them breaks the fit, which the
 # caller must keep. They are emptied only all at once, and not at all where the docstring says they must fit.
 FIT_CONTRACT = re.compile(r"compatib|same length|equal length|lengths? must|must match|same size|same shape", re.I)

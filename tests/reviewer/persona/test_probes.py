@@ -559,6 +559,70 @@ Box(KEY).v.upper()    # 'X'
                                            "loop."), recorded
 
 
+def test_examples_that_are_alternatives_are_not_run_as_steps(tmp_path):
+    """Seen on prettytable's README: "you have a few options" (row by row, then column by column), each on the same
+    fresh `table`; run one after the other, the column-by-column one raised ValueError on the rows already there.
+    With `table` as it was assigned it works, so it is not judged. A wrong result is judged as it comes: on a fresh
+    `other` the count one too high would equal the docs' 1. And tomlkit's quickstart: a value shown as a triple-quoted
+    string with a blank line in it, and a comment line after a call made for its effect (not its output)."""
+    files = {"pkg/__init__.py": "class Table:\n    def __init__(self):\n        self.rows, self.cols = [], {}\n\n"
+                                "    def add_row(self, row):\n        self.rows.append(row)\n\n"
+                                "    def add_column(self, name, values):\n"
+                                "        if self.rows and len(values) != len(self.rows):\n"
+                                "            raise ValueError('column length does not match the rows')\n"
+                                "        self.cols[name] = values\n\n"
+                                "    def count(self):\n        return len(self.rows) + 1\n"}
+    doc = """# pkg
+```python
+from pkg import Table
+table = Table()
+```
+
+Row by row:
+
+```python
+table.add_row([1])
+table.add_row([2])
+```
+
+Or column by column:
+
+```python
+table.add_column("a", [1, 2, 3])
+```
+
+```pycon
+>>> other = Table()
+>>> other.add_row([1])
+>>> other.count()
+1
+```
+
+```pycon
+>>> grid = Table()
+>>> grid.add_row([1])
+>>> grid.add_column("b", [4, 5, 6])
+```
+
+```pycon
+>>> text = "a\\n\\nb\\n"
+>>> text
+'''a
+
+b
+'''
+>>> bag = [1]
+>>> bag.pop()
+# bag.clear() also works
+```
+"""
+    code, got = run_examples_script(tmp_path, files, doc)
+    kinds = [(o["line"], o["kind"], o.get("got") or o.get("error")) for o in got["outcomes"]]
+    alternative = "works with its names as assigned: the examples before it are alternatives to it, not steps"
+    assert code == 1 and kinds == [(17, "skipped", alternative), (23, "mismatch", "2"), (30, "skipped", alternative)], \
+        kinds
+
+
 def test_a_documented_command_that_fails_as_the_docs_show_is_not_a_finding():
     fails = "sh -c 'echo ERROR 1.5 is not valid >&2; exit 2'"
     spec = {"text": fails, "argv": ["sh", "-c", "x"], "prefix": 1, "expected": "ERROR 1.5 is not valid"}
@@ -686,12 +750,14 @@ def test_a_call_that_hangs_is_abandoned_and_not_reported(tmp_path):
 def test_an_element_getter_on_empty_input_and_a_missing_key_we_passed_are_not_crashes(tmp_path):
     """Seen on toolz: `last('')` raising IndexError (its docstring: "The last element in a sequence") and
     `topk(2, rows, key='')` raising KeyError('') are Python's contracts, not crashes; `gap([])`, with no such
-    docstring, still is."""
+    docstring, still is. Seen on pydash: `divide(20, 0)` raising ZeroDivisionError ("Divide two numbers.")."""
     (tmp_path / "seqs").mkdir()
     (tmp_path / "seqs" / "__init__.py").write_text(
         'def last(seq):\n    """The last element in a sequence."""\n    return seq[-1]\n\n\n'
         "def pick(rows, key):\n    return [r[key] for r in rows]\n\n\n"
-        "def gap(values):\n    return values[1] - values[0]\n")
+        "def gap(values):\n    return values[1] - values[0]\n\n\n"
+        'def divide(a, b):\n    """Divide two numbers."""\n    return a / b\n\n\n'
+        "def share(total, parts):\n    return total / parts\n")
 
     def crashes(call, target):
         return [c["case"] for c in edge_result(call_site(call, target), tmp_path)["crashes"]]
@@ -699,6 +765,9 @@ def test_an_element_getter_on_empty_input_and_a_missing_key_we_passed_are_not_cr
     assert crashes("last('abc')", "seqs.last") == []
     assert crashes("pick([{'a': 1}], key='a')", "seqs.pick") == []
     assert crashes("gap([1, 4])", "seqs.gap") == ["gap([])"]
+    # pydash.divide(20, 0): a function that says it divides keeps `/`'s contract; without that docstring it is a crash
+    assert crashes("divide(20, 5)", "seqs.divide") == []
+    assert crashes("share(20, 5)", "seqs.share") == ["share(20, 0)"]
 
 
 def test_a_method_of_a_builtin_object_the_project_holds_is_not_probed(tmp_path):

@@ -134,6 +134,15 @@ def test_unittest_tests_inside_the_package_are_found_and_run(tmp_path):
         ("high", "1 of 2 tests fail (nested.tests.testdouble.TestDouble.test_bad)", "python -m unittest discover")]
     assert "AssertionError: 6 != 7" in findings[0].evidence
     assert measurements["test suite time"].command == "python -m unittest discover"
+    # jsonpatch: tests.py at the top (its pytest.ini names it in python_files), once "No tests found"
+    repo = make_repo(tmp_path / "flat", {
+        "pyproject.toml": SETUPTOOLS + '[project]\nname = "flat"\nversion = "0.1"\n',
+        "flat.py": "def double(x):\n    return x * 2\n",
+        "pytest.ini": "[pytest]\npython_files = tests.py\n",
+        "tests.py": "from flat import double\n\n\ndef test_two():\n    assert double(2) == 4\n"})
+    result, findings, _, _, ws = smoke_review(repo, tmp_path / "flat-review")
+    ws.remove()
+    assert findings == [] and "tests pass (1 passed" in result.summary, ([f.title for f in findings], result.summary)
 
 
 def test_tests_that_need_a_locale_the_machine_lacks_are_not_failing_tests(tmp_path):
