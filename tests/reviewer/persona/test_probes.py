@@ -12,7 +12,7 @@ import pytest
 from sqlmodel import select
 
 from reviewer.examples import git, make_example_repo
-from reviewer.persona.probes import callsites, docs_claims, doctext
+from reviewer.persona.probes import callsites, docs_claims, docs_examples, doctext
 from reviewer.persona.smoke import run_smoke
 from reviewer.persona.tools import TOOL_NAMES, TOOLS, Toolbox
 from reviewer.run.recorder import DbRecorder
@@ -295,7 +295,7 @@ def run_examples_script(tmp_path: Path, package_files: dict[str, str], doc: str,
         (tmp_path / rel).write_text(text)
     (tmp_path / name).write_text(doc)
     blocks = [docs_claims.block_data(b) for b in doctext.all_blocks(tmp_path) if b.is_python]
-    code = docs_claims.examples_script(blocks, "pkg")
+    code = docs_examples.examples_script(blocks, "pkg")
     done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=60)
     from reviewer.persona.probes.runner import result_line
