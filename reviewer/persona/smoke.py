@@ -28,7 +28,7 @@ from reviewer.persona.probes.suite import from_smoke, run_probes
 from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, python_metadata
 from reviewer.persona.pytest_output import (MACHINE_LACKS, failure_location, failure_sections, failures_excerpt,
                                             machine_lacks, pytest_counts, pytest_problems)
-from reviewer.persona.testdeps import (MODULE_DISTRIBUTIONS, declared_setup, missing_test_modules, named_in_repository,
+from reviewer.persona.testdeps import (declared_setup, distribution, missing_test_modules, named_in_repository,
                                        plugins_for_options)
 from reviewer.sandbox.command import CommandResult
 from reviewer.sandbox.workspace import Workspace
@@ -365,7 +365,7 @@ def install_missing_imports(smoke: Smoke, root: Path, result: CommandResult, com
     modules = missing_test_modules(result.output, root) if result.exit_code in (1, 2) else []
     if not modules:
         return result
-    dists = [MODULE_DISTRIBUTIONS.get(m, m) for m in modules]
+    dists = [distribution(m) for m in modules]
     got = smoke.sh(f"install what the tests import ({', '.join(dists)})",
                    "python -m pip install " + " ".join(shlex.quote(d) for d in dists))
     if got.exit_code != 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import configparser
 import re
 import shlex
+import sys
 import tomllib
 from pathlib import Path
 
@@ -128,15 +129,18 @@ MODULE_DISTRIBUTIONS = {"yaml": "PyYAML", "PIL": "Pillow", "sklearn": "scikit-le
                         "OpenSSL": "pyOpenSSL", "dotenv": "python-dotenv", "magic": "python-magic"}
 # where a project names what its tests need, read as text
 DECLARING_SUFFIXES = (".txt", ".in", ".toml", ".cfg", ".ini", ".yml", ".yaml")
-DECLARING_NAMES = ("setup.py", "noxfile.py", "Makefile", "Pipfile", "tox.ini", "environment.yml")
+DECLARING_NAMES = ("setup.py", "noxfile.py", "Makefile", "Pipfile")
+
+
+def distribution(module: str) -> str:
+    """The PyPI distribution to install for an import name."""
+    return MODULE_DISTRIBUTIONS.get(module, module)
 
 
 def missing_test_modules(output: str, root: Path) -> list[str]:
     """The third-party modules pytest could not import while collecting the tests ('E   ModuleNotFoundError: No
     module named 'nose2''), leaving out the standard library and the repository's own modules (dpath's tests import
     nose2, which neither its install nor anything in its sdist brings)."""
-    import sys
-
     found = []
     for name in re.findall(r"^E\s+ModuleNotFoundError: No module named '([\w.]+)'", output, re.MULTILINE):
         top = name.split(".")[0]

@@ -14,8 +14,8 @@ command), so that "pytest is missing" never passes for "the tests fail". The rul
 Besides the install, the fresh workspace gets what smoke gave the tests: pytest when the repro runs it, the project's
 declared test environment (reviewer/persona/testdeps.py: a dependency group, tox.ini's deps), and, when the repro
 stops for them, the modules the tests import that nothing installs (except for a `--collect-only` repro, which is how
-the finding that nothing declares them reproduces). Without them a repro
-that runs pytest failed with "No module named pytest", which counted as reproducing whatever the finding said.
+the finding that nothing declares them reproduces). Without them a repro that runs pytest failed with "No module named
+pytest", which counted as reproducing whatever the finding said.
 
 `verification` keeps what happened (setup and repro exit codes, seconds, the output's tail) so a reader can judge. A
 repro command that depends on files the persona made in its own workspace fails here for the wrong reason; the personas
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from sqlmodel import select
 
-from reviewer.persona.testdeps import MODULE_DISTRIBUTIONS, declared_setup, missing_test_modules
+from reviewer.persona.testdeps import declared_setup, distribution, missing_test_modules
 from reviewer.sandbox import isolation
 from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace
 from reviewer.store import db
@@ -104,7 +104,7 @@ def check(repro: str, target: Target, setup: str | None, settings, policy) -> tu
         result = ws.run(repro, timeout=min(REPRO_TIMEOUT, command_timeout))
         modules = missing_test_modules(result.output, ws.root) if undeclared_imports_matter(repro, result) else []
         if modules:  # what smoke installed for the tests, nothing declares, and this repro is not about
-            command = "python -m pip install " + " ".join(MODULE_DISTRIBUTIONS.get(m, m) for m in modules)
+            command = "python -m pip install " + " ".join(distribution(m) for m in modules)
             lines.append(f"setup `{command}`: " + outcome(ws.run(command, timeout=SETUP_TIMEOUT)))
             result = ws.run(repro, timeout=min(REPRO_TIMEOUT, command_timeout))
         missing = None if result.timed_out else missing_tool(repro, result.exit_code, result.output)

@@ -196,7 +196,7 @@ def test_a_module_the_tests_import_and_nothing_installs(tmp_path):
     collecting, and smoke said "6 of 6 tests fail". Now it installs the module and runs the tests again; that nothing
     in the repository names it is a low finding of its own (its repro still fails in a fresh install), and a module a
     CI workflow installs is a note. six stands in for nose2 (small, on PyPI, not in a fresh venv)."""
-    from reviewer.persona.testdeps import MODULE_DISTRIBUTIONS, missing_test_modules
+    from reviewer.persona.testdeps import distribution, missing_test_modules
 
     files = {"pyproject.toml": '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n'
                                '[project]\nname = "needy"\nversion = "0.1"\n',
@@ -205,7 +205,7 @@ def test_a_module_the_tests_import_and_nothing_installs(tmp_path):
     repo = make_repo(tmp_path / "needy", files)
     # the standard library and the repository's own modules are never installed from PyPI; yaml is PyYAML there
     output = "\n".join(f"E   ModuleNotFoundError: No module named '{m}'" for m in ("os.missing", "needy.sub", "yaml"))
-    assert missing_test_modules(output, repo) == ["yaml"] and MODULE_DISTRIBUTIONS["yaml"] == "PyYAML"
+    assert missing_test_modules(output, repo) == ["yaml"] and distribution("yaml") == "PyYAML"
     result, findings, _, _, ws = smoke_review(repo, tmp_path)
     ws.remove()
     titles = [(f.severity, f.title) for f in findings]
