@@ -207,10 +207,9 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=h.device)
     padded = triton.next_power_of_2(experts)
     route = ROUTE_IN_MATMUL if one_launch is None else one_launch
-    if route:  # one counter of the split-K kernels' workspace (each call leaves it at zero)
-        count = split_workspace(h.device, 0, 0, 1)[2]
-    else:
-        count = parts  # unused
+    # one counter of the split-K kernels' workspace (each call leaves it at zero); without ROUTE the kernel never reads
+    # its pointer argument
+    count = split_workspace(h.device, 0, 0, 1)[2] if route else parts
     _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
         h, router, rms_norm[0] if norm_inside else h, normed_out if norm_inside else h, parts, num_tokens, experts,
         hidden, k_per_split, h.stride(0), router.stride(0), rms_norm[1] if norm_inside else 0.0, count, weights, ids,

@@ -277,20 +277,28 @@ def run_examples(blocks, package, only=None):
     assigned = {}  # name -> (the object assigned, a copy of it as assigned)
     ALTERNATIVE = "works with its names as assigned: the examples before it are alternatives to it, not steps"
 
+    def copied(value):
+        """A deep copy within a second, or None: a value that cannot be copied (a file, a lock) or is too big to copy
+        quickly (a loaded dataset) is not retried."""
+        try:
+            with limit(1):
+                return copy.deepcopy(value)
+        except (Exception, Overtime):  # noqa: BLE001
+            return None
+
     def keep_assigned(code):
         for name in rebound(code):
-            try:
-                assigned[name] = (ns[name], copy.deepcopy(ns[name]))
-            except Exception:  # noqa: BLE001 - a value that cannot be copied (a file, a lock) is not retried
+            kept = copied(ns[name]) if name in ns else None
+            if kept is None:
                 assigned.pop(name, None)
+            else:
+                assigned[name] = (ns[name], kept)
 
     def as_assigned(code):
         """The namespace with the names the code uses as they were assigned (fresh copies), or None."""
         used = {n for n in names_of(code) & assigned.keys() if ns.get(n) is assigned[n][0]}
-        try:
-            return {**ns, **{n: copy.deepcopy(assigned[n][1]) for n in used}} if used else None
-        except Exception:  # noqa: BLE001
-            return None
+        fresh = {n: copied(assigned[n][1]) for n in used}
+        return {**ns, **fresh} if used and None not in fresh.values() else None
 
     def passes_as_assigned(code, source, filename, mode, check):
         """Does the example (`code`: its text; `source`: what to compile) do what the docs show when the names it uses
