@@ -4,8 +4,9 @@
 
 q [H, T, D] (RoPE applied), k_new / v_new [Hkv, T, D]: the block's queries, keys and values; k_cache / v_cache
 [Hkv, max_context, D]: this layer's cache; start: a one-element device tensor, the position of the first new token
-(the block sits at start .. start + T - 1); span: a host bound on start + T (the CUDA-graph span), which only sets
-how many programs split the cached columns. The new keys and values are written to the cache at start .. start + T - 1
+(the block sits at start .. start + T - 1); span: a host bound on start + T, which only sets how many programs split
+the cached columns. CUDA graphs pass the whole cache (k_cache.shape[1]): slices past start + T return at once and the
+combine reads only the slices the length reaches, so one graph serves every length at a few microseconds' cost. The new keys and values are written to the cache at start .. start + T - 1
 and query t attends to cache columns 0 .. start - 1 and to new tokens 0 .. t: the same as writing the cache and
 running SDPA with a causal mask, which is what it replaces on the fast path.
 
@@ -59,6 +60,13 @@ if triton is not None:
         h = tl.program_id(0)  # key/value head
         split = tl.program_id(1)  # slice of cached columns; split N_SPLITS: the block's own tokens
         chunk = tl.program_id(2)  # slice of the GROUP * T query rows
+        start = tl.load(start_ptr).to(tl.int32)
+        if split < N_SPLITS:
+            # a slice wholly past the cached columns has nothing to add: it stores nothing either, and the combine
+            # kernel reads only the slices the length reaches (_active_splits). So a launch sized for the whole
+            # cache (one CUDA graph for every length) costs little more than one sized for the current span.
+            if split * SPLIT_COLS >= (start + T - 1 if CAUSAL else start):
+                return
         r = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
         g = r // T  # query head within the group
         t = r % T  # block token
@@ -66,7 +74,6 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + (h * GROUP + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=row_ok[:, None],
                     other=0.0)
-        start = tl.load(start_ptr).to(tl.int32)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile leaves the sums unchanged
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -136,18 +143,22 @@ if triton is not None:
         tl.store(vc_ptr + h * svc_h + col * svc_n + d, tl.load(vn_ptr + h * svn_h + t * svn_t + d))
 
     @triton.jit(do_not_specialize=["T"])
-    def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, T, so_t,
+    def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, start_ptr, T, so_t,
                         GROUP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                        N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr, SP: tl.constexpr):
+                        N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr, SP: tl.constexpr,
+                        SPLIT_COLS: tl.constexpr, CAUSAL: tl.constexpr):
         """One query row, DC head-dim columns: all of its partial sums in one load each (a loop over the splits
         was a chain of dependent loads: ~4 us for 13 splits on the H200). The tile is SP = SPLIT_TILE rows
         whatever the split count, so the reduction tree, and with it every bit, does not depend on the span:
-        missing splits are exact zeros."""
+        missing splits, and the slices past the cached columns (which _partial_kernel skips), are exact zeros."""
         h = tl.program_id(0)
         r = tl.program_id(1)  # query row within the group: head h * GROUP + r // T, token r % T
         d = tl.program_id(2) * DC + tl.arange(0, DC)
         s = tl.arange(0, SP)
-        s_ok = s < N_SPLITS + 1
+        start = tl.load(start_ptr).to(tl.int32)
+        limit = start + T - 1 if CAUSAL else start
+        active = tl.minimum((limit + SPLIT_COLS - 1) // SPLIT_COLS, N_SPLITS)  # slices holding cached columns
+        s_ok = s < active + 1
         # tile row 0: the block's own tokens (partial index N_SPLITS); row i: slice i - 1. Every non-empty partial
         # then sits at the same tile row whatever N_SPLITS is
         part = tl.where(s == 0, N_SPLITS, s - 1)
@@ -241,9 +252,9 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
         N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, num_warps=8 if D > 128 else 4)
     dc = min(D, COMBINE_COLS)
-    _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, T, out.stride(0), GROUP=group, D=D, DC=dc,
+    _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, start, T, out.stride(0), GROUP=group, D=D, DC=dc,
                                           BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,
-                                          num_warps=4)
+                                          SPLIT_COLS=split_cols, CAUSAL=causal, num_warps=4)
     return out
 
 

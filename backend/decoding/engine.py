@@ -22,6 +22,8 @@ from backend.decoding.device_cycle import device_speculative_decode
 from backend.decoding.target import FastTarget, HFTarget
 from backend.dflash.fast import FastDrafter
 from backend.models import load_fast
+from backend.models.captures import COUNTS as CAPTURE_COUNTS
+from backend.models.captures import mark_ready as mark_captures_ready
 from backend.sampling import sample_token
 
 log = logging.getLogger("reviewer.backend")
@@ -82,9 +84,9 @@ class Engine:
     mode; True elsewhere too, for tests). invariant_verify: the fast model's decode steps and verifies in numerics
     where a verify is cheap and a position's logits do not depend on how it was reached (the model file's
     use_invariant_verify: Qwen3.5/3.6-MoE's padded rows, Llama's tensor-core row kernels), so greedy
-    speculative output is token-identical to this engine's plain decoding (None: on for a CUDA engine with a
-    drafter outside exact mode; a plain engine that serves as its reference needs invariant_verify=True). Plain
-    engines keep the fastest one-token kernels, whose rounding can differ at near-ties."""
+    speculative output is token-identical to plain decoding (None: on for every CUDA engine on the fast path outside
+    exact mode, with a drafter or without: one numerics on the GPU, so `--drafter none` and `--drafter auto` give
+    the same text; False: the one-token kernels of earlier versions, for benchmarks that compare with them)."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
                  adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None,
@@ -103,10 +105,10 @@ class Engine:
             compile = self.device.type == "cuda"
         self.target = self._make_target(model, features, prefill_chunk, fast, exact, compile)
         if invariant_verify is None:
-            invariant_verify = drafter is not None and self.device.type == "cuda" and self.fast and not self.target.exact
+            invariant_verify = self.device.type == "cuda" and self.fast and not self.target.exact
         self.invariant_verify = bool(invariant_verify) and self.fast
-        # whether this engine's numerics differ from a plain engine's (what describe_decoding warns about)
-        self.own_numerics = self.invariant_verify and self.target.fast.model.use_invariant_verify()
+        if self.invariant_verify:
+            self.target.fast.model.use_invariant_verify()
         self.verify_length = spec.VerifyLength(adaptive_verify)  # measured T_t(n) and acceptance; adaptive or not
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
         # on the GPU fast path the drafter runs from CUDA graphs over static caches and the cycle stays on the
@@ -163,12 +165,45 @@ class Engine:
         how = "on the device, CUDA graphs" if self.fast_drafter is not None else "eager"
         if self.lossless:
             why = "exact mode" if self.target.exact else "batch-invariant kernels"
-            if self.own_numerics:
-                why += "; without a drafter the engine decodes with faster one-token kernels, whose rounding can differ"
             return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), lossless: greedy output "
-                    f"is token-identical to plain decoding in the same numerics ({why})")
+                    f"is token-identical to --drafter none ({why})")
         return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), NOT lossless on this path: "
                 "greedy output can differ from plain decoding at near-ties (use --drafter none for plain decoding)")
+
+    @property
+    def captures(self):
+        """CUDA graphs captured and kernels compiled so far, and after mark_ready() (backend/models/captures.py)."""
+        return CAPTURE_COUNTS
+
+    def mark_ready(self) -> None:
+        """The server said ready: later captures and compilations are on the request path (counted, logged)."""
+        mark_captures_ready()
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Do now what the first requests would otherwise pay for: compile the fast path's glue and capture every
+        CUDA graph a request can replay (the target's decode step, its verifies of 1..block tokens and Gated DeltaNet
+        accepts, the drafter's cycles: all independent of the context length, backend/models/fast.py), and run a
+        short generation and prompts of a few lengths so the kernels of each shape are compiled. Returns the number of
+        graphs held. The caches are empty afterwards. A no-op on the CPU."""
+        if not (self.fast and self.device.type == "cuda"):
+            return 0
+        self._reset()
+        fast = self.target.fast
+        features = self.target.feature_layers if self.drafter is not None else ()
+        graphs = fast.capture_graphs(features, verify=self.drafter is not None)
+        if self.fast_drafter is not None:
+            graphs += self.fast_drafter.capture_graphs()
+        # prefill kernels specialise on lengths (Triton: divisible by 16 or not, one token): compile each kind, and a
+        # generation that takes every path once (plain steps, or draft + verify + accept + rollback)
+        for n in (1, 16, 17):
+            list(self.generate([0] * n, SamplingParams(max_tokens=2)))
+            self._reset()
+        list(self.generate([0] * 24, SamplingParams(max_tokens=24)))
+        list(self.generate([0] * 24 + [1] * 5, SamplingParams(max_tokens=8)))  # prefix reuse: a prompt that extends
+        self._reset()
+        _sync(self.device)
+        return graphs
 
     @torch.inference_mode()
     def measure_verify_costs(self, reps: int = 3) -> dict[int, float]:

@@ -12,7 +12,8 @@ Why it exists: eagerly the drafter of the released Qwen3.6 shape costs 10.8 ms a
 launches per layer, a mask and positions built on the host, the full-vocabulary head in fp32, a .tolist()), four
 target steps. Here:
   - every layer's context keys/values live in one preallocated cache ([layers, kv heads, max_context + B, D]);
-  - a cycle is one CUDA-graph replay, keyed by (feature rows to absorb, attention span) like the target's graphs:
+  - a cycle is one CUDA-graph replay, keyed by the feature rows to absorb (attention skips the columns past the
+    context's length, so one graph serves every length; capture_graphs() takes them all before a server is ready):
     absorb the last verify's features (all its rows, written at the context's end; only `keep` of them count),
     advance the context length on the device by `keep`, then the block forward, the head over the drafted positions
     only, in the model dtype, and argmax + confidence (kernels/argmax.py);
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.dflash.model import DFlashDrafter, rope
+from backend.models.captures import note_capture
 from backend.models.llama import fuse_rows, glue
 from backend.sampling import sampling_probs
 from kernels.argmax import argmax_confidence
@@ -167,12 +169,31 @@ class FastDrafter:
         return q
 
     def _span(self, end: int) -> int:
-        """Cache columns attended for a context ending at `end` (a quarter of the enclosing power of two, as the
-        target's graphs round: few graphs, at most 25% masked columns)."""
+        """Cache columns attended for a context ending at `end`: the whole cache through the block-attention kernel
+        (it skips the columns past the length: one graph per rows for every length, as the target's graphs);
+        through SDPA and a mask, a quarter of the enclosing power of two (few graphs, at most 25% masked columns)."""
+        if self.block_kernel:
+            return self.max_context
         quarter = max(self.min_span, (1 << (end - 1).bit_length()) // 4)
         return min(-(-end // quarter) * quarter, self.max_context)
 
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture, now, the graph of every cycle kind (a first draft after a prompt, and after a verify whose 1..B
+        rows are absorbed), so that none is captured on the request path; returns how many are held. Only when the
+        graphs are length-independent (the block kernel); the context is empty afterwards."""
+        if not self.cuda_graphs or not self.block_kernel:
+            return len(self._graphs)
+        self.reset()
+        self.launch(token=0)
+        for rows in range(1, self.block_size + 1):
+            self.reset()
+            self.launch(token=0, features=self.features, rows=rows, keep=self._arange[:1] + 1)
+        self.reset()
+        return len(self._graphs)
+
     def _capture(self, rows: int, span: int):
+        note_capture("drafter", (rows, span))
         saved = self.length_dev.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -12,10 +12,13 @@ each block verify from a CUDA graph.
 Invariant: fm.length tokens are in the caches. Between verify() and accept() the caches hold the block tentatively
 (attention KV written, Gated DeltaNet states not advanced); every other call is refused until accept().
 
-CUDA graphs: one per (kind, tokens, attention span, hidden_ids), captured on first use. The attention span is the
-cache length rounded up (see _span), so a graph serves every length up to it: the causal mask comes from the
-positions, which live in a static device buffer like the tokens. Capturing runs the forward (warm-up and
-capture); the Gated DeltaNet states are saved before and put back after, so capture never changes the caches.
+CUDA graphs: one per (kind, tokens, hidden_ids). Attention (kernels/block_attention.py) reads the cache length from
+the positions, which live in a static device buffer like the tokens, and visits only the filled columns, so a graph
+captured at one length replays at every length up to max_context: capture_graphs() captures all of them once, before
+a server says ready, and nothing is captured on the request path. (Where attention falls back to SDPA with a mask,
+e.g. a head dim the kernel does not take, graphs stay keyed by a rounded attention span: see _span.) Capturing runs
+the forward (warm-up and capture); the Gated DeltaNet states are saved before and put back after, so capture never
+changes the caches. Each capture is counted in backend/models/captures.py.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from backend.models.captures import note_capture
 
 
 @dataclass
@@ -207,6 +212,10 @@ class FastModel:
             end = self.length + T
             if self.span_multiple:
                 end = min(-(-end // self.span_multiple) * self.span_multiple, self.max_context)
+            elif self.model.kv is not None and self.model.kv.block_kernel(T):
+                # as the graphs do: the kernel skips the columns past the length, and its launch shape (so its
+                # compiled variant) stays one for every length, on the request path too
+                end = self.max_context
             if self.model.kv is not None:
                 self.model.kv.reserve(end)  # a CPU cache grows with use (static_cache.KVCache); CUDA's is whole
             out = self._run(ids, positions, end, record, all_logits, hidden_ids, compiled)
@@ -232,8 +241,13 @@ class FastModel:
     # ---- CUDA graphs ----------------------------------------------------------------------------------------------
 
     def _span(self, end: int) -> int:
-        """Cache columns a graph attends over for a cache ending at `end`: rounded up to a quarter of the enclosing
-        power of two (at most 25% of the KV read wasted on masked columns; ~4 graphs per doubling of the context)."""
+        """Cache columns a graph attends over for a cache ending at `end`. Through the block-attention kernel (or
+        without attention layers): the whole cache, one graph for every length, since the kernel skips the columns
+        past the length. Through SDPA and a mask: rounded up to a quarter of the enclosing power of two (at most 25%
+        of the KV read wasted on masked columns; ~4 graphs per doubling of the context)."""
+        kv = self.model.kv
+        if kv is None or kv.use_block_kernel:
+            return self.max_context
         quarter = max(self.min_span, (1 << (end - 1).bit_length()) // 4, self.span_multiple)
         return min(-(-end // quarter) * quarter, self.max_context)
 
@@ -279,7 +293,30 @@ class FastModel:
             return logits, feats
         return logits.clone(), (feats.clone() if feats is not None else None)
 
+    @torch.inference_mode()
+    def capture_graphs(self, hidden_ids: tuple[int, ...] = (), verify: bool = True) -> int:
+        """Capture, now, every graph a decode step and (verify=True) a verify of 1..max_block tokens with
+        `hidden_ids` features, and its Gated DeltaNet accept, will replay, so that none is captured on the request
+        path; returns how many are held. Only when every key is length-independent (see _span), on an idle model;
+        the caches and the length are as before."""
+        if not self.cuda_graphs or self._span(1) != self.max_context:
+            return len(self._graphs)
+        self._check_idle()
+        snap = self.snapshot()
+        self.decode(0)
+        self.restore(snap)
+        if verify:
+            for T in range(1, self.max_block + 1):
+                self.verify([0] * T, tuple(hidden_ids))
+                if self.hybrid:  # the accept graph for keep = T (its replay advances the states: put them back)
+                    self.accept(T)
+                    self.restore(snap)
+                else:
+                    self.abandon()
+        return len(self._graphs)
+
     def _capture(self, T, span, record, all_logits, hidden_ids, compiled):
+        note_capture("target", (T, span, record, all_logits, hidden_ids, compiled))
         saved = self.model.linear.snapshot(self.length) if self.hybrid else None
         run = lambda: self._run(self._tokens[:T], self._positions[:T], span, record,  # noqa: E731
                                 all_logits, hidden_ids, compiled)

@@ -324,9 +324,10 @@ class DecoderLayer(nn.Module):
 
 class Qwen35Moe(nn.Module):
     family = "qwen3_5_moe"
-    # Decode steps and verify blocks through _padded_rows: batch-invariant, so a speculative engine turns it on
-    # (use_invariant_verify) and its greedy output equals its plain decoding token for token. Off for plain engines:
-    # it costs a plain step ~1.3x the one-token kernels. bench/target_step.py --invariant.
+    # Decode steps and verify blocks through _padded_rows: batch-invariant, so every CUDA engine turns it on
+    # (use_invariant_verify; a plain one too, so that --drafter none and a speculative engine give the same tokens).
+    # It costs a plain step ~1.2x the one-token kernels (bench/target_step.py --invariant); off only where a
+    # benchmark asks for the one-token kernels (Engine(invariant_verify=False)).
     invariant_steps = False
     # Which of _padded_rows' dense projections ("in": the mixers' input projections, "out": their output
     # projections) run kernels/wide_linear.py instead of cuBLAS (bench/target_step.py --wide measures a set). "in"

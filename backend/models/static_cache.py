@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.models.captures import note_capture
 from kernels.block_attention import MAX_BLOCK, supports
 from kernels.fused_moe import triton
 from kernels.gdn_state import GdnRecord, gdn_replay
@@ -109,6 +110,7 @@ class LinearStateCache:
             return
         graph = self._accept_graphs.get(keep)
         if graph is None:
+            note_capture("gated deltanet accept", keep)
             self.states_after(keep)  # compiles the replay kernel for these tensors, off the live state
             graph = self._accept_graphs[keep] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):  # recorded, not run

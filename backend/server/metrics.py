@@ -7,6 +7,7 @@ block position; they stay at zero on the plain decoding path.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -39,6 +40,11 @@ class Metrics:
         self.spec_draft_seconds = Counter("reviewer_spec_draft_seconds", "Seconds spent drafting", registry=r)
         self.spec_verify_seconds = Counter("reviewer_spec_verify_seconds", "Seconds spent verifying", registry=r)
 
+    def watch_captures(self, counts) -> None:
+        """Export the engine's CaptureCounts (backend/models/captures.py, via Engine.captures), read at each scrape:
+        CUDA graphs captured and kernels compiled, in all and after the ready line (which should stay 0)."""
+        self.registry.register(_CaptureCollector(counts))
+
     def record_generation(self, stats) -> None:
         """Add one finished (or cancelled) generation's GenerationStats."""
         self.prompt_tokens.inc(stats.prompt_tokens)
@@ -57,3 +63,20 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CaptureCollector:
+    def __init__(self, counts):
+        self.counts = counts
+
+    def collect(self):
+        c = self.counts
+        for name, doc, value in (
+                ("reviewer_graph_captures", "CUDA graphs captured since start", c.captures),
+                ("reviewer_graph_captures_after_ready", "CUDA graphs captured after the ready line (on the request "
+                 "path)", c.captures_after_ready),
+                ("reviewer_compilations", "torch.compile frames and Triton kernels compiled since start",
+                 c.compilations),
+                ("reviewer_compilations_after_ready", "Compilations after the ready line (on the request path)",
+                 c.compilations_after_ready)):
+            yield CounterMetricFamily(name, doc, value=value)

@@ -10,6 +10,7 @@ import asyncio
 import ctypes
 import logging
 import threading
+import time
 
 from backend import chat
 from backend.loading import LoadedModel, ModelLoadError, load_model
@@ -77,23 +78,27 @@ class ServerState:
     # -- loading (background thread) --
     def load(self) -> None:
         try:
-            from backend.decoding.engine import Engine, SamplingParams  # torch: seconds, after the socket is up
+            from backend.decoding.engine import Engine  # torch: seconds, after the socket is up
 
             loaded = self.model_spec if isinstance(self.model_spec, LoadedModel) else load_model(
                 self.model_spec, self.device, self.dtype, self.max_context_arg)
             drafter = resolve_drafter(self.drafter_spec, loaded)
             engine = Engine(loaded.model, drafter=drafter, max_context=loaded.max_context)
             if engine.fast and engine.device.type == "cuda":
-                # the fast path compiles its glue and captures CUDA graphs on first use: do it now, while /health
-                # says "loading", not inside the first request
+                # every CUDA graph a request can replay (they do not depend on the context length) and the kernels'
+                # compilation, now, while /health says "loading": nothing is captured on the request path
                 log.info("warming up the fast path (torch.compile + CUDA graphs; up to a minute)")
-                list(engine.generate([0] * 8, SamplingParams(max_tokens=4)))
+                t0 = time.perf_counter()
+                graphs = engine.warm_up()
+                log.info("warm-up: %d CUDA graphs in %.1f s", graphs, time.perf_counter() - t0)
             self.loaded, self.tool_style = loaded, chat.tool_style(loaded.tokenizer)
             self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
             self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
             self.max_token_chars = max(map(len, loaded.tokenizer.get_vocab()), default=0)
             self.worker = EngineWorker(engine, self.metrics)
             release_freed_memory()  # what loading freed (conversion, casts): ~10 MB from the embedded model's cache
+            self.metrics.watch_captures(engine.captures)
+            engine.mark_ready()  # captures and compilations from now on are counted and logged (debug)
             self.metrics.model_ready.set(1)
             self.ready.set()
             self.decoding = engine.describe_decoding()

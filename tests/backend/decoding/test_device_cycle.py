@@ -342,7 +342,7 @@ def test_cuda_embedded_speculative_equals_plain_greedy(invariant_path, monkeypat
     monkeypatch.setattr(Llama, "invariant_path", invariant_path)
     loaded = _embedded()
     drafter = load_drafter(find_shipped_drafter(loaded.name))
-    plain = Engine(loaded.model, max_context=4096, invariant_verify=True)  # plain decoding in the same numerics
+    plain = Engine(loaded.model, max_context=4096)  # `--drafter none`: the same numerics by default
     engine = Engine(loaded.model, drafter=drafter, max_context=4096)
     assert engine.fast_drafter is not None and not engine.target.exact and engine.lossless
     assert engine.invariant_verify and "lossless" in engine.describe_decoding()
