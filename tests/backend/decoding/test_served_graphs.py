@@ -101,7 +101,7 @@ def test_cuda_drafter_graph_replays_eager_bits_at_every_length():
             fd.features[:6].copy_(block[:6])
             fd.keep_dev.fill_(4)
             if replay:
-                fd.launch(rows=6)
+                fd.launch(features=fd.features, rows=6)
             else:  # the same body, eagerly, attending over the exact span
                 fd.logits = fd._body(6, length + 6 + fd.block_size)
             torch.cuda.synchronize()
