@@ -226,9 +226,15 @@ def bench(
     adaptive: Annotated[str, typer.Option(help="Adaptive verify length: off, on or both.")] = "both",
     forced_tau: Annotated[str, typer.Option(help="GPU only: also time the cycle under forced acceptance at these tau (comma-separated, e.g. 4.9,6.4,8.1): drafts replaced by plain decoding's own tokens; for random weights, labelled forced in the record.")] = "",
     routing_trace: Annotated[int, typer.Option(metavar="HOT", help="MoE targets with random weights (which route uniformly): route by a synthetic trace instead, each layer's top-k among HOT experts per position (50 gives ~47 distinct experts per 16 positions, a real router's locality); labelled in the record; transformers' generate is skipped.")] = 0,
+    replay: Annotated[bool, typer.Option("--replay", help="The product figure instead: agent sessions replayed through a cold `reviewer serve` over HTTP, --drafter none and the drafter side by side, greedy (a GPU shape with --forced-tau: through the engine in-process). Record in bench/results/ (or --json-out). Every option: python -m backend.bench.replay --help.")] = False,
+    sessions: Annotated[int, typer.Option(help="--replay: agent sessions per configuration.")] = 3,
 ) -> None:
     """Measure decoding speed: plain vs speculative side by side (tau, acceptance per position, T_d, T_t, host time
-    per cycle, L_target, eta predicted and measured, identical-output count)."""
+    per cycle, L_target, eta predicted and measured, identical-output count). --replay: the product figure, agent
+    sessions through `reviewer serve` cold."""
+    if replay:
+        raise typer.Exit(bench_replay(model=model, drafter=drafter, device=device, sessions=sessions,
+                                      max_tokens=max_tokens, json_out=json_out, forced_tau=forced_tau))
     try:
         from backend.bench import main as bench_main
     except ImportError as e:
@@ -236,6 +242,24 @@ def bench(
     raise typer.Exit(bench_main(model=model, drafter=drafter, device=device, prompts=prompts, max_tokens=max_tokens,
                                 json_out=json_out, adaptive=adaptive, forced_tau=forced_tau,
                                 routing_trace=routing_trace, compare_hf=not routing_trace) or 0)
+
+
+def bench_replay(*, model: str, drafter: str, device: str, sessions: int, max_tokens: int, json_out: Optional[Path],
+                 forced_tau: str) -> int:
+    """`reviewer bench --replay`: backend/bench/replay.py with the options `bench` shares with it."""
+    try:
+        from backend.bench.replay import main as replay_main
+    except ImportError as e:
+        raise fail(f"the backend is not installed or incomplete ({e}); install it with: pip install 'reviewer[backend]'") from None
+    args = ["--model", model, "--sessions", str(sessions), "--max-tokens", str(max_tokens),
+            "--drafters", "none" if drafter == "none" else f"none,{drafter}"]
+    args += ["--device", device] if device != "auto" else []
+    args += ["--out", str(json_out)] if json_out else []
+    if forced_tau:
+        if "," in forced_tau:
+            raise fail("--replay takes one --forced-tau value")
+        args += ["--interface", "engine", "--forced-tau", forced_tau]
+    return replay_main(args)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

@@ -85,16 +85,17 @@ def tiny_model(kind: str, *, vocab: int = 128, hidden: int = 64, layers: int = 4
     raise ValueError(f"unknown tiny model {kind!r}; choose from {TINY_MODELS}")
 
 
-def load_target(spec: str, device: str):
-    """(model, tokenizer or None, name, max_context) for a tiny config, `embedded`, a HF folder or a .gguf file."""
+def load_target(spec: str, device: str, max_context: int | None = None):
+    """(model, tokenizer or None, name, max_context) for a tiny config, `embedded`, a HF folder or a .gguf file.
+    max_context: the window (default 4,096 for the random targets, the model's own otherwise)."""
     if spec in TINY_MODELS:
         model = tiny_model(spec).to(device)
-        return model, None, spec, 4096
+        return model, None, spec, max_context or 4096
     if spec in SHAPE_MODELS:
         if torch.device(device).type != "cuda":
             raise BenchError(f"{spec} is a GPU shape (tens of GB of random weights): use --device cuda")
-        return shape_model(spec, device), None, spec, 4096
-    loaded = load_model(spec, device=device)
+        return shape_model(spec, device), None, spec, max_context or 4096
+    loaded = load_model(spec, device=device, max_context=max_context)
     return loaded.model, loaded.tokenizer, loaded.name, loaded.max_context
 
 
