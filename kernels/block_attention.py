@@ -56,7 +56,7 @@ if triton is not None:
                         sq_h, sq_t, skn_h, skn_t, svn_h, svn_t, skc_h, skc_n, svc_h, svc_n,
                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_T: tl.constexpr, SPLIT_COLS: tl.constexpr, N_SPLITS: tl.constexpr,
-                        N_CHUNKS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                        N_CHUNKS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
         h = tl.program_id(0)  # key/value head
         split = tl.program_id(1)  # slice of cached columns; split N_SPLITS: the block's own tokens
         chunk = tl.program_id(2)  # slice of the GROUP * T query rows
@@ -92,12 +92,20 @@ if triton is not None:
             row_limit = start + t if CAUSAL else start + 0 * t
             c1 = tl.where(last_split, limit, tl.minimum(c0 + SPLIT_COLS, limit))
             row_end = tl.where(last_split, row_limit, tl.minimum(c0 + SPLIT_COLS, row_limit))
-            for c in range(c0, c1, BLOCK_N):
+            c_first = c0
+            if WINDOW > 0:
+                # a sliding window: row t (position start + t) sees the columns after start + t - WINDOW. The tiles
+                # wholly before the first row's window are skipped: a fully masked tile adds exact zeros, so the
+                # bits are those of visiting it, and a slice before every window stores empty sums for the combine
+                c_first = tl.maximum(c0, (tl.maximum(start - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N)
+            for c in range(c_first, c1, BLOCK_N):
                 cols = c + tl.arange(0, BLOCK_N)
                 ok = cols < c1
                 k = tl.load(kc_ptr + h * skc_h + cols[:, None] * skc_n + d[None, :], mask=ok[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else "tf32") * scale
                 s = tl.where(cols[None, :] < row_end[:, None], s, float("-inf"))
+                if WINDOW > 0:
+                    s = tl.where(cols[None, :] > (start + t - WINDOW)[:, None], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 p = tl.exp(s - m_new[:, None])
                 alpha = tl.exp(m_i - m_new)
@@ -190,7 +198,8 @@ def _check(q, k_new, v_new, k_cache, v_cache, start):
         raise ValueError("start must be a one-element integer tensor")
 
 
-def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | None = None, causal: bool = True):
+def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | None = None, causal: bool = True,
+                          window: int = 0):
     """The same as block_attention with index_copy_ and SDPA (the fallback, and the reference in tests)."""
     _check(q, k_new, v_new, k_cache, v_cache, start)
     H, T, D = q.shape
@@ -200,20 +209,26 @@ def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | 
     end = int(span) if span is not None else int(positions[-1]) + 1
     cols = torch.arange(end, device=q.device)[None, :]
     mask = cols <= positions[:, None] if causal else (cols <= positions[-1]).expand(T, end)
+    if window:
+        mask = mask & (positions[:, None] - cols < window)
     out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end], attn_mask=mask,
                                          enable_gqa=H != k_new.shape[0])
     return out[0].transpose(0, 1).reshape(T, H * D)
 
 
 def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_triton: bool | None = None,
-                    out: torch.Tensor | None = None, causal: bool = True):
+                    out: torch.Tensor | None = None, causal: bool = True, window: int = 0):
     """See the module docstring. span >= start + T (a host number; the caller's attention span). out: a [T, H * D]
     tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one. causal=False: every
-    block token sees all of the block (a DFlash drafter's bidirectional layers) and the cached columns before it."""
+    block token sees all of the block (a DFlash drafter's bidirectional layers) and the cached columns before it.
+    window > 0: a sliding window, position p sees the columns after p - window (at least MAX_BLOCK, so that a
+    block's own tokens are always in it)."""
+    if window and window < MAX_BLOCK:
+        raise ValueError(f"a sliding window spans at least {MAX_BLOCK} columns here, got {window}")
     if use_triton is None:
         use_triton = triton_usable(q)
     if not use_triton:
-        result = block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span, causal)
+        result = block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span, causal, window)
         return result if out is None else out.copy_(result)
     _check(q, k_new, v_new, k_cache, v_cache, start)
     H, T, D = q.shape
@@ -250,7 +265,8 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
-        N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, num_warps=8 if D > 128 else 4)
+        N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, WINDOW=int(window or 0),
+        num_warps=8 if D > 128 else 4)
     dc = min(D, COMBINE_COLS)
     _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, start, T, out.stride(0), GROUP=group, D=D, DC=dc,
                                           BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,

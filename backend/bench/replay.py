@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from backend.bench.replay_engine import engine_replay
+from backend.bench.replay_engine import engine_replay, isolated_replay
 from backend.bench.report import cpu_model
 from backend.bench.sessions import (Reply, ReplayError, Session, SessionError, TurnRow, anthropic_body, build_sessions,
                                     feed_back, load_tools, repo_files, stdlib_tests)
@@ -410,6 +410,12 @@ def parse_args(argv: list[str] | None):
                     "tau against the --drafter none run's replies (random weights accept nothing)")
     ap.add_argument("--routing-trace", type=int, default=0, metavar="HOT", help="engine interface, MoE shapes with "
                     "random weights: route by a synthetic trace among HOT experts (as `reviewer bench --routing-trace`)")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="engine interface, a target without a tokenizer "
+                    "(the random shapes): render the sessions with this tokenizer folder (default: the embedded "
+                    "model's)")
+    ap.add_argument("--same-process", action="store_true", help="engine interface: every configuration in this "
+                    "process over one loaded target (faster; the later configurations find per-shape caches warm). "
+                    "Default: a fresh process each, as cold servers")
     ap.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a server's ready line")
     ap.add_argument("--request-timeout", type=float, default=600, help="seconds one HTTP request may take")
     ap.add_argument("--logs", type=Path, default=None, help="serve: keep each server's stderr in this folder "
@@ -452,10 +458,13 @@ def main(argv: list[str] | None = None) -> int:
                                             log_dir=a.logs)
             interface = "reviewer serve over HTTP (openai client, streamed)"
         else:
-            runs, rows, name, extra = engine_replay(a.model, sessions, drafters=drafters, device=a.device or "cuda",
-                                                    max_context=a.max_context or 32768, max_tokens=a.max_tokens,
-                                                    max_turns=a.max_turns, forced_tau=a.forced_tau,
-                                                    routing_trace=a.routing_trace)
+            replay = engine_replay if a.same_process or len(drafters) == 1 else isolated_replay
+            runs, rows, name, extra, *_ = replay(a.model, sessions, drafters=drafters, device=a.device or "cuda",
+                                                 max_context=a.max_context or 32768, max_tokens=a.max_tokens,
+                                                 max_turns=a.max_turns, forced_tau=a.forced_tau,
+                                                 routing_trace=a.routing_trace, tokenizer_dir=a.tokenizer)
+            extra.setdefault("processes", "one process: the configurations share the target and every per-shape "
+                             "cache (the later ones find them warm)")
             settings.update(extra)
             interface = "engine in-process"
     except (ReplayError, SessionError) as exc:

@@ -29,10 +29,15 @@ from backend.decoding.engine import Engine, SamplingParams
 from backend.loading import EMBEDDED_NAME, convert_gguf, embedded_gguf_path
 
 
-def embedded_tokenizer():
+def render_tokenizer(folder=None):
+    """The tokenizer that renders the sessions for a target without one: a folder's, or the embedded model's."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(convert_gguf(embedded_gguf_path(), EMBEDDED_NAME)), local_files_only=True)
+    path = folder or convert_gguf(embedded_gguf_path(), EMBEDDED_NAME)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"--tokenizer {path}: not a tokenizer folder ({exc})") from None
 
 
 def chunk_turn_text(chunk: Chunk) -> str:
@@ -113,11 +118,38 @@ def replay_config(engine: Engine, config: str, sessions, ids, *, max_context: in
     return rows, walls, why
 
 
+ISOLATED = ("each configuration in its own process (spawned, the target loaded anew): nothing one leaves in memory "
+            "(Triton's loaded kernels, cuDNN's plans, the allocator's pool) serves the next, as with two cold servers; "
+            "Triton's on-disk kernel cache is shared, as across restarts of a server on one machine")
+
+
+def isolated_replay(model: str, sessions: list[Session], *, drafters: tuple[str, ...], **options):
+    """engine_replay with each configuration in a fresh process, one after the other (the --drafter none run first:
+    its replies are the forced runs' reference). In one process the second configuration found the first one's
+    per-shape caches warm (the 35B-A3B shape: prefill 0.40 s a turn against 0.67 s, the same code): that ordering,
+    not the drafter, made a third of the speed-up."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    runs, rows, references, name, settings = {}, [], {}, model, {}
+    for config in drafters:
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            got = pool.submit(engine_replay, model, sessions, drafters=(config,), references=references,
+                              **options).result()
+        runs.update(got[0])
+        rows += got[1]
+        name, settings = got[2], settings or got[3]
+        references.update(got[4])
+    return runs, rows, name, {**settings, "processes": ISOLATED}
+
+
 def engine_replay(model: str, sessions: list[Session], *, drafters: tuple[str, ...], device: str, max_context: int,
-                  max_tokens: int, max_turns, forced_tau, routing_trace: int = 0) -> tuple[dict, list, str, dict]:
-    """Each configuration on a fresh Engine over one loaded target; returns (runs, rows, model name, settings).
-    routing_trace: MoE targets with random weights, routed by backend/bench/routing.py's trace over this many hot
-    experts, as `reviewer bench --routing-trace` (random routing wakes twice the experts a real router does)."""
+                  max_tokens: int, max_turns, forced_tau, routing_trace: int = 0, tokenizer_dir=None,
+                  references: dict | None = None) -> tuple[dict, list, str, dict, dict]:
+    """Each configuration on a fresh Engine over one loaded target, in this process; returns (runs, rows, model
+    name, settings, the --drafter none replies by (session, turn)). routing_trace: MoE targets with random weights,
+    routed by backend/bench/routing.py's trace over this many hot experts, as `reviewer bench --routing-trace`
+    (random routing wakes twice the experts a real router does). references: an earlier none run's replies."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ReplayError("--interface engine --device cuda, but torch sees no CUDA device")
     if forced_tau is not None and (device != "cuda" or forced_tau < 1):
@@ -129,10 +161,11 @@ def engine_replay(model: str, sessions: list[Session], *, drafters: tuple[str, .
         raise ReplayError(f"cannot load {model}: {exc}") from None
     load_s = time.perf_counter() - t0
     vocab = target.get_input_embeddings().weight.shape[0]
-    render_tok = tokenizer or embedded_tokenizer()
+    render_tok = tokenizer or render_tokenizer(tokenizer_dir)
     stops = stop_token_ids(tokenizer, getattr(target, "generation_config", None)) if tokenizer else ()
     ids = session_ids(sessions, render_tok, vocab)
-    runs, rows, references, tables = {}, [], {}, None
+    runs, rows, tables = {}, [], None
+    references = dict(references or {})
     for config in drafters:
         t0 = time.perf_counter()
         draft_model, source = make_drafter(drafter_spec(config, model), target, name, None)
@@ -166,8 +199,8 @@ def engine_replay(model: str, sessions: list[Session], *, drafters: tuple[str, .
         if device == "cuda":
             torch.cuda.empty_cache()
     settings = {"model_load_s": round(load_s, 3), "device": device, "window": max_context,
-                "tokenizer": "the model's" if tokenizer else f"{EMBEDDED_NAME}'s (the target has none); ids modulo "
-                f"the target's vocabulary ({vocab})",
+                "tokenizer": "the model's" if tokenizer else f"{tokenizer_dir or EMBEDDED_NAME}'s (the target has "
+                f"none); ids modulo the target's vocabulary ({vocab})",
                 "ready_s_means": "drafter + Engine construction + Engine.warm_up(), as `reviewer serve` before its ready "
                                  "line (the model is loaded once, before, and shared)",
                 "captures_after_ready_note": "CUDA graphs captured during the configuration's replay (backend/models/"
@@ -180,4 +213,4 @@ def engine_replay(model: str, sessions: list[Session], *, drafters: tuple[str, .
                 "forcing": None if forced_tau is None else "drafts replaced by the --drafter none run's reply at the "
                            "same turn up to a geometric accept length (device_cycle.ForcedAcceptance): a forced "
                            "condition, not a drafter's tau"}
-    return runs, rows, name, settings
+    return runs, rows, name, settings, references

@@ -69,6 +69,17 @@ class GenerationStats:
         return (self.accepted_tokens + self.cycles) / self.cycles if self.cycles else 0.0
 
 
+def warm_prefill_lengths(chunk: int, max_context: int) -> list[int]:
+    """Prompt lengths Engine.warm_up prefills: every block size (1..16), then sizes on both sides of each power of
+    two up to a prefill chunk (divisible by 16 and not), so each compiled variant a prompt can need exists."""
+    lengths = list(range(1, 17))
+    size = 32
+    while size <= chunk:
+        lengths += [size - 8, size, size + size // 2 - 3]
+        size *= 2
+    return sorted({n for n in lengths if 0 < n <= min(chunk, max_context - 8)})
+
+
 class Engine:
     """Batch-1 generation with prefix reuse. Not thread-safe: the server drives it from one worker thread.
 
@@ -194,9 +205,11 @@ class Engine:
         graphs = fast.capture_graphs(features, verify=self.drafter is not None)
         if self.fast_drafter is not None:
             graphs += self.fast_drafter.capture_graphs()
-        # prefill kernels specialise on lengths (Triton: divisible by 16 or not, one token): compile each kind, and a
-        # generation that takes every path once (plain steps, or draft + verify + accept + rollback)
-        for n in (1, 16, 17):
+        # prefill kernels specialise on lengths: Triton on divisibility by 16, the block-attention launch on its row
+        # chunks (1..16 tokens), the MoE kernels' tile configs on token-count buckets. A prompt of each kind now,
+        # not on a user's request (the 35B-A3B shape compiled 11-13 kernels on a session's first turns without it),
+        # then a generation that takes every path once (plain steps, or draft + verify + accept + rollback)
+        for n in warm_prefill_lengths(getattr(self.target, "prefill_chunk", 2048), self.max_context):
             list(self.generate([0] * n, SamplingParams(max_tokens=2)))
             self._reset()
         list(self.generate([0] * 24, SamplingParams(max_tokens=24)))

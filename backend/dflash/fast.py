@@ -40,7 +40,7 @@ from backend.models.captures import note_capture
 from backend.models.llama import fuse_rows, glue
 from backend.sampling import sampling_probs
 from kernels.argmax import argmax_confidence
-from kernels.block_attention import block_attention, supports, write_block
+from kernels.block_attention import MAX_BLOCK, block_attention, supports, write_block
 from kernels.fused_moe import triton_usable
 
 
@@ -70,8 +70,11 @@ class FastDrafter:
         # launches, causal or bidirectional, no mask): on the H200 cuDNN's SDPA with a mask built per replay, and
         # two index_copy_ per layer, were ~40% of the SmolLM2 drafter's GPU time (bench/drafter_step.py --profile).
         # Eager CUDA runs (cuda_graphs=False) keep SDPA: the reference the graph test compares the kernel path with
+        # sliding windows (the released Qwen3.6 drafter: 5 of 6 layers) go through the kernel's window too: through
+        # SDPA the graphs were keyed by span, captured on the request path as a context grew (issue 39)
         self.block_kernel = (self.cuda_graphs and triton_usable(weight) and supports(head_dim)
-                             and all(layer.sliding_window is None for layer in layers))
+                             and all(layer.sliding_window is None or layer.sliding_window >= MAX_BLOCK
+                                     for layer in layers))
         # RoPE tables for every position, gathered by device positions inside the compiled glue (computed per replay
         # they were ~10 elementwise launches); the same fp32 arithmetic per position as drafter.rotary
         self.cos, self.sin = drafter.rotary(torch.arange(self.max_context, device=self.device), self.dtype)
@@ -237,7 +240,7 @@ class FastDrafter:
             q, k, v = self._pre(layer, w.qkv, w.qkv_bias, x, self.cos, self.sin, positions)
             if self.block_kernel:  # [B, heads * D]
                 out = block_attention(q[0], k[0], v[0], self.k[i], self.v[i], start, span, use_triton=True,
-                                      causal=layer.causal)
+                                      causal=layer.causal, window=layer.sliding_window or 0)
             else:
                 key = (layer.causal, layer.sliding_window)
                 if key not in masks:  # one mask per kind of layer, built on the device

@@ -26,8 +26,9 @@ def make_case(heads, kv_heads, head_dim, T, start, max_context=1024, dtype=torch
     return q, k_new, v_new, k_cache, v_cache, torch.tensor([start], device=device)
 
 
-def reference64(q, k_new, v_new, k_cache, v_cache, start, causal=True):
-    """Softmax attention over cache[:start] + the block (causal, or all of it), in float64, one query at a time."""
+def reference64(q, k_new, v_new, k_cache, v_cache, start, causal=True, window=0):
+    """Softmax attention over cache[:start] + the block (causal, or all of it), in float64, one query at a time;
+    window > 0: position p sees only the columns after p - window."""
     H, T, D = q.shape
     group = H // k_new.shape[0]
     out = torch.empty(T, H, D, dtype=torch.float64)
@@ -36,8 +37,9 @@ def reference64(q, k_new, v_new, k_cache, v_cache, start, causal=True):
         values = torch.cat([v_cache[h // group, :start], v_new[h // group]]).double()
         for t in range(T):
             end = start + t + 1 if causal else start + T
-            w = torch.softmax(keys[:end] @ q[h, t].double() / D ** 0.5, dim=0)
-            out[t, h] = w @ values[:end]
+            first = max(0, start + t - window + 1) if window else 0
+            w = torch.softmax(keys[first:end] @ q[h, t].double() / D ** 0.5, dim=0)
+            out[t, h] = w @ values[first:end]
     return out.reshape(T, H * D)
 
 
@@ -55,6 +57,22 @@ CASES = [  # heads, kv_heads, head_dim, T, start, span
 # causal=False (a DFlash drafter's bidirectional block layers): blocks of several tokens at head dims <= 64 (the
 # interpreter is slow at 256; the CUDA test takes every case both ways)
 BIDIRECTIONAL = [c for c in CASES if c[3] > 1 and c[2] <= 64]
+# sliding windows (the released Qwen3.6 drafter's layers): heads, kv_heads, head_dim, T, start, span, window; windows
+# that cut inside a tile, that skip whole slices, and one that reaches past the cache's start
+WINDOWED = [(9, 3, 64, 16, 300, 512, 100), (8, 2, 64, 3, 1000, 1024, 130), (4, 4, 32, 5, 20, 256, 64)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("case", WINDOWED, ids=lambda c: "-".join(map(str, c)))
+def test_fallback_sliding_window_matches_float64_attention(case, causal):
+    heads, kv_heads, head_dim, T, start, span, window = case
+    q, k_new, v_new, k_cache, v_cache, pos = make_case(heads, kv_heads, head_dim, T, start)
+    ref = reference64(q, k_new, v_new, k_cache, v_cache, start, causal, window)
+    out = block_attention_torch(q, k_new, v_new, k_cache, v_cache, pos, span, causal, window)
+    assert (out.double() - ref).abs().max() < 1e-4
+    unwindowed = reference64(q, k_new, v_new, k_cache, v_cache, start, causal)
+    cut = (out.double() - unwindowed).abs().max() > 1e-3
+    assert cut == (start + T > window)  # the window cut something exactly when the positions reach past it
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
@@ -94,7 +112,7 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_block_attention import BIDIRECTIONAL, CASES, make_case
+from tests.kernels.test_block_attention import BIDIRECTIONAL, CASES, WINDOWED, make_case
 from kernels.block_attention import block_attention, block_attention_torch
 for case in CASES:
     heads, kv_heads, head_dim, T, start, span = case
@@ -118,6 +136,19 @@ for case in BIDIRECTIONAL:
     print(json.dumps({"case": list(case) + ["bidirectional"], "err": (out - ref).abs().max().item(),
                       "cache_equal": bool(torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])),
                       "span_invariant": True}), flush=True)
+for case in WINDOWED:
+    heads, kv_heads, head_dim, T, start, span, window = case
+    for causal in (True, False):
+        a = make_case(heads, kv_heads, head_dim, T, start)
+        b = make_case(heads, kv_heads, head_dim, T, start)
+        out = block_attention(*a, span=span, use_triton=True, causal=causal, window=window)
+        ref = block_attention_torch(*b, span=span, causal=causal, window=window)
+        d = make_case(heads, kv_heads, head_dim, T, start)
+        whole = block_attention(*d, span=d[3].shape[1], use_triton=True, causal=causal, window=window)
+        print(json.dumps({"case": list(case) + ["causal" if causal else "bidirectional"],
+                          "err": (out - ref).abs().max().item(),
+                          "cache_equal": bool(torch.equal(a[3], b[3]) and torch.equal(a[4], b[4])),
+                          "span_invariant": bool(torch.equal(out, whole))}), flush=True)
 """
 
 
@@ -126,7 +157,8 @@ def interpreted():
     return interpreted_by_case(INTERPRETER_SCRIPT)
 
 
-@pytest.mark.parametrize("case", CASES + [c + ("bidirectional",) for c in BIDIRECTIONAL],
+@pytest.mark.parametrize("case", CASES + [c + ("bidirectional",) for c in BIDIRECTIONAL]
+                         + [c + (kind,) for c in WINDOWED for kind in ("causal", "bidirectional")],
                          ids=lambda c: "-".join(map(str, c)))
 def test_triton_kernel_matches_fallback_in_interpreter(interpreted, case):
     r = interpreted[tuple(case)]
@@ -154,6 +186,21 @@ def test_cuda_bf16_kernel_matches_fallback(case, causal):
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)  # poison what the allocator hands out
         whole = block_attention(*c, span=c[3].shape[1], causal=causal)
         assert torch.equal(out, whole)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("case", WINDOWED, ids=lambda c: "-".join(map(str, c)))
+def test_cuda_bf16_sliding_window_matches_fallback_at_every_span(case, causal):
+    heads, kv_heads, head_dim, T, start, span, window = case
+    a = make_case(heads, kv_heads, head_dim, T, start, dtype=torch.bfloat16, device="cuda")
+    b = make_case(heads, kv_heads, head_dim, T, start, dtype=torch.bfloat16, device="cuda")
+    out = block_attention(*a, span=span, causal=causal, window=window)
+    ref = block_attention_torch(*b, span=span, causal=causal, window=window)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    c = make_case(heads, kv_heads, head_dim, T, start, dtype=torch.bfloat16, device="cuda")
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)
+    assert torch.equal(out, block_attention(*c, span=c[3].shape[1], causal=causal, window=window))
 
 
 MODEL_SCRIPT = r"""

@@ -166,3 +166,17 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "not a folder" in err[0] and "--interface engine" in err[1]
     assert not out.exists()
+
+
+def test_the_engine_replay_runs_each_configuration_in_its_own_process(tmp_path):
+    """--interface engine (tiny random target on the CPU): a fresh spawned process per configuration, the --drafter
+    none replies passed on as the reference, the record saying how the processes were arranged."""
+    out = tmp_path / "r.json"
+    code = replay.main(["--interface", "engine", "--model", "tiny-moe", "--device", "cpu", "--sessions", "1",
+                        "--max-turns", "2", "--max-context", "8192", "--max-tokens", "4", "--repo",
+                        str(small_repo(tmp_path)), "--out", str(out)])
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["settings"]["processes"].startswith("each configuration in its own process")
+    assert set(record["configs"]) == {"none", "auto"} and record["replies"] == 2 == record["identical"]
+    assert record["interface"] == "engine in-process" and record["speedup"] > 0

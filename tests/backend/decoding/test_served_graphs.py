@@ -79,12 +79,30 @@ def test_cuda_one_graph_replays_eager_bits_at_every_length(kind):
         assert len(graphs._graphs) == held, "a new length captured a new graph"
 
 
+def windowed(drafter, window: int):
+    """The same drafter with a sliding window in its first layer (the released Qwen3.6 drafter: 5 of 6 layers)."""
+    from dataclasses import replace
+
+    from backend.dflash.model import DFlashDrafter
+
+    layers = drafter.cfg.num_hidden_layers
+    cfg = replace(drafter.cfg, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
+                  sliding_window=window)
+    out = DFlashDrafter(cfg)
+    out.load_state_dict(drafter.state_dict())
+    return out.eval()
+
+
 @cuda
-def test_cuda_drafter_graph_replays_eager_bits_at_every_length():
+@pytest.mark.parametrize("window", [None, 300], ids=["full", "sliding"])
+def test_cuda_drafter_graph_replays_eager_bits_at_every_length(window):
     """The drafter's cycle graph (whole-cache span) drafts, at several context lengths, bitwise what its body drafts
-    eagerly over the exact span, and one graph per absorbed-rows count serves them all."""
+    eagerly over the exact span, and one graph per absorbed-rows count serves them all; with a sliding window as
+    well (the kernel's window), whose drafts agree with SDPA's masked attention."""
     model = tiny_model("tiny-llama").to("cuda", torch.bfloat16)
-    drafter = random_drafter(model, block_size=16, num_layers=2).to("cuda", torch.bfloat16)
+    unwindowed = random_drafter(model, block_size=16, num_layers=2)
+    drafter = windowed(unwindowed, window) if window else unwindowed
+    drafter, unwindowed = drafter.to("cuda", torch.bfloat16), unwindowed.to("cuda", torch.bfloat16)
     drafter.check_target(model)
     width = len(drafter.target_layer_ids) * drafter.cfg.hidden_size
     fd = FastDrafter(drafter, max_context=2048)
@@ -102,13 +120,29 @@ def test_cuda_drafter_graph_replays_eager_bits_at_every_length():
             fd.keep_dev.fill_(4)
             if replay:
                 fd.launch(features=fd.features, rows=6)
-            else:  # the same body, eagerly, attending over the exact span
-                fd.logits = fd._body(6, length + 6 + fd.block_size)
+            else:  # the same body, eagerly, attending over the exact span (in inference mode, as launch() runs:
+                # with autograd on, torch.compile builds other kernels for the glue, with other roundings)
+                with torch.inference_mode():
+                    fd.logits = fd._body(6, length + 6 + fd.block_size)
             torch.cuda.synchronize()
             results.append((fd.block_tokens.clone(), fd.logits.clone(), int(fd.length_dev)))
         (t1, l1, n1), (t2, l2, n2) = results
         assert n1 == n2 == length + 4
         assert torch.equal(t1, t2) and torch.equal(l1, l2), length
+        if window and length > window:  # the same cycle through SDPA and a mask (eager _body calls), with the
+            # window and without: the kernel's drafts sit far closer to the windowed ones than the window moves them
+            refs = []
+            for d in (drafter, unwindowed):
+                sdpa = FastDrafter(d, max_context=2048)
+                sdpa.block_kernel = False  # _body's other path: the cache write, a mask and SDPA
+                sdpa.add_pending(feats)
+                sdpa.token_dev.fill_(11)
+                sdpa.features[:6].copy_(block[:6])
+                sdpa.keep_dev.fill_(4)
+                with torch.inference_mode():
+                    refs.append(sdpa._body(6, length + 6 + sdpa.block_size).float())
+            gap, moved = (refs[0] - l1.float()).abs().max().item(), (refs[0] - refs[1]).abs().max().item()
+            assert gap < moved / 4, (length, gap, moved)
     assert sorted(fd._graphs) == [(6, fd.max_context)]
 
 
