@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.loading import LoadedModel, ModelLoadError, check_model_spec
 from backend.server.guards import (DEFAULT_BODY_TIMEOUT, APIError, BodyGuard, body_too_large_message, error_response,
-                                   validation_message)
+                                   unparsable_body_message, validation_message)
 from backend.server import anthropic_routes, openai_routes
 from backend.server.limits import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEPALIVE_TIMEOUT, DEFAULT_MAX_QUEUE, LimitError,
                                    ServeLimits, plan_limits, protocol_factory, raise_fd_limit)
@@ -105,7 +105,7 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=keyed)
     def openapi():
-        return app.openapi()
+        return schema_as_on_the_wire(app.openapi())
 
     routes = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
 
@@ -135,6 +135,10 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
             message = body_too_large_message(state)
         elif exc.status_code == 408:
             count_refusal(request, "rejected")
+        elif exc.status_code == 400:  # FastAPI's "There was an error parsing the body"
+            count_refusal(request, "rejected")
+            message = unparsable_body_message(exc.__cause__)
+            return error_response(request, 400, message, code="invalid_request")
         return error_response(request, exc.status_code, message, headers=headers)
 
     @app.exception_handler(Exception)
@@ -143,6 +147,17 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
         return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     return app
+
+
+def schema_as_on_the_wire(schema: dict) -> dict:
+    """FastAPI documents a 422 for every route with a body; the server answers validation errors with 400 (the
+    APIs' own status, already listed with the routes' other errors): the 422s and their schemas go."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return schema
 
 
 def is_loopback(host: str) -> bool:

@@ -135,6 +135,20 @@ def body_too_large_message(state: ServerState) -> str:
     return f"the request body is larger than {cap} bytes ({cap / 2**20:.1f} MiB), the most this server accepts ({why})"
 
 
+def unparsable_body_message(cause: BaseException | None) -> str:
+    """FastAPI answers a body that json cannot even decode with "There was an error parsing the body"; the cause it
+    chains says which: bytes that are not UTF-8 (nor UTF-16/32), or arrays and objects nested past the recursion
+    limit."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at position "
+                f"{cause.start}); send JSON encoded in UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON nests arrays or objects too deeply to be read (about 1,000 levels at most)"
+    if cause is not None:
+        return f"the request body could not be read as JSON ({type(cause).__name__}: {cause})"
+    return "the request body could not be read as JSON"
+
+
 # Pydantic tries each member of a union (`stop: str | list[str]`) and reports every failure: "stop.str: Input should
 # be a valid string (and 1 more problems)" for 17 stop strings. These error types only say "not this member"; the
 # member names (str, list[str], TextPart, function-after[...]) are dropped from the location.
@@ -161,8 +175,12 @@ def field_path(loc) -> str:
 
 def describe_error(error: dict, where: str) -> str:
     kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind == "missing" and not where:  # the body itself: FastAPI's error for an empty body
+        return "the request body is empty: send a JSON object (Content-Type: application/json)"
     if kind == "missing":
         return f"{where} is required"
+    if kind == "finite_number":
+        return f"{where} must be a finite number (NaN and Infinity are not JSON numbers)"
     if kind == "too_long" and "max_length" in ctx:
         return f"{where} has {ctx.get('actual_length', 'too many')} items; at most {ctx['max_length']} are allowed"
     if kind == "too_short" and "min_length" in ctx:
@@ -175,8 +193,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """FastAPI's validation errors -> (one message in plain words, the field it is about)."""
     if errors and errors[0].get("type") == "json_invalid":
         pos = errors[0]["loc"][-1] if errors[0].get("loc") else "?"
-        return (f"the request body is not valid JSON ({(errors[0].get('ctx') or {}).get('error', 'decode error')} "
-                f"at character {pos})"), None
+        what = (errors[0].get("ctx") or {}).get("error", "decode error")
+        # json's messages for an unterminated string or a bad escape end in "starting at": no second "at"
+        return f"the request body is not valid JSON ({what.removesuffix(' at')} at character {pos})", None
     located = [(field_path(e.get("loc", ())), e) for e in errors] or [("", {"msg": "invalid request"})]
     # A "not this member" error is noise when another error says what is wrong inside the same field.
     kept = [(w, e) for w, e in located if e.get("type") not in MISMATCH or not any(

@@ -117,7 +117,9 @@ def test_models_and_health(llama):
         models = http.get("/v1/models").json()["data"]
         health = http.get("/health").json()
     assert len(models) == 1 and models[0]["max_context"] == 2048 == models[0]["context_length"]
-    assert health == {"status": "ok", "model": models[0]["id"], "max_context": 2048}
+    assert {k: health[k] for k in ("status", "model", "max_context")} == {"status": "ok", "model": models[0]["id"],
+                                                                          "max_context": 2048}
+    assert health["saturated"] == [] and health["queue"] == {"waiting": 0, "limit": 64}, health
 
 
 def test_openai_tool_calls_and_reasoning_hermes(hermes):

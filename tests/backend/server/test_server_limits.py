@@ -115,12 +115,22 @@ BAD = [  # (path, body, status, param, words that must be in the message)
     ("/v1/completions", {"prompt": "word " * 20000, "max_tokens": 1}, 400, "prompt", ["context window"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content",
      ["valid string"]),
+    ("/v1/chat/completions", b"", 400, None, ["the request body is empty"]),
+    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400,
+     None, ["not UTF-8", "0xff"]),
+    ("/v1/chat/completions", b"[" * 10000 + b"]" * 10000, 400, None, ["nests", "too deeply"]),
+    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     400, "temperature", ["finite number"]),
+    ("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi', 400, None,
+     ["Unterminated string starting at character"]),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,param,words", BAD, ids=["invalid json", "17 stop strings",
                                                                    "lone surrogate", "completions too long",
-                                                                   "content not text"])
+                                                                   "content not text", "empty body", "not utf-8",
+                                                                   "10000 deep", "NaN temperature",
+                                                                   "unterminated string"])
 def test_error_bodies_name_the_field_in_plain_words(plain, model_id, path, body, status, param, words):
     with plain.http() as http:
         if isinstance(body, bytes):
@@ -134,6 +144,7 @@ def test_error_bodies_name_the_field_in_plain_words(plain, model_id, path, body,
     for word in words:
         assert word in error["message"], error
     assert "more problem" not in error["message"] and "TextEncodeInput" not in error["message"], error
+    assert " at at " not in error["message"] and "error parsing the body" not in error["message"], error
 
 
 def test_openapi_describes_metrics_as_text(capped):
@@ -144,6 +155,10 @@ def test_openapi_describes_metrics_as_text(capped):
     assert list(content) == ["text/plain"], content
     assert metrics.headers["content-type"].startswith("text/plain")
     assert "413" in spec["paths"]["/v1/completions"]["post"]["responses"]
+    # validation errors are answered 400, and the schema says so: no route lists FastAPI's 422
+    posts = {path: ops["post"]["responses"] for path, ops in spec["paths"].items() if "post" in ops}
+    assert len(posts) >= 4 and all("400" in r and "422" not in r for r in posts.values()), posts
+    assert "HTTPValidationError" not in json.dumps(spec)
 
 
 def test_health_answers_while_a_big_prompt_is_tokenized(tiny_model, live_server, model_id):
