@@ -154,14 +154,15 @@ def report(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
 ) -> None:
     """Show stored reviews: findings by severity, their state and verification, and measurements. Runs of this
-    machine whose process is gone (killed) are marked interrupted first, so none shows as running."""
+    machine whose process is gone (killed) are marked interrupted first, so none shows as running, and what they
+    left (workspaces, their mounted disk images) is removed."""
     from reviewer.report.report import ReportError, ReportFilter, report_command
 
     settings = settings_or_exit(db=db)
     flt = ReportFilter(repo=repo, run_id=run_id, persona=persona, severity=severity, state=state, since=since,
                        verified_only=verified_only)
     try:
-        report_command(settings.db, flt, format.value, output, console)
+        report_command(settings.db, flt, format.value, output, console, workdir=settings.workdir)
     except ReportError as e:
         raise fail(str(e)) from None
 
