@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend.server.state import ServerState
+from backend.server.state import ServerState, release_freed_memory
 
 
 # A request body larger than its prompt could ever be is refused before it is read (413). A token of the prompt is at
@@ -234,16 +234,60 @@ def check_text(body: BaseModel) -> None:
                             "escape without its pair)", code="invalid_value", param=where)
 
 
-def check_prompt_length(state: ServerState, texts, field: str) -> None:
-    """Refuse, without tokenizing, a prompt that cannot fit the window: a token covers at most max_token_chars
-    characters of text (a byte-level token's string has one character per byte it stands for, and a character is at
-    least a byte), so more characters than window x that are more tokens than the window. Tokenizing such a prompt
-    is what took gigabytes and seconds (a 20 MB prompt: 6 GB, 38 s)."""
-    chars, window = sum(len(t) for t in texts if t), state.loaded.max_context
+PRECOUNT_ABOVE_CHARS_PER_TOKEN = 8  # a prompt of more characters than window x this is counted in pieces first
+PRECOUNT_PIECE_CHARS = 16384
+PIECE_SLACK_TOKENS = 2  # tokens a cut between pieces (or a message's edge in the template) may add to a count
+
+
+async def check_prompt_length(state: ServerState, texts, field: str) -> None:
+    """Refuse a prompt that cannot fit the window, without tokenizing all of it.
+
+    First by characters alone: a token covers at most max_token_chars characters of text (a byte-level token's
+    string has one character per byte it stands for, and a character is at least a byte), so more characters than
+    window x that are more tokens than the window. Tokenizing such a prompt is what took gigabytes and seconds (a
+    20 MB prompt: 6 GB, 38 s). That bound is loose (81 characters a token for SmolLM2: a 660 KB prompt passed it,
+    was tokenized whole into 150,000 tokens, and each one left RSS ~65 MB higher), so a prompt above window x
+    PRECOUNT_ABOVE_CHARS_PER_TOKEN characters is then counted piece by piece off the loop, stopping as soon as the
+    count is past the window: at most a window's worth of tokens is ever made for a prompt that is refused."""
+    texts = [t for t in texts if t]
+    chars, window = sum(map(len, texts)), state.loaded.max_context
     if state.max_token_chars and chars > window * state.max_token_chars:
         raise APIError(400, f"the prompt has {chars} characters, more than the {window} tokens of the context window "
                             f"can hold (a token is at most {state.max_token_chars} characters); shorten it",
                        code="context_length_exceeded", param=field)
+    if chars > window * PRECOUNT_ABOVE_CHARS_PER_TOKEN:
+        at_least = await off_loop(state, count_past, state.loaded.tokenizer, texts, window)
+        if at_least:
+            raise APIError(400, f"the prompt has at least {at_least} tokens but the context window holds {window}; "
+                                "shorten it", code="context_length_exceeded", param=field)
+
+
+def pieces(text: str, size: int = PRECOUNT_PIECE_CHARS):
+    """`text` in pieces of about `size` characters, each cut where a run of whitespace starts: byte-level BPE
+    pre-tokenizers never join a word with the whitespace after it, so the pieces' tokens are the text's tokens."""
+    start = 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            cut = next((i for i in range(end, min(end + 256, len(text))) if text[i].isspace() and
+                        not text[i - 1].isspace()), end)
+            end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+def count_past(tokenizer, texts: list[str], window: int) -> int:
+    """Tokens of `texts`, counted piece by piece until the count, less a slack per piece, reaches the window; that
+    lower bound if it did (the prompt cannot fit), else 0. Freed memory is given back to the system when it did."""
+    counted = cuts = 0
+    for text in texts:
+        for piece in pieces(text):
+            counted += len(tokenizer.encode(piece, add_special_tokens=False))
+            cuts += 1
+            if counted - PIECE_SLACK_TOKENS * cuts >= window:
+                release_freed_memory()
+                return counted - PIECE_SLACK_TOKENS * cuts
+    return 0
 
 
 async def off_loop(state: ServerState, fn, *args):

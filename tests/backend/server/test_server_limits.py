@@ -221,7 +221,8 @@ def test_health_answers_while_completions_tokenizes_a_big_prompt(tiny_model, liv
             time.sleep(0.02)
     error = answers[0].json()["error"]
     assert answers[0].status_code == 400 and error["param"] == "prompt", error
-    assert "tokens but the context window holds 131072" in error["message"], error  # it was tokenized
+    # counted in pieces off the loop, up to just past the window (issue 42), not tokenized whole
+    assert "tokens but the context window holds 131072" in error["message"], error
     # on the event loop it was 2 (answers before the tokenizing began); on a worker thread, over a hundred here
     assert healthy_meanwhile >= 10, healthy_meanwhile
 
