@@ -223,8 +223,9 @@ def test_health_answers_while_completions_tokenizes_a_big_prompt(tiny_model, liv
     assert answers[0].status_code == 400 and error["param"] == "prompt", error
     # counted in pieces off the loop, up to just past the window (issue 42), not tokenized whole
     assert "tokens but the context window holds 131072" in error["message"], error
-    # on the event loop it was 2 (answers before the tokenizing began); on a worker thread, over a hundred here
-    assert healthy_meanwhile >= 10, healthy_meanwhile
+    # on the event loop it was 2 (answers before the tokenizing began); on a worker thread over a hundred while it
+    # was tokenized whole; counted in pieces, it is over sooner (a few tenths of a second), with /health answering
+    assert healthy_meanwhile >= 3, healthy_meanwhile
 
 
 # ---- `serve` as a process: SIGTERM and the command line ----------------------------------------------------------------
