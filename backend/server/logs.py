@@ -25,6 +25,7 @@ class Kind:
     level: int
     first_line: str
     window_start: float
+    example: str = ""  # the first line of the window's first record, formatted (the template may read "%s")
     passed: int = 0
     suppressed: int = 0
 
@@ -52,6 +53,8 @@ class RepeatFilter(logging.Filter):
                 kind = self.kinds[key] = Kind(record.name, record.levelno, first_line, now)
             due = self._close_window(kind, now)
             if kind.passed < self.burst:
+                if not kind.passed:
+                    kind.example = record.getMessage().split("\n", 1)[0][:200]
                 kind.passed += 1
                 keep = True
             else:
@@ -67,8 +70,8 @@ class RepeatFilter(logging.Filter):
         """Start a new window if this one is over; what to summarize, if anything was left out. Holds the lock."""
         if now - kind.window_start < self.window:
             return None
-        due = (kind.logger, kind.level, kind.first_line, kind.suppressed, now - kind.window_start) \
-            if kind.suppressed else None
+        due = (kind.logger, kind.level, kind.example or kind.first_line, kind.suppressed,
+               now - kind.window_start) if kind.suppressed else None
         kind.window_start, kind.passed, kind.suppressed = now, 0, 0
         return due
 
@@ -93,6 +96,8 @@ def install_log_limits(metrics: Metrics | None, window: float = WINDOW_SECONDS) 
     """Put one RepeatFilter on every handler of the server's loggers (call after uvicorn has configured its own)
     and start the thread that writes the summaries of windows that closed in silence."""
     limiter = RepeatFilter(metrics, window)
+    if not logging.getLogger().handlers:  # else asyncio's records reach logging.lastResort, which no filter guards
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     for name in LOGGERS:
         for handler in logging.getLogger(name).handlers:
             handler.addFilter(limiter)

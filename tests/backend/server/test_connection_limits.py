@@ -169,3 +169,118 @@ def test_limits_that_cannot_work_are_one_line_errors(tmp_path, kwargs, words):
     process.stderr_file.seek(0)
     err = process.stderr_file.read()
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_repeated_log_lines_are_cut_to_a_few_and_a_summary_that_counts_them():
+    """The filter itself, on a real logger and handler: a thousand identical errors make BURST lines, then one
+    summary line when the window closes, and the counter says how many were left out."""
+    import io
+    import logging
+
+    from backend.server.logs import BURST, RepeatFilter
+    from backend.server.metrics import Metrics
+
+    metrics, stream = Metrics(), io.StringIO()
+    handler = logging.StreamHandler(stream)
+    limiter = RepeatFilter(metrics, window=0.2)
+    handler.addFilter(limiter)
+    logger = logging.getLogger("tests.repeat_filter")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        for i in range(1000):
+            logger.error("accept failed on socket %d", i)
+        logger.warning("another kind")  # a different message is not held back by the first
+        time.sleep(0.25)
+        limiter.flush()
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines[:BURST] == [f"accept failed on socket {i}" for i in range(BURST)], lines[:5]
+    assert "another kind" in lines
+    assert len(lines) == BURST + 2, lines
+    assert lines[-1].startswith(f"({1000 - BURST} more like 'accept failed on socket 0' left out"), lines[-1]
+    text = metrics.render().decode()
+    assert f'reviewer_log_lines_suppressed_total{{logger="tests.repeat_filter"}} {1000 - BURST}.0' in text
+
+
+EMFILE_SERVER = r'''
+import asyncio, json, resource, sys
+import uvicorn
+from backend.server.limits import ConnectionGate, ServeLimits, protocol_factory
+from backend.server.logs import count_accept_errors, install_log_limits
+from backend.server.metrics import Metrics
+
+metrics = Metrics()
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    body = metrics.render()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": body})
+
+# a cap far above what the descriptors allow: accept() itself runs out, as before issue 42
+gate = ConnectionGate(ServeLimits(max_connections=5000, overflow=8), metrics)
+config = uvicorn.Config(app, host="127.0.0.1", port=int(sys.argv[1]), http=protocol_factory(gate), log_level="info",
+                        lifespan="off")
+install_log_limits(metrics, window=1.0)
+
+class Server(uvicorn.Server):
+    async def startup(self, sockets=None):
+        asyncio.get_running_loop().set_exception_handler(count_accept_errors(metrics))
+        await super().startup(sockets)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        print("up", flush=True)
+
+Server(config).run()
+'''
+
+
+def test_accept_running_out_of_descriptors_logs_a_bounded_number_of_lines(tmp_path):
+    """asyncio logs "socket.accept() out of system resource" for every accept of a burst (up to the 2048 backlog),
+    each time the listening socket is ready: that was 139,000 errors in 37 s. A server whose descriptor limit is
+    below its connections (here 64, on purpose) logs a few of them a window and counts them all."""
+    import subprocess
+    import sys
+
+    from backend.server.logs import BURST
+    from tests.backend.server.test_server import ROOT
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(tmp_path / "server.log", "w+")
+    server = subprocess.Popen([sys.executable, "-c", EMFILE_SERVER, str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=log, text=True)
+    held = []
+    try:
+        assert server.stdout.readline().strip() == "up"
+        started = time.monotonic()
+        for _ in range(300):  # past the 64 descriptors: the rest wait in the backlog while accept() fails
+            held.append(socket.create_connection(("127.0.0.1", port)))
+        time.sleep(3)
+        for sock in held[:100]:
+            sock.close()
+        held = held[100:]
+        assert wait_for(lambda: len(open(log.name).read().splitlines()) > 0, timeout=10)
+        time.sleep(1.5)  # a window closes: its summary is written
+        for sock in held:
+            sock.close()
+        held = []
+        text = httpx.get(f"http://127.0.0.1:{port}/", timeout=10).text
+        windows = int(time.monotonic() - started) + 2  # the 1 s windows the test lasted
+    finally:
+        for sock in held:
+            sock.close()
+        server.terminate()
+        server.wait(30)
+    errors = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("reviewer_accept_errors_total")))
+    log.seek(0)
+    lines = log.read().splitlines()
+    assert errors > 100, errors  # it did run out, many times
+    accept_lines = [line for line in lines if "out of system resource" in line]
+    # BURST a window and the window's summary, instead of one (with its traceback) per failed accept
+    assert accept_lines and len(accept_lines) <= (BURST + 1) * windows, (len(accept_lines), windows)
+    assert any("left out of the log" in line for line in lines), lines[-5:]
+    assert len(lines) < 50 * windows, len(lines)
