@@ -285,6 +285,50 @@ def test_client_disconnect_cancels_generation(llama, paced_decoding):
     assert 0 < metric(llama, "reviewer_generated_tokens_total") - before < 1500
 
 
+def test_the_request_after_an_aborted_stream_starts_before_the_stream_would_have_ended(llama, paced_decoding):
+    """Issue 42: the engine checks the cancel flag between steps, so the next request waits at most the step in
+    flight, not the rest of the dropped answer (1500 paced steps: over 4.5 s). How long it waits, on the CPU and the
+    GPU, is a benchmark (bench/serve_limits.py, `queue_ms` after an abort); here it need only be far shorter than
+    what the dropped stream had left."""
+    model = oai(llama).models.list().data[0].id
+    before = metric(llama, "reviewer_generated_tokens_total")
+    body = {"model": model, "messages": ASK, "max_tokens": 1500, "temperature": 0, "stream": True}
+    with llama.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(6)]
+    # hung up: the next request goes out at once
+    answer = llama.http().post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1}).json()
+    left = 1500 - (metric(llama, "reviewer_generated_tokens_total") - before - 1)  # steps the dropped one skipped
+    assert left > 500, left
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["timings"]["queue_ms"] < left * 3 / 4, (answer["timings"]["queue_ms"], left)  # 3 ms a step, at least
+
+
+def test_a_full_queue_is_a_503_with_retry_after(tiny_model, live_server, paced_decoding):
+    from backend.server.limits import ServeLimits
+
+    server = live_server(tiny_model("llama"), limits=ServeLimits(max_queue=1))
+    model = oai(server).models.list().data[0].id
+    body = {"model": model, "messages": ASK, "max_tokens": 1500, "temperature": 0, "stream": True}
+    waiting: list[int] = []
+    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as busy:
+        lines = busy.iter_lines()
+        assert next(lines).startswith("data:")  # the engine is generating for this client
+        waiter = threading.Thread(target=lambda: waiting.append(server.http().post(
+            "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1}).status_code))
+        waiter.start()
+        assert wait_for(lambda: server.http().get("/health").json()["queue"]["waiting"] == 1)
+        assert server.http().get("/health").json()["saturated"] == ["queue"]
+        full = server.http().post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1})
+        assert full.status_code == 503 and full.headers["retry-after"], full.text
+        assert full.json()["error"]["code"] == "queue_full" and "--max-queue" in full.json()["error"]["message"]
+        claude_full = server.http().post("/v1/messages", json={"model": model, "max_tokens": 1, "messages": ASK})
+        assert claude_full.status_code == 503 and claude_full.json()["error"]["type"] == "overloaded_error"
+    waiter.join(60)
+    assert waiting == [200]  # the one that fit in the queue was served once the stream was dropped
+    assert metric(server, "reviewer_requests_total", route="chat", outcome="busy") == 1
+
+
 def test_waiting_too_long_in_the_queue_is_a_clear_503(tiny_model, live_server, paced_decoding):
     server = live_server(tiny_model("llama"), queue_timeout=0.5)
     model = oai(server).models.list().data[0].id
