@@ -344,3 +344,7 @@ def test_help_documents_the_new_options():
     done = reviewer_cli("serve", "--help")
     text = re.sub(r"\s+", " ", done.stdout)
     assert "--max-body-mb" in text and "--body-timeout" in text and "SIGTERM" in text, text
+    # issue 42's connection limits, each with what a client gets
+    for option in ("--max-connections", "--max-queue", "--header-timeout", "--keepalive-timeout"):
+        assert option in text, option
+    assert "Retry-After" in text and "408" in text, text
