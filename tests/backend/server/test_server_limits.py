@@ -348,3 +348,37 @@ def test_help_documents_the_new_options():
     for option in ("--max-connections", "--max-queue", "--header-timeout", "--keepalive-timeout"):
         assert option in text, option
     assert "Retry-After" in text and "408" in text, text
+
+
+def test_an_over_long_prompt_is_counted_only_just_past_the_window(tiny_model):
+    """Issue 42's memory that did not come back: a prompt far past the window was tokenized whole before its 400.
+    Now it is counted in pieces until the count passes the window: the tokens made stay near a window's worth
+    however long the prompt, the count is a lower bound (a prompt that fits is never refused), and the pieces are the
+    text. What that does to RSS over 300 such requests is a benchmark (bench/serve_limits.py, `memory`)."""
+    from transformers import AutoTokenizer
+
+    from backend.server.guards import PRECOUNT_PIECE_CHARS, count_past, pieces
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    made: list[int] = []
+
+    class Counting:  # the real tokenizer, with the tokens it makes counted
+        def encode(self, text, **kwargs):
+            ids = tokenizer.encode(text, **kwargs)
+            made.append(len(ids))
+            return ids
+
+    words = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
+    text = " ".join(words[i % len(words)] + str(i % 97) for i in range(85_000))[:660_000]  # bench/serve_limits.py's
+    whole = len(tokenizer.encode(text, add_special_tokens=False))
+    window = 2048
+    at_least = count_past(Counting(), [text], window)
+    assert window <= at_least <= whole, (at_least, whole)
+    per_piece = max(made)
+    assert sum(made) <= window + 2 * per_piece and sum(made) < whole / 10, (sum(made), whole)
+    assert "".join(pieces(text)) == text and all(len(p) <= PRECOUNT_PIECE_CHARS + 256 for p in pieces(text))
+    # a prompt that fits, however near the window, is not refused; one token more than the window is
+    fits = text[:100_000]
+    exact = len(tokenizer.encode(fits, add_special_tokens=False))
+    assert count_past(tokenizer, [fits], exact + 1) == 0
+    assert count_past(tokenizer, [fits, fits], exact + 1) > 0
