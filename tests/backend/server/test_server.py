@@ -304,6 +304,42 @@ def test_the_request_after_an_aborted_stream_starts_before_the_stream_would_have
     assert answer["timings"]["queue_ms"] < left * 3 / 4, (answer["timings"]["queue_ms"], left)  # 3 ms a step, at least
 
 
+def test_the_request_after_an_aborted_speculative_stream_starts_before_the_stream_would_have_ended(
+        tiny_model, live_server, tmp_path_factory, monkeypatch):
+    """The same for speculative decoding (the host's cycle, what the CPU serves with; the GPU's device cycle checks
+    the flag at the same point, tests/backend/decoding/test_speculative.py): a served random drafter, each draft
+    paced to 3 ms so that the dropped stream has seconds left, and the cycles counted to show the drafter ran."""
+    from transformers import AutoModelForCausalLM
+
+    from backend.dflash.checkpoint import random_drafter, save_drafter
+    from backend.dflash.model import DFlashDrafter
+
+    path = tiny_model("llama")
+    drafter = save_drafter(random_drafter(AutoModelForCausalLM.from_pretrained(path), block_size=4),
+                           tmp_path_factory.mktemp("drafter"))
+    real = DFlashDrafter.draft
+
+    def paced(self, *args, **kwargs):
+        time.sleep(0.003)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(DFlashDrafter, "draft", paced)
+    server = live_server(path, drafter=str(drafter))
+    model = oai(server).models.list().data[0].id
+    cycles = metric(server, "reviewer_spec_drafts_total")
+    tokens = metric(server, "reviewer_generated_tokens_total")
+    body = {"model": model, "messages": ASK, "max_tokens": 1500, "temperature": 0, "stream": True}
+    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(6)]
+    answer = server.http().post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4}).json()
+    assert wait_for(lambda: metric(server, "reviewer_requests_total", route="chat", outcome="cancelled") == 1)
+    assert metric(server, "reviewer_spec_drafts_total") - cycles > answer["timings"]["spec_cycles"]  # it drafted
+    dropped = metric(server, "reviewer_generated_tokens_total") - tokens - answer["timings"]["predicted_n"]
+    left = (1500 - dropped) / 4  # cycles the dropped stream had left, at the least (4 tokens a cycle at most)
+    assert left > 150, left
+    assert answer["timings"]["queue_ms"] < left * 3 / 2, (answer["timings"]["queue_ms"], left)  # 3 ms a cycle
+
+
 def test_a_full_queue_is_a_503_with_retry_after(tiny_model, live_server, paced_decoding):
     from backend.server.limits import ServeLimits
 
