@@ -344,10 +344,20 @@ def test_help_documents_the_new_options():
     done = reviewer_cli("serve", "--help")
     text = re.sub(r"\s+", " ", done.stdout)
     assert "--max-body-mb" in text and "--body-timeout" in text and "SIGTERM" in text, text
-    # issue 42's connection limits, each with what a client gets
-    for option in ("--max-connections", "--max-queue", "--header-timeout", "--keepalive-timeout"):
-        assert option in text, option
-    assert "Retry-After" in text and "408" in text, text
+    # issue 42's limits: each option's line (a wide terminal keeps it on one) says its default and what a client gets
+    wide = subprocess.run([sys.executable, "-m", "reviewer.cli", "serve", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"})
+    lines = {m.group(1): " ".join(line.split()) for line in wide.stdout.splitlines()
+             if (m := re.match(r"^[^\w-]*(--[a-z-]+)\s", line))}  # past the box's border, whichever characters
+    expected = {"--max-connections": ("503 with Retry-After", "/health and /metrics", "Default: 1024",
+                                      "file-descriptor limit"),
+                "--max-queue": ("503 with Retry-After", "[default: 64]"),
+                "--header-timeout": ("408 and closed", "sends nothing", "[default: 10.0]"),
+                "--keepalive-timeout": ("idle keep-alive", "closed", "[default: 5.0]")}
+    for option, words in expected.items():
+        assert option in lines, (option, wide.stdout)
+        for word in words:
+            assert word in lines[option], (option, word, lines[option])
 
 
 def test_an_over_long_prompt_is_counted_only_just_past_the_window(tiny_model):

@@ -94,15 +94,24 @@ def test_report_on_a_file_that_is_not_a_database_is_one_line(tmp_path):
 
 
 def test_report_paths_with_a_missing_folder_are_errors(tmp_path):
-    """A typo in --db or -o is an error (it used to be "No reviews yet" and "Wrote ..."), and nothing is written."""
+    """A typo in --db or -o is an error (it used to be "No reviews yet" and "Wrote ..."): one line, exit code 2, no
+    traceback, nothing written. A database file not made yet in a folder that exists is still "No reviews yet"."""
     env, db = {"XDG_CONFIG_HOME": str(tmp_path / "config")}, tmp_path / "reviews.db"
-    missing = reviewer("report", "--db", str(tmp_path / "missing" / "dir" / "x.db"), env=env, cwd=tmp_path)
-    assert missing.returncode == 2 and "no database at" in missing.stderr and "does not exist" in missing.stderr
+    missing_db = tmp_path / "missing" / "dir" / "x.db"
+    missing = reviewer("report", "--db", str(missing_db), env=env, cwd=tmp_path)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        f"error: no database at {missing_db}: the folder {missing_db.parent} does not exist"], missing.stderr
     assert "No reviews" not in missing.stdout and not (tmp_path / "missing").exists()
     for fmt in ("html", "markdown", "json", "table"):
         out = tmp_path / "nonexistent" / "dir" / f"r.{fmt}"
         done = reviewer("report", "--db", str(db), "--format", fmt, "-o", str(out), env=env, cwd=tmp_path)
         assert done.returncode == 2, (fmt, done.stdout, done.stderr)
-        assert f"cannot write {out}: the folder {out.parent} does not exist" in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: cannot write {out}: the folder {out.parent} does not exist"], done.stderr
         assert "Wrote" not in done.stdout and "Traceback" not in done.stderr
-    assert not (tmp_path / "nonexistent").exists()
+    assert not (tmp_path / "nonexistent").exists() and not db.exists()
+    fresh = reviewer("report", "--db", str(db), env=env, cwd=tmp_path)
+    assert fresh.returncode == 0 and "No reviews" in fresh.stdout, fresh.stdout + fresh.stderr
+    helped = reviewer("report", "--help", env=env, cwd=tmp_path)
+    assert "marked interrupted first" in " ".join(helped.stdout.split()), helped.stdout
