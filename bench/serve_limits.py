@@ -8,7 +8,7 @@
 3. abort: a stream of 2,000 tokens is dropped after its fifth chunk and the next request (max_tokens 1) sent at once;
    its `timings.queue_ms` (how long it waited for the engine) against one decode step (the time per token of a
    finished request) and one speculative cycle; 10 times, with the shipped drafter (the default) and without.
-4. memory: RSS of the server after a warm-up request, then during and after 300 over-long prompts (660 KB: under the
+4. memory: RSS of the server after a warm-up request, then during and after 300 over-long prompts (650 KB: under the
    1 MiB body cap, over the 8192-token window: refused with a 400), 20 at a time, as issue 42 sent them.
 
 The server is a separate `serve` process (its own pid's RSS, from /proc; its stderr is the log). `--code-root DIR`
@@ -141,7 +141,7 @@ def refused_prompts(url: str, pid: int, count: int = 300, concurrent: int = 20) 
     time.sleep(1)
     start_rss = rss_bytes(pid)
     words = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
-    prompt = " ".join(words[i % len(words)] + str(i % 97) for i in range(85_000))[:660_000]  # 660 KB, ~150k tokens
+    prompt = " ".join(words[i % len(words)] + str(i % 97) for i in range(85_000))  # 649,979 chars, ~150k tokens
     statuses: dict[str, int] = {}
     peak, lock = start_rss, threading.Lock()
 
@@ -182,7 +182,7 @@ def main() -> None:
               "code_root": str(args.code_root), "connection_limits": limits,
               "inputs": f"embedded model on CPU; --max-connections {CAP} (when the code has it); flood: {CAP} + "
                         f"{FLOOD} idle sockets; log: {REFUSED} refused connections; abort: 2000-token greedy stream "
-                        "dropped after 5 chunks, then a 1-token request; memory: 300 chat requests of a 660 KB "
+                        "dropped after 5 chunks, then a 1-token request; memory: 300 chat requests of a 650 KB "
                         "prompt (8 words and numbers repeated), 20 at a time"}
     process, url, log = start_server(args.code_root, "none", limits)
     try:

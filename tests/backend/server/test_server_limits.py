@@ -379,7 +379,7 @@ def test_an_over_long_prompt_is_counted_only_just_past_the_window(tiny_model):
             return ids
 
     words = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
-    text = " ".join(words[i % len(words)] + str(i % 97) for i in range(85_000))[:660_000]  # bench/serve_limits.py's
+    text = " ".join(words[i % len(words)] + str(i % 97) for i in range(85_000))  # the bench's prompt
     whole = len(tokenizer.encode(text, add_special_tokens=False))
     window = 2048
     at_least = count_past(Counting(), [text], window)
