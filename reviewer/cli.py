@@ -154,14 +154,15 @@ def report(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
 ) -> None:
     """Show stored reviews: findings by severity, their state and verification, and measurements. Runs of this
-    machine whose process is gone (killed) are marked interrupted first, so none shows as running."""
+    machine whose process is gone (killed) are marked interrupted first, so none shows as running, and what they
+    left (workspaces, their mounted disk images) is removed."""
     from reviewer.report.report import ReportError, ReportFilter, report_command
 
     settings = settings_or_exit(db=db)
     flt = ReportFilter(repo=repo, run_id=run_id, persona=persona, severity=severity, state=state, since=since,
                        verified_only=verified_only)
     try:
-        report_command(settings.db, flt, format.value, output, console)
+        report_command(settings.db, flt, format.value, output, console, workdir=settings.workdir)
     except ReportError as e:
         raise fail(str(e)) from None
 
@@ -190,6 +191,21 @@ def serve(
     body_timeout: Annotated[
         float, typer.Option(help="Seconds a request body may take to arrive in full (408 after that).")
     ] = 60.0,
+    max_connections: Annotated[
+        Optional[int], typer.Option(help="Client connections served at once; beyond them a few more are answered on "
+                                         "/health and /metrics only, the rest get 503 with Retry-After and are closed. "
+                                         "Default: 1024, lowered to fit the file-descriptor limit.")
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests that may wait for the engine; one more gets 503 with Retry-After.")
+    ] = 64,
+    header_timeout: Annotated[
+        float, typer.Option(help="Seconds a request line and its headers may take to arrive (408 and closed after "
+                                 "that: a connection that sends nothing, or a byte at a time, is not held).")
+    ] = 10.0,
+    keepalive_timeout: Annotated[
+        float, typer.Option(help="Seconds an idle keep-alive connection is kept between requests (then closed).")
+    ] = 5.0,
 ) -> None:
     """Serve a local model over an OpenAI- and Anthropic-compatible HTTP API (batch 1, speculative decoding).
     SIGTERM or Ctrl-C ends streams with a final error event and exits within a few seconds."""
@@ -212,7 +228,9 @@ def serve(
         raise fail(f"--max-body-mb must be positive, got {max_body_mb:g}")
     serve_backend(model=model, drafter=drafter, host=host, port=port, uds=uds, device=device, dtype=dtype,
                   max_context=max_context, api_key=api_key, allow_remote_without_key=allow_remote_without_key,
-                  max_body_bytes=None if max_body_mb is None else int(max_body_mb * 2**20), body_timeout=body_timeout)
+                  max_body_bytes=None if max_body_mb is None else int(max_body_mb * 2**20), body_timeout=body_timeout,
+                  max_connections=max_connections, max_queue=max_queue, header_timeout=header_timeout,
+                  keepalive_timeout=keepalive_timeout)
 
 
 @app.command()

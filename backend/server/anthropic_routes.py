@@ -71,7 +71,7 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
     check_model(state, body.model)
     check_text(body)
     messages, tools = anthropic_conversation(body)
-    check_prompt_length(state, (m["content"] for m in messages), "messages")
+    await check_prompt_length(state, (m["content"] for m in messages), "messages")
     tools = select_tools(tools, anthropic_tool_choice(body))
     thinking_off = body.thinking is not None and body.thinking.type == "disabled"
     prompt_text, prompt_ids = await render(state, messages, tools, {"enable_thinking": False} if thinking_off else None)

@@ -30,8 +30,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backend.loading import LoadedModel, ModelLoadError, check_model_spec
 from backend.server.guards import (DEFAULT_BODY_TIMEOUT, APIError, BodyGuard, body_too_large_message, error_response,
-                                   validation_message)
+                                   unparsable_body_message, validation_message)
 from backend.server import anthropic_routes, openai_routes
+from backend.server.limits import (DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEPALIVE_TIMEOUT, DEFAULT_MAX_QUEUE, LimitError,
+                                   ServeLimits, plan_limits, protocol_factory, raise_fd_limit)
+from backend.server.logs import count_accept_errors, install_log_limits
 from backend.server.state import ServerState
 
 log = logging.getLogger("reviewer.backend")
@@ -55,12 +58,13 @@ def check_api_key(request: Request) -> None:
 def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", device: str = "auto", dtype: str = "auto",
                max_context: int | None = None, api_key: str | None = None,
                queue_timeout: float = DEFAULT_QUEUE_TIMEOUT, max_body_bytes: int | None = None,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, limits: ServeLimits | None = None) -> FastAPI:
     """The ASGI app. The model loads on a background thread once the app starts (lifespan), so the socket answers
     /health (503) at once. `model` may also be an already loaded LoadedModel (tests). `max_body_bytes`: the request
-    body cap (default: sized to the context window); `body_timeout`: seconds a body may take to arrive."""
+    body cap (default: sized to the context window); `body_timeout`: seconds a body may take to arrive; `limits`:
+    the connection and queue caps (the connection ones act only under serve's protocol, limits.py)."""
     state = ServerState(model, drafter, device, dtype, max_context, api_key, queue_timeout, max_body_bytes,
-                        body_timeout)
+                        body_timeout, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -78,18 +82,22 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
     app.add_middleware(BodyGuard, state=state)
     keyed = [Depends(check_api_key)]
 
+    # Both are coroutines, so they never wait for a thread of the pool that the routes' sync work may have filled.
     @app.get("/health", tags=["server"], responses={503: {"description": "loading or failed"}})
-    def health():
+    async def health():
+        """200 once the model is ready, 503 while it loads or after it failed. `saturated` lists the caps that are
+        full ("connections", "queue"): a saturated server is healthy but turns new work away."""
         if state.load_error:
-            return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
+            return JSONResponse({"status": "error", "error": state.load_error, **state.saturation}, status_code=503)
         if not state.ready.is_set():
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return {"status": "ok", "model": state.loaded.name, "max_context": state.loaded.max_context}
+            return JSONResponse({"status": "loading", **state.saturation}, status_code=503)
+        return {"status": "ok", "model": state.loaded.name, "max_context": state.loaded.max_context,
+                **state.saturation}
 
     @app.get("/metrics", tags=["server"], dependencies=keyed, response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
-    def metrics():
+    async def metrics():
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
     app.include_router(openai_routes.router, dependencies=keyed)
@@ -97,7 +105,7 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=keyed)
     def openapi():
-        return app.openapi()
+        return schema_as_on_the_wire(app.openapi())
 
     routes = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
 
@@ -107,7 +115,7 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        count_refusal(request, {"queue_timeout": "timeout"}.get(exc.code, "cancelled" if exc.status == 499 else
+        count_refusal(request, {"queue_timeout": "timeout", "queue_full": "busy"}.get(exc.code, "cancelled" if exc.status == 499 else
                                                                      "rejected" if exc.status < 500 else "error"))
         headers = {"Retry-After": "5"} if exc.status == 503 else None
         return error_response(request, exc.status, exc.message, exc.code, exc.param, headers)
@@ -127,6 +135,10 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
             message = body_too_large_message(state)
         elif exc.status_code == 408:
             count_refusal(request, "rejected")
+        elif exc.status_code == 400:  # FastAPI's "There was an error parsing the body"
+            count_refusal(request, "rejected")
+            message = unparsable_body_message(exc.__cause__)
+            return error_response(request, 400, message, code="invalid_request")
         return error_response(request, exc.status_code, message, headers=headers)
 
     @app.exception_handler(Exception)
@@ -135,6 +147,17 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
         return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     return app
+
+
+def schema_as_on_the_wire(schema: dict) -> dict:
+    """FastAPI documents a 422 for every route with a body; the server answers validation errors with 400 (the
+    APIs' own status, already listed with the routes' other errors): the 422s and their schemas go."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    return schema
 
 
 def is_loopback(host: str) -> bool:
@@ -190,11 +213,15 @@ def bind_socket(host: str, port: int, uds: str | None) -> socket.socket:
 
 def serve(model: str, drafter: str, host: str, port: int, uds: str | None, device: str, dtype: str,
           max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False,
-          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+          max_connections: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT) -> None:
     """Run the server until interrupted (blocking). Prints one "listening on ..." line once the socket is up; the
     model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
-    bad setup (model path, drafter, port, an address in use). SIGTERM or Ctrl-C: streams end with a final error event,
-    other requests get a 503, and the process exits within a few seconds."""
+    bad setup (model path, drafter, port, an address in use, limits that cannot work). SIGTERM or Ctrl-C: streams end
+    with a final error event, other requests get a 503, and the process exits within a few seconds.
+    `max_connections` (default: 1024, lowered to fit the file-descriptor limit), `max_queue`, `header_timeout` and
+    `keepalive_timeout`: the connection limits of limits.py (backend/README.md, "Limits")."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -218,13 +245,19 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
         print(f"reviewer serve: --body-timeout must be a positive number of seconds, got {body_timeout:g}",
               file=sys.stderr)
         raise SystemExit(2)
+    try:
+        limits = plan_limits(raise_fd_limit(), max_connections, max_queue, header_timeout, keepalive_timeout)
+    except LimitError as exc:
+        print(f"reviewer serve: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     sock = bind_socket(host, port, uds)
     app = create_app(model, drafter, device, dtype, max_context, api_key, max_body_bytes=max_body_bytes,
-                     body_timeout=body_timeout)
+                     body_timeout=body_timeout, limits=limits)
     state: ServerState = app.state.reviewer
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
+            asyncio.get_running_loop().set_exception_handler(count_accept_errors(state.metrics))
             await super().startup(sockets)
             if self.started:
                 if uds:
@@ -241,9 +274,12 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
             state.stopping.set()  # before uvicorn stops: requests in flight end now, with a final word
             super().handle_exit(sig, frame)
 
-    # timeout_graceful_shutdown is the ceiling; with `stopping` set, requests in flight end well before it.
+    # timeout_graceful_shutdown is the ceiling; with `stopping` set, requests in flight end well before it. The
+    # connection cap and the header deadline live in our h11 protocol (limits.py), not in limit_concurrency.
     config = uvicorn.Config(app, host=host, port=port, uds=uds, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, http=protocol_factory(state.gate),
+                            timeout_keep_alive=limits.keepalive_timeout, backlog=limits.backlog)
+    install_log_limits(state.metrics)  # after uvicorn.Config, which sets up uvicorn's log handlers
     server = Server(config)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
     state.on_ready = lambda st: print(f"reviewer serve: ready: {st.loaded.name} on {st.loaded.device} "

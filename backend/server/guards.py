@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backend.server.state import ServerState
+from backend.server.state import ServerState, release_freed_memory
 
 
 # A request body larger than its prompt could ever be is refused before it is read (413). A token of the prompt is at
@@ -135,6 +135,20 @@ def body_too_large_message(state: ServerState) -> str:
     return f"the request body is larger than {cap} bytes ({cap / 2**20:.1f} MiB), the most this server accepts ({why})"
 
 
+def unparsable_body_message(cause: BaseException | None) -> str:
+    """FastAPI answers a body that json cannot even decode with "There was an error parsing the body"; the cause it
+    chains says which: bytes that are not UTF-8 (nor UTF-16/32), or arrays and objects nested past the recursion
+    limit."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at position "
+                f"{cause.start}); send JSON encoded in UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON nests arrays or objects too deeply to be read (about 1,000 levels at most)"
+    if cause is not None:
+        return f"the request body could not be read as JSON ({type(cause).__name__}: {cause})"
+    return "the request body could not be read as JSON"
+
+
 # Pydantic tries each member of a union (`stop: str | list[str]`) and reports every failure: "stop.str: Input should
 # be a valid string (and 1 more problems)" for 17 stop strings. These error types only say "not this member"; the
 # member names (str, list[str], TextPart, function-after[...]) are dropped from the location.
@@ -161,8 +175,12 @@ def field_path(loc) -> str:
 
 def describe_error(error: dict, where: str) -> str:
     kind, ctx = error.get("type", ""), error.get("ctx") or {}
+    if kind == "missing" and not where:  # the body itself: FastAPI's error for an empty body
+        return "the request body is empty: send a JSON object (Content-Type: application/json)"
     if kind == "missing":
         return f"{where} is required"
+    if kind == "finite_number":
+        return f"{where} must be a finite number (NaN and Infinity are not JSON numbers)"
     if kind == "too_long" and "max_length" in ctx:
         return f"{where} has {ctx.get('actual_length', 'too many')} items; at most {ctx['max_length']} are allowed"
     if kind == "too_short" and "min_length" in ctx:
@@ -175,8 +193,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """FastAPI's validation errors -> (one message in plain words, the field it is about)."""
     if errors and errors[0].get("type") == "json_invalid":
         pos = errors[0]["loc"][-1] if errors[0].get("loc") else "?"
-        return (f"the request body is not valid JSON ({(errors[0].get('ctx') or {}).get('error', 'decode error')} "
-                f"at character {pos})"), None
+        what = (errors[0].get("ctx") or {}).get("error", "decode error")
+        # json's messages for an unterminated string or a bad escape end in "starting at": no second "at"
+        return f"the request body is not valid JSON ({what.removesuffix(' at')} at character {pos})", None
     located = [(field_path(e.get("loc", ())), e) for e in errors] or [("", {"msg": "invalid request"})]
     # A "not this member" error is noise when another error says what is wrong inside the same field.
     kept = [(w, e) for w, e in located if e.get("type") not in MISMATCH or not any(
@@ -215,16 +234,60 @@ def check_text(body: BaseModel) -> None:
                             "escape without its pair)", code="invalid_value", param=where)
 
 
-def check_prompt_length(state: ServerState, texts, field: str) -> None:
-    """Refuse, without tokenizing, a prompt that cannot fit the window: a token covers at most max_token_chars
-    characters of text (a byte-level token's string has one character per byte it stands for, and a character is at
-    least a byte), so more characters than window x that are more tokens than the window. Tokenizing such a prompt
-    is what took gigabytes and seconds (a 20 MB prompt: 6 GB, 38 s)."""
-    chars, window = sum(len(t) for t in texts if t), state.loaded.max_context
+PRECOUNT_ABOVE_CHARS_PER_TOKEN = 8  # a prompt of more characters than window x this is counted in pieces first
+PRECOUNT_PIECE_CHARS = 16384
+PIECE_SLACK_TOKENS = 2  # tokens a cut between pieces (or a message's edge in the template) may add to a count
+
+
+async def check_prompt_length(state: ServerState, texts, field: str) -> None:
+    """Refuse a prompt that cannot fit the window, without tokenizing all of it.
+
+    First by characters alone: a token covers at most max_token_chars characters of text (a byte-level token's
+    string has one character per byte it stands for, and a character is at least a byte), so more characters than
+    window x that are more tokens than the window. Tokenizing such a prompt is what took gigabytes and seconds (a
+    20 MB prompt: 6 GB, 38 s). That bound is loose (81 characters a token for SmolLM2: a 660 KB prompt passed it,
+    was tokenized whole into 150,000 tokens, and each one left RSS ~65 MB higher), so a prompt above window x
+    PRECOUNT_ABOVE_CHARS_PER_TOKEN characters is then counted piece by piece off the loop, stopping as soon as the
+    count is past the window: at most a window's worth of tokens is ever made for a prompt that is refused."""
+    texts = [t for t in texts if t]
+    chars, window = sum(map(len, texts)), state.loaded.max_context
     if state.max_token_chars and chars > window * state.max_token_chars:
         raise APIError(400, f"the prompt has {chars} characters, more than the {window} tokens of the context window "
                             f"can hold (a token is at most {state.max_token_chars} characters); shorten it",
                        code="context_length_exceeded", param=field)
+    if chars > window * PRECOUNT_ABOVE_CHARS_PER_TOKEN:
+        at_least = await off_loop(state, count_past, state.loaded.tokenizer, texts, window)
+        if at_least:
+            raise APIError(400, f"the prompt has at least {at_least} tokens but the context window holds {window}; "
+                                "shorten it", code="context_length_exceeded", param=field)
+
+
+def pieces(text: str, size: int = PRECOUNT_PIECE_CHARS):
+    """`text` in pieces of about `size` characters, each cut where a run of whitespace starts: byte-level BPE
+    pre-tokenizers never join a word with the whitespace after it, so the pieces' tokens are the text's tokens."""
+    start = 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            cut = next((i for i in range(end, min(end + 256, len(text))) if text[i].isspace() and
+                        not text[i - 1].isspace()), end)
+            end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+def count_past(tokenizer, texts: list[str], window: int) -> int:
+    """Tokens of `texts`, counted piece by piece until the count, less a slack per piece, reaches the window; that
+    lower bound if it did (the prompt cannot fit), else 0. Freed memory is given back to the system when it did."""
+    counted = cuts = 0
+    for text in texts:
+        for piece in pieces(text):
+            counted += len(tokenizer.encode(piece, add_special_tokens=False))
+            cuts += 1
+            if counted - PIECE_SLACK_TOKENS * cuts >= window:
+                release_freed_memory()
+                return counted - PIECE_SLACK_TOKENS * cuts
+    return 0
 
 
 async def off_loop(state: ServerState, fn, *args):

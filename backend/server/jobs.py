@@ -23,7 +23,8 @@ ERRORS = {400: {"description": "bad request (OpenAI- or Anthropic-style error bo
           401: {"description": "missing or wrong API key"}, 404: {"description": "unknown model"},
           408: {"description": "the request body did not arrive in time"},
           413: {"description": "the request body is larger than the server accepts"},
-          503: {"description": "model loading, the queue wait timed out, or the server is shutting down"}}
+          503: {"description": "model loading, the queue is full or its wait timed out, the connection cap is "
+                                "reached, or the server is shutting down (with Retry-After)"}}
 SHUTDOWN_MESSAGE = "the server is shutting down; this answer is incomplete, send the request again"
 SHUTDOWN_GRACE = 2.0  # seconds a stream gets after SIGTERM to send its final event, before sse-starlette cuts it
 
@@ -73,8 +74,19 @@ def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None,
 
 async def start_job(state: ServerState, request: Request, prompt_ids: list[int], params) -> Job:
     """Queue a job and wait (FIFO) until the engine starts it; 503 after queue_timeout, cancelled if the client leaves."""
+    if state.waiting >= state.limits.max_queue:
+        raise APIError(503, f"the server is busy: {state.waiting} requests are already waiting for the engine, the "
+                            f"most it queues (--max-queue); retry later", code="queue_full")
     job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop())
     state.worker.submit(job)
+    state.waiting += 1
+    try:
+        return await wait_for_start(state, request, job)
+    finally:
+        state.waiting -= 1
+
+
+async def wait_for_start(state: ServerState, request: Request, job: Job) -> Job:
     deadline = time.monotonic() + state.queue_timeout
     while not job.started.is_set():
         try:

@@ -19,7 +19,7 @@ class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("reviewer_requests", "Finished requests by route and outcome "
-                                "(stop, length, tool_calls, cancelled, error, rejected, timeout)",
+                                "(stop, length, tool_calls, cancelled, error, rejected, timeout, busy)",
                                 ["route", "outcome"], registry=r)
         self.prompt_tokens = Counter("reviewer_prompt_tokens", "Prompt tokens processed", registry=r)
         self.cached_tokens = Counter("reviewer_cached_prompt_tokens", "Prompt tokens reused from the cache", registry=r)
@@ -31,6 +31,24 @@ class Metrics:
         self.queue_seconds = Histogram("reviewer_queue_wait_seconds", "Seconds a request waited for the engine",
                                        buckets=_SECONDS_BUCKETS, registry=r)
         self.queue_depth = Gauge("reviewer_queue_depth", "Requests waiting for the engine", registry=r)
+        self.queue_limit = Gauge("reviewer_queue_limit", "Requests that may wait for the engine (--max-queue)",
+                                 registry=r)
+        self.connections = Gauge("reviewer_connections", "Open client connections by tier (served: under "
+                                 "--max-connections; overflow: beyond it, answered on /health and /metrics only)",
+                                 ["tier"], registry=r)
+        self.connection_limit = Gauge("reviewer_connection_limit", "Connections served at once (--max-connections)",
+                                      registry=r)
+        self.connections_refused = Counter("reviewer_connections_refused", "Connections turned away, by reason "
+                                           "(over_cap: 503 at accept; overflow: 503 for a route other than /health "
+                                           "and /metrics; header_timeout: 408)", ["reason"], registry=r)
+        self.accept_errors = Counter("reviewer_accept_errors", "accept() failures (out of file descriptors or "
+                                     "memory)", registry=r)
+        self.log_suppressed = Counter("reviewer_log_lines_suppressed", "Repeated log lines left out (a summary line "
+                                      "says how many), by logger", ["logger"], registry=r)
+        for tier in ("served", "overflow"):  # listed at 0 from the start
+            self.connections.labels(tier)
+        for reason in ("over_cap", "overflow", "header_timeout"):
+            self.connections_refused.labels(reason)
         self.model_ready = Gauge("reviewer_model_ready", "1 once the model is loaded", registry=r)
         self.spec_drafts = Counter("reviewer_spec_drafts", "Speculative cycles (draft + verify)", registry=r)
         self.spec_draft_tokens = Counter("reviewer_spec_draft_tokens", "Drafted tokens sent to verification", registry=r)

@@ -63,7 +63,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice.function.name if hasattr(body.tool_choice, "function") else body.tool_choice
     tools = select_tools(tools, choice)
-    check_prompt_length(state, (message_text(m.content) for m in body.messages), "messages")
+    await check_prompt_length(state, (message_text(m.content) for m in body.messages), "messages")
     prompt_text, prompt_ids = await render(state, openai_messages(body), tools, body.chat_template_kwargs)
     params = sampling_params(state, len(prompt_ids), body.max_completion_tokens or body.max_tokens,
                              body.temperature, body.top_p, body.seed)
@@ -144,7 +144,7 @@ async def completions(request: Request, body: CompletionRequest, state: ServerSt
             raise APIError(400, "only one prompt per request is supported (batch 1)", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        check_prompt_length(state, [prompt], "prompt")
+        await check_prompt_length(state, [prompt], "prompt")
         prompt_ids = (await off_loop(state, state.loaded.tokenizer, prompt))["input_ids"]
     else:
         prompt_ids = list(prompt)

@@ -16,7 +16,9 @@ StopList = Annotated[list[str], Field(max_length=16)]
 
 
 class Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Python's json module reads NaN and Infinity (JSON has neither); a NaN temperature then failed "<= 2" and was
+    # refused as too large. Refused here as what it is.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 def check_parameters_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:

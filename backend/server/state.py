@@ -14,6 +14,7 @@ import time
 
 from backend import chat
 from backend.loading import LoadedModel, ModelLoadError, load_model
+from backend.server.limits import ConnectionGate, ServeLimits
 from backend.server.metrics import Metrics
 from backend.server.worker import EngineWorker
 
@@ -52,7 +53,8 @@ class ServerState:
     """What the routes need: settings, metrics, and (once loading finished) the model and the engine worker."""
 
     def __init__(self, model, drafter: str, device: str, dtype: str, max_context: int | None, api_key: str | None,
-                 queue_timeout: float, max_body_bytes: int | None, body_timeout: float):
+                 queue_timeout: float, max_body_bytes: int | None, body_timeout: float,
+                 limits: ServeLimits | None = None):
         self.model_spec, self.drafter_spec = model, drafter
         self.device, self.dtype, self.max_context_arg = device, dtype, max_context
         self.api_key, self.queue_timeout = api_key, queue_timeout
@@ -62,6 +64,9 @@ class ServerState:
         self.stopping = StopFlag()
         self.prompt_slot: asyncio.Semaphore | None = None  # one prompt rendered/tokenized at a time (jobs.py)
         self.metrics = Metrics()
+        self.limits = limits or ServeLimits()
+        self.gate = ConnectionGate(self.limits, self.metrics)  # counts only under serve's protocol (limits.py)
+        self.waiting = 0  # requests queued for the engine and not yet started (jobs.start_job; --max-queue)
         self.loaded: LoadedModel | None = None
         self.worker: EngineWorker | None = None
         self.load_error: str | None = None
@@ -113,6 +118,16 @@ class ServerState:
             log.error("model loading failed: %s", self.load_error)
             if self.on_load_failure:
                 self.on_load_failure()
+
+    @property
+    def saturation(self) -> dict:
+        """What /health says of the limits: each count beside its cap, and which caps are full."""
+        full = [name for name, hit in (("connections", self.gate.saturated),
+                                       ("queue", self.waiting >= self.limits.max_queue)) if hit]
+        return {"saturated": full,
+                "connections": {"served": self.gate.served, "limit": self.limits.max_connections,
+                                "overflow": self.gate.overflow},
+                "queue": {"waiting": self.waiting, "limit": self.limits.max_queue}}
 
     @property
     def model_ids(self) -> set[str]:

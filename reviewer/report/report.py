@@ -18,7 +18,7 @@ from sqlmodel import select
 
 from reviewer import stats
 from reviewer.report.html_report import render_html
-from reviewer.run.recovery import recover_dead_runs
+from reviewer.run.recovery import recover_dead_runs, remove_orphans
 from reviewer.store import db
 from reviewer.store.db import Finding, Measurement, PersonaRun, Repository, ReviewRun
 from reviewer.text import first_line
@@ -386,21 +386,37 @@ def filters_text(flt: ReportFilter) -> str:
     return f" (filters: {', '.join(given)})" if given else ""
 
 
+def check_output(output: Path | None) -> None:
+    """The folder of -o must exist: a typo in it is an error, not a folder made on the way (nothing is written)."""
+    if output is not None and not output.expanduser().parent.is_dir():
+        raise ReportError(f"cannot write {output}: the folder {output.expanduser().parent} does not exist")
+
+
+def check_database_path(db_path: str) -> None:
+    """A database file that is not there yet means no reviews yet; a folder that is not there is a typo."""
+    if "://" in db_path and not db_path.startswith("sqlite:///"):
+        return
+    path = Path(db_path.removeprefix("sqlite:///")).expanduser()
+    if not path.exists() and not path.parent.is_dir():
+        raise ReportError(f"no database at {db_path}: the folder {path.parent} does not exist")
+
+
 def write_text(text: str, output: Path | None) -> None:
     if output is None:
         print(text, end="" if text.endswith("\n") else "\n")
         return
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text if text.endswith("\n") else text + "\n")
+        output.expanduser().write_text(text if text.endswith("\n") else text + "\n")
     except OSError as e:
         raise ReportError(f"cannot write {output}: {e.strerror or e}") from None
 
 
-def open_and_reconcile(db_path: str) -> None:
+def open_and_reconcile(db_path: str, workdir: Path | None = None) -> None:
     """Open the database (a file that is not one is a one-line ReportError), then mark the runs of this machine whose
-    process is gone `interrupted`, exactly as `reviewer run` and `loop` do before they start (run/recovery.py):
-    a report never shows a killed review as running. What it says about them goes to stderr (stdout may be JSON)."""
+    process is gone `interrupted` and remove the workspaces (and their mounted disk images) and sandbox folders of
+    dead processes, exactly as `reviewer run` does before it starts (run/recovery.py): a report never shows a killed
+    review as running, and the first command to notice it is dead cleans up after it. What it says about them goes
+    to stderr (stdout may be JSON)."""
     try:
         db.get_engine(db_path)
     except Exception as e:  # noqa: BLE001 - not a database, a newer schema, unreadable: one line
@@ -412,15 +428,20 @@ def open_and_reconcile(db_path: str) -> None:
     except Exception as e:  # noqa: BLE001 - a read-only database: report what is stored, and say why it may be stale
         Console(stderr=True).print(f"[yellow]warning:[/yellow] could not mark dead runs interrupted: "
                                    f"{escape(first_line(e))}", highlight=False)
+    remove_orphans([workdir], Console(stderr=True))
 
 
-def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | None, console: Console) -> None:
-    """`reviewer report`: validate, reconcile dead runs, collect, render in the asked format to stdout or a file."""
+def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | None, console: Console,
+                   workdir: Path | None = None) -> None:
+    """`reviewer report`: validate, reconcile dead runs (and clean up after them), collect, render in the asked format
+    to stdout or a file. `workdir`: where reviews make their workspaces (besides the temporary folder)."""
     validate(flt)
     if fmt not in ("table", "markdown", "json", "html"):
         raise ReportError(f"unknown format '{fmt}' (one of: table, markdown, json, html)")
+    check_output(output)
+    check_database_path(db_path)
     if database_exists(db_path):
-        open_and_reconcile(db_path)
+        open_and_reconcile(db_path, workdir)
     if flt.repo and database_exists(db_path) and flt.repo not in (repos := known_repositories(db_path)):
         known = ", ".join(repos) if repos else "none yet"
         raise ReportError(f"no reviews of {flt.repo} in {db_path} (repositories: {known})")
@@ -444,7 +465,7 @@ def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | Non
         print_table(runs, history, db_path, console)
         return
     try:
-        with output.open("w") as handle:
+        with output.expanduser().open("w") as handle:
             print_table(runs, history, db_path, Console(file=handle, width=160))
     except OSError as e:
         raise ReportError(f"cannot write {output}: {e.strerror or e}") from None

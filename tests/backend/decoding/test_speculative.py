@@ -424,3 +424,34 @@ def test_cuda_engine_fast_path_is_lossless(make_model, exact):
     assert again == [t for b in Engine(model, fast=True, exact=exact).generate(follow, SamplingParams(max_tokens=20))
                      for t in b]
     assert specd.last_stats.cached_tokens > len(prompt)
+
+
+@pytest.mark.parametrize("loop", ["plain", "host_cycle", "device_cycle"])
+def test_no_step_or_cycle_begins_after_the_cancel_flag_is_seen(loop):
+    """Issue 42: the server sets the cancel flag the moment a client goes away; every decoding loop (plain steps, the
+    host's speculative cycle that the CPU serves with, the device cycle that the GPU serves with, run here on the
+    CPU) must check it before it begins the next step or cycle, so the engine is free within the one in flight. The
+    flag turns on as the consumer takes the second block: nothing more may be yielded, and no cycle may be counted
+    after it (the device cycle's verify queued before that yield is dropped, not run to completion)."""
+    model = tiny_llama()
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    drafter = None if loop == "plain" else random_drafter(model, block_size=4)
+    engine = Engine(model, drafter=drafter, fast=True, exact=False, device_cycle=loop == "device_cycle")
+    blocks, at_flag = [], {}
+
+    def cancelled() -> bool:
+        if len(blocks) >= 2 and not at_flag:
+            at_flag.update(cycles=engine.last_stats.cycles, tokens=engine.last_stats.generated_tokens)
+        return len(blocks) >= 2
+
+    for block in engine.generate(prompt, SamplingParams(max_tokens=60), cancelled=cancelled):
+        blocks.append(block)
+    stats = engine.last_stats
+    assert len(blocks) == 2 and stats.finish_reason == "cancelled", (blocks, stats.finish_reason)
+    assert at_flag and stats.cycles == at_flag["cycles"], (stats.cycles, at_flag)
+    if loop == "plain":
+        assert stats.generated_tokens == at_flag["tokens"] == 2
+    # the engine is left consistent: the next request decodes as a fresh plain engine does
+    follow = prompt + [3, 4]
+    expect = [t for b in Engine(model, fast=True, exact=False).generate(follow, SamplingParams(max_tokens=12)) for t in b]
+    assert [t for b in engine.generate(follow, SamplingParams(max_tokens=12)) for t in b] == expect

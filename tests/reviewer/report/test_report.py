@@ -133,7 +133,7 @@ def test_empty_database_in_every_format(tmp_path):
 
 
 def test_output_file(history_db, tmp_path):
-    out = tmp_path / "sub" / "report.md"
+    out = tmp_path / "report.md"
     result = report(history_db, "--format", "markdown", "--output", str(out))
     assert result.exit_code == 0 and result.output == ""
     assert out.read_text().startswith("# Review report")

@@ -1,7 +1,8 @@
-"""What a review killed with SIGKILL leaves behind, and who cleans it up (issue 29): `reviewer report` shows its run as
-interrupted at once (it used to say `running` until some later `reviewer run`), and the next review removes its
-workspace (a disk-capped mount, where the machine allows) and its sandbox scratch folder, leaving alone what a live
-process owns. Real processes, a real database, a real sandbox; nothing mocked."""
+"""What a review killed with SIGKILL leaves behind, and who cleans it up (issues 29 and 42): the first command to
+notice the run is dead, `reviewer report` here, shows its run as interrupted at once (it used to say `running` until
+some later `reviewer run`) and removes its workspace (a disk-capped mount on a loop device, where the machine allows:
+it used to stay mounted until the next review) and its sandbox scratch folder, leaving alone what a live process
+owns. Real processes, a real database, a real sandbox; nothing mocked."""
 import json
 import os
 import signal
@@ -32,7 +33,7 @@ def mounted(path: Path) -> bool:
     return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
 
 
-def test_sigkilled_review_is_reconciled_by_report_and_swept_by_the_next_review(tmp_path):
+def test_sigkilled_review_is_reconciled_and_swept_by_report(tmp_path):
     marker = f"300.{os.getpid()}{time.monotonic_ns() % 10**6}"
     hang = make_repo(tmp_path / "hang", {"Makefile": f"test:\n\tsleep {marker}\n"})
     quick = make_repo(tmp_path / "quick", {"Makefile": "test:\n\ttrue\n"})
@@ -69,14 +70,16 @@ def test_sigkilled_review_is_reconciled_by_report_and_swept_by_the_next_review(t
     assert run["status"] == "interrupted" and "ended without finishing" in run["error"], run
     assert [(p["name"], p["status"]) for p in run["personas"]] == [("smoke", "interrupted")]
     assert "marked interrupted" in shown.stderr
-
-    again = reviewer("run", str(quick), "--db", str(db), "--persona", "smoke", env=env, cwd=tmp_path)
-    assert again.returncode == 0, again.stdout + again.stderr
     assert not workspace.exists() and not mounted(workspace)
     assert not Path(str(workspace) + ".img").exists()
     assert leftovers(work, proc.pid) == [] and leftovers(scratch, proc.pid) == []
     assert live.is_dir() and unowned.is_dir()
-    assert "left by killed reviews" in again.stdout
+    assert "left by killed reviews" in shown.stderr
+
+    again = reviewer("run", str(quick), "--db", str(db), "--persona", "smoke", env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert live.is_dir() and unowned.is_dir()
+    assert "left by killed reviews" not in again.stdout  # nothing left for it
 
 
 def test_report_on_a_file_that_is_not_a_database_is_one_line(tmp_path):
@@ -88,3 +91,27 @@ def test_report_on_a_file_that_is_not_a_database_is_one_line(tmp_path):
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and f"cannot open the database {path}" in lines[0], done.stderr
         assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_report_paths_with_a_missing_folder_are_errors(tmp_path):
+    """A typo in --db or -o is an error (it used to be "No reviews yet" and "Wrote ..."): one line, exit code 2, no
+    traceback, nothing written. A database file not made yet in a folder that exists is still "No reviews yet"."""
+    env, db = {"XDG_CONFIG_HOME": str(tmp_path / "config")}, tmp_path / "reviews.db"
+    missing_db = tmp_path / "missing" / "dir" / "x.db"
+    missing = reviewer("report", "--db", str(missing_db), env=env, cwd=tmp_path)
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        f"error: no database at {missing_db}: the folder {missing_db.parent} does not exist"], missing.stderr
+    assert "No reviews" not in missing.stdout and not (tmp_path / "missing").exists()
+    for fmt in ("html", "markdown", "json", "table"):
+        out = tmp_path / "nonexistent" / "dir" / f"r.{fmt}"
+        done = reviewer("report", "--db", str(db), "--format", fmt, "-o", str(out), env=env, cwd=tmp_path)
+        assert done.returncode == 2, (fmt, done.stdout, done.stderr)
+        assert done.stderr.strip().splitlines() == [
+            f"error: cannot write {out}: the folder {out.parent} does not exist"], done.stderr
+        assert "Wrote" not in done.stdout and "Traceback" not in done.stderr
+    assert not (tmp_path / "nonexistent").exists() and not db.exists()
+    fresh = reviewer("report", "--db", str(db), env=env, cwd=tmp_path)
+    assert fresh.returncode == 0 and "No reviews" in fresh.stdout, fresh.stdout + fresh.stderr
+    helped = reviewer("report", "--help", env=env, cwd=tmp_path)
+    assert "marked interrupted first" in " ".join(helped.stdout.split()), helped.stdout
