@@ -190,6 +190,16 @@ def serve(
     body_timeout: Annotated[
         float, typer.Option(help="Seconds a request body may take to arrive in full (408 after that).")
     ] = 60.0,
+    cpu_engine: Annotated[
+        str, typer.Option(help="On the CPU: 'llama.cpp' (llama.cpp's runtime from the xllamacpp wheel, reading a GGUF's "
+                               "own quantized weights), 'torch' (our engine, fp32 or bf16, with the DFlash drafter), or "
+                               "'auto': llama.cpp for a GGUF model (embedded too) when installed and no drafter folder "
+                               "is named (docs/backends.md).")
+    ] = "auto",
+    threads: Annotated[
+        Optional[int], typer.Option(help="llama.cpp engine threads (default: one per usable CPU, fewer when the "
+                                         "machine is already busy; always a passive wait). Printed in the ready line.")
+    ] = None,
 ) -> None:
     """Serve a local model over an OpenAI- and Anthropic-compatible HTTP API (batch 1, speculative decoding).
     SIGTERM or Ctrl-C ends streams with a final error event and exits within a few seconds."""
@@ -212,7 +222,8 @@ def serve(
         raise fail(f"--max-body-mb must be positive, got {max_body_mb:g}")
     serve_backend(model=model, drafter=drafter, host=host, port=port, uds=uds, device=device, dtype=dtype,
                   max_context=max_context, api_key=api_key, allow_remote_without_key=allow_remote_without_key,
-                  max_body_bytes=None if max_body_mb is None else int(max_body_mb * 2**20), body_timeout=body_timeout)
+                  max_body_bytes=None if max_body_mb is None else int(max_body_mb * 2**20), body_timeout=body_timeout,
+                  cpu_engine=cpu_engine, threads=threads)
 
 
 @app.command()

@@ -55,12 +55,15 @@ def check_api_key(request: Request) -> None:
 def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", device: str = "auto", dtype: str = "auto",
                max_context: int | None = None, api_key: str | None = None,
                queue_timeout: float = DEFAULT_QUEUE_TIMEOUT, max_body_bytes: int | None = None,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, cpu_engine: str = "auto",
+               threads: int | None = None) -> FastAPI:
     """The ASGI app. The model loads on a background thread once the app starts (lifespan), so the socket answers
     /health (503) at once. `model` may also be an already loaded LoadedModel (tests). `max_body_bytes`: the request
-    body cap (default: sized to the context window); `body_timeout`: seconds a body may take to arrive."""
+    body cap (default: sized to the context window); `body_timeout`: seconds a body may take to arrive. `cpu_engine`:
+    auto, torch or llama.cpp (ServerState._engine_kind); `threads`: llama.cpp's threads (default: chosen for the
+    machine, backend/decoding/llamacpp.py)."""
     state = ServerState(model, drafter, device, dtype, max_context, api_key, queue_timeout, max_body_bytes,
-                        body_timeout)
+                        body_timeout, cpu_engine, threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -190,7 +193,8 @@ def bind_socket(host: str, port: int, uds: str | None) -> socket.socket:
 
 def serve(model: str, drafter: str, host: str, port: int, uds: str | None, device: str, dtype: str,
           max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False,
-          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT, cpu_engine: str = "auto",
+          threads: int | None = None) -> None:
     """Run the server until interrupted (blocking). Prints one "listening on ..." line once the socket is up; the
     model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
     bad setup (model path, drafter, port, an address in use). SIGTERM or Ctrl-C: streams end with a final error event,
@@ -218,9 +222,15 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
         print(f"reviewer serve: --body-timeout must be a positive number of seconds, got {body_timeout:g}",
               file=sys.stderr)
         raise SystemExit(2)
+    if cpu_engine not in ("auto", "torch", "llama.cpp"):
+        print(f"reviewer serve: --cpu-engine must be auto, torch or llama.cpp, got {cpu_engine!r}", file=sys.stderr)
+        raise SystemExit(2)
+    if threads is not None and threads < 1:
+        print(f"reviewer serve: --threads must be at least 1, got {threads}", file=sys.stderr)
+        raise SystemExit(2)
     sock = bind_socket(host, port, uds)
     app = create_app(model, drafter, device, dtype, max_context, api_key, max_body_bytes=max_body_bytes,
-                     body_timeout=body_timeout)
+                     body_timeout=body_timeout, cpu_engine=cpu_engine, threads=threads)
     state: ServerState = app.state.reviewer
 
     class Server(uvicorn.Server):

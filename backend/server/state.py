@@ -12,7 +12,7 @@ import logging
 import threading
 
 from backend import chat
-from backend.loading import LoadedModel, ModelLoadError, load_model
+from backend.loading import LoadedModel, ModelLoadError, gguf_file, load_for_gguf_runtime, load_model, resolve_device
 from backend.server.metrics import Metrics
 from backend.server.worker import EngineWorker
 
@@ -51,8 +51,10 @@ class ServerState:
     """What the routes need: settings, metrics, and (once loading finished) the model and the engine worker."""
 
     def __init__(self, model, drafter: str, device: str, dtype: str, max_context: int | None, api_key: str | None,
-                 queue_timeout: float, max_body_bytes: int | None, body_timeout: float):
+                 queue_timeout: float, max_body_bytes: int | None, body_timeout: float, cpu_engine: str = "auto",
+                 threads: int | None = None):
         self.model_spec, self.drafter_spec = model, drafter
+        self.cpu_engine, self.threads = cpu_engine, threads
         self.device, self.dtype, self.max_context_arg = device, dtype, max_context
         self.api_key, self.queue_timeout = api_key, queue_timeout
         self.max_body_arg, self.body_timeout = max_body_bytes, body_timeout
@@ -77,20 +79,17 @@ class ServerState:
     # -- loading (background thread) --
     def load(self) -> None:
         try:
-            from backend.decoding.engine import Engine, SamplingParams  # torch: seconds, after the socket is up
-
-            loaded = self.model_spec if isinstance(self.model_spec, LoadedModel) else load_model(
-                self.model_spec, self.device, self.dtype, self.max_context_arg)
-            drafter = resolve_drafter(self.drafter_spec, loaded)
-            engine = Engine(loaded.model, drafter=drafter, max_context=loaded.max_context)
-            if engine.fast and engine.device.type == "cuda":
-                # the fast path compiles its glue and captures CUDA graphs on first use: do it now, while /health
-                # says "loading", not inside the first request
-                log.info("warming up the fast path (torch.compile + CUDA graphs; up to a minute)")
-                list(engine.generate([0] * 8, SamplingParams(max_tokens=4)))
+            if self._engine_kind() == "llama.cpp":
+                loaded, engine = self._load_llamacpp()
+            else:
+                loaded, engine = self._load_torch()
             self.loaded, self.tool_style = loaded, chat.tool_style(loaded.tokenizer)
-            self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
-            self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
+            if loaded.model is None:
+                self.stop_ids = chat.stop_token_ids(loaded.tokenizer, loaded.generation_config)
+                self.vocab_size = loaded.vocab_size
+            else:
+                self.stop_ids = chat.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
+                self.vocab_size = loaded.model.get_input_embeddings().weight.shape[0]
             self.max_token_chars = max(map(len, loaded.tokenizer.get_vocab()), default=0)
             self.worker = EngineWorker(engine, self.metrics)
             release_freed_memory()  # what loading freed (conversion, casts): ~10 MB from the embedded model's cache
@@ -108,6 +107,48 @@ class ServerState:
             log.error("model loading failed: %s", self.load_error)
             if self.on_load_failure:
                 self.on_load_failure()
+
+    def _engine_kind(self) -> str:
+        """--cpu-engine: 'torch', 'llama.cpp', or 'auto': llama.cpp's runtime for a GGUF model (the embedded one
+        included) on the CPU when it is installed and no drafter folder was named (the drafter is a torch model);
+        the torch engine otherwise (a GPU, a Hugging Face folder, an already loaded model)."""
+        if self.cpu_engine not in ("auto", "torch", "llama.cpp"):
+            raise ModelLoadError(f"--cpu-engine must be auto, torch or llama.cpp, got {self.cpu_engine!r}")
+        if self.cpu_engine == "torch" or isinstance(self.model_spec, LoadedModel):
+            return "torch"
+        from backend.decoding import llamacpp
+
+        if self.cpu_engine == "llama.cpp":
+            if not llamacpp.available():
+                raise ModelLoadError("--cpu-engine llama.cpp needs the `xllamacpp` wheel: pip install xllamacpp")
+            return "llama.cpp"
+        if self.drafter_spec not in (None, "", "auto", "none") or not llamacpp.available():
+            return "torch"
+        return "llama.cpp" if resolve_device(self.device) == "cpu" and gguf_file(self.model_spec) else "torch"
+
+    def _load_llamacpp(self):
+        from backend.decoding import llamacpp
+
+        loaded = load_for_gguf_runtime(self.model_spec, self.max_context_arg)
+        engine = llamacpp.LlamaCppEngine(loaded.gguf, max_context=loaded.max_context, vocab_size=loaded.vocab_size,
+                                         threads=llamacpp.choose_threads(self.threads),
+                                         weights=f"{loaded.dtype} weights as the file holds them")
+        loaded.dtype = f"{loaded.dtype} (llama.cpp)"
+        return loaded, engine
+
+    def _load_torch(self):
+        from backend.decoding.engine import Engine, SamplingParams  # torch: seconds, after the socket is up
+
+        loaded = self.model_spec if isinstance(self.model_spec, LoadedModel) else load_model(
+            self.model_spec, self.device, self.dtype, self.max_context_arg)
+        drafter = resolve_drafter(self.drafter_spec, loaded)
+        engine = Engine(loaded.model, drafter=drafter, max_context=loaded.max_context)
+        if engine.fast and engine.device.type == "cuda":
+            # the fast path compiles its glue and captures CUDA graphs on first use: do it now, while /health
+            # says "loading", not inside the first request
+            log.info("warming up the fast path (torch.compile + CUDA graphs; up to a minute)")
+            list(engine.generate([0] * 8, SamplingParams(max_tokens=4)))
+        return loaded, engine
 
     @property
     def model_ids(self) -> set[str]:
