@@ -61,7 +61,8 @@ ContextWindowOption = Annotated[
 ]
 PersonaOption = Annotated[
     Optional[list[str]],
-    typer.Option("--persona", "-p", help="Persona to run (repeatable). Default: smoke, performance, correctness, docs."),
+    typer.Option("--persona", "-p", help="Persona to run (repeatable). Default: smoke, performance, correctness, docs; "
+                 "with the embedded model only smoke (the others need a capable --llm)."),
 ]
 PersonasDirOption = Annotated[
     Optional[list[Path]], typer.Option("--personas-dir", help="Extra folder of persona .md files (repeatable).")
@@ -103,9 +104,16 @@ def run(
         llm=llm, model=model, context_window=context_window, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
         personas_dir=personas_dir, isolation=isolation, probes=False if no_probes else None,
     )
+    from reviewer.run.inputs import UserError, check_inputs  # light: bad input answers before the SDKs load
+
+    try:
+        checked = check_inputs(target, settings, ref)
+    except UserError as e:
+        raise fail(str(e)) from None
     from reviewer.run.review import run_command
 
-    raise typer.Exit(run_command(target, settings, ref=ref, no_wait=no_wait, json_output=json_output, console=console))
+    raise typer.Exit(run_command(target, settings, ref=ref, no_wait=no_wait, json_output=json_output, console=console,
+                                 checked=checked))
 
 
 @app.command()
