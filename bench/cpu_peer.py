@@ -62,6 +62,7 @@ class Server:
         self.process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=self.log,
                                         stderr=subprocess.STDOUT, text=True)
         self.ready_line = ""
+        self.describe = ""
 
     def wait_ready(self, http, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -109,7 +110,22 @@ def start_peer(kind: str, logs: Path) -> Server:
                 "p.port = int(sys.argv[2]); s = x.Server(p); print('ready:', s.listening_address, flush=True)\n"
                 "while True: time.sleep(3600)")
         command = [sys.executable, "-c", code, gguf, str(port)]
-    return Server(f"peer[{kind}]", command, {}, f"http://127.0.0.1:{port}", logs / f"peer-{port}.log")
+    server = Server(f"peer[{kind}]", command, {}, f"http://127.0.0.1:{port}", logs / f"peer-{port}.log")
+    server.describe = (f"llama-cpp-python {_version('llama-cpp-python')} (`python -m llama_cpp.server`, compiled here "
+                       "by `make peer-server`, -march=native, its own thread default), Q4_1 as the file holds it"
+                       if kind == "llama-cpp-python" else
+                       f"xllamacpp {_version('xllamacpp')}'s llama-server (prebuilt wheel, its own thread default), "
+                       "Q4_1 as the file holds it")
+    return server
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def one_request(http, server: Server, prompt: str, max_tokens: int, timeout: float) -> dict:
@@ -190,7 +206,7 @@ def main() -> None:
     for condition in record["conditions"]:
         record[f"ratio_{condition}"] = record["conditions"][condition][first]["ratio_vs_peer"]
     record["ratio_of"] = f"{first} over {servers[-1].label}, median tok/s"
-    record["numerics"] = {s.label: s.ready_line.split("ready:", 1)[-1].strip() for s in servers}
+    record["numerics"] = {s.label: s.describe or s.ready_line.split("ready:", 1)[-1].strip() for s in servers}
     out = opts.out or ROOT / "bench" / "results" / f"cpu_peer-{datetime.now():%Y%m%d_%H%M%S}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k.startswith("ratio")}, indent=1), "->", out)

@@ -139,11 +139,14 @@ class LlamaCppEngine:
                     break
                 stats.generated_tokens += 1
                 yield [item]
-            else:
-                stats.finish_reason = "cancelled" if run.cancelled_seen else "length"
         finally:
             run.stop = True
             run.thread.join()
+        if stats.finish_reason != "stop":
+            # llama.cpp itself ends at the vocabulary's end-of-generation tokens (they are in every stop list the
+            # server sends; its own finish reason says so when they are not)
+            ended = next((c.get("finish_reason") for c in run.final.get("choices") or ()), None)
+            stats.finish_reason = ("cancelled" if run.cancelled_seen else "stop" if ended == "stop" else "length")
         _fill_timings(stats, run.final)
 
 
