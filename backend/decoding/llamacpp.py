@@ -9,10 +9,11 @@ side by side (bench/cpu_peer.py, bench/results/cpu_peer-*.json): the torch engin
 torch model, so this engine decodes plainly; `reviewer serve --cpu-engine torch` keeps the torch engine (and its
 speculation) where that is wanted.
 
-Threads: llama.cpp's worker threads spin between ops by default (`poll` 50), which on a shared machine takes cores
-from the sandboxed installs and tests the reviewer runs beside the model, and stalls the model itself when its spinners
-are descheduled. choose_threads() picks the count from the CPUs this process may use and the machine's load, with a
-passive wait (poll 0: a worker sleeps instead of spinning); the choice is printed in the ready line.
+Threads: llama.cpp's worker threads spin between ops by default, which on a shared machine takes cores from the
+sandboxed installs and tests the reviewer runs beside the model, and stalls the model itself when its spinners are
+descheduled. choose_threads() picks the count from the CPUs this process may use and the machine's load, with a
+passive wait: ggml's `poll` 0 for its own thread pool, and OMP_WAIT_POLICY=PASSIVE (set by `serve` before the library
+loads) for builds whose threads are OpenMP's, as the xllamacpp wheel's are. The choice is printed in the ready line.
 
 Data flow: server worker thread -> LlamaCppEngine.generate(prompt_ids) -> xllamacpp.Server.handle_completions (token
 ids in, one streamed chunk per token, its id from the chunk's logprobs) on a helper thread -> a queue -> token ids
@@ -44,13 +45,18 @@ def available() -> bool:
 
 @dataclass
 class ThreadChoice:
-    threads: int
+    threads: int  # decode
     poll: int  # ggml's busy-wait level between ops: 0 = sleep at once (passive), 50 = llama.cpp's default
     why: str
+    batch_threads: int = 0  # prefill (0: as many as `threads`)
 
     def describe(self) -> str:
         wait = "passive wait" if self.poll == 0 else f"spin-wait {self.poll}"
-        return f"{self.threads} thread{'s' if self.threads != 1 else ''}, {wait} ({self.why})"
+        batch = self.batch_threads or self.threads
+        count = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        if batch != self.threads:
+            count = f"{count} decoding, {batch} prefilling"
+        return f"{count}, {wait} ({self.why})"
 
 
 def usable_cpus() -> int:
@@ -68,6 +74,8 @@ def choose_threads(threads: int | None = None, cpus: int | None = None, load: fl
     if threads is not None:
         return ThreadChoice(max(1, threads), 0, "asked for")
     cpus = usable_cpus() if cpus is None else cpus
+    # Prefill is compute-bound and short: it takes every usable CPU whatever the load (fewer threads only gave the
+    # busy processes a larger share of the cores while a 4,000-token prompt waited: bench/results/cpu_prefill-*.json).
     if load is None:
         try:
             load = os.getloadavg()[0]
@@ -75,8 +83,8 @@ def choose_threads(threads: int | None = None, cpus: int | None = None, load: fl
             load = 0.0
     free = max(1, int(cpus - load + 0.5))
     if free >= cpus:
-        return ThreadChoice(cpus, 0, f"{cpus} usable CPUs, idle")
-    return ThreadChoice(free, 0, f"{cpus} usable CPUs, load {load:.1f}")
+        return ThreadChoice(cpus, 0, f"{cpus} usable CPUs, idle", cpus)
+    return ThreadChoice(free, 0, f"{cpus} usable CPUs, load {load:.1f}", cpus)
 
 
 def runtime_version() -> str:
@@ -106,8 +114,9 @@ class LlamaCppEngine:
         params.n_parallel = 1  # batch 1, as our engine: the server queues requests in FIFO order
         params.n_gpu_layers = 0
         params.warmup = True
-        for cpu in (params.cpuparams, params.cpuparams_batch):
-            cpu.n_threads = threads.threads
+        for cpu, count in ((params.cpuparams, threads.threads),
+                           (params.cpuparams_batch, threads.batch_threads or threads.threads)):
+            cpu.n_threads = count
             cpu.poll = threads.poll
         params.verbosity = -1
         self.server = xllamacpp.Server(params)

@@ -199,6 +199,10 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
     model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
     bad setup (model path, drafter, port, an address in use). SIGTERM or Ctrl-C: streams end with a final error event,
     other requests get a 503, and the process exits within a few seconds."""
+    # OpenMP threads that spin between parallel regions take the cores the reviewer's sandboxed work needs, and stall
+    # the torch engine itself when the box is busy (bench/results/cpu_peer-torch_engine-20261203.json): a passive
+    # wait, unless the user set one. Read once, when torch loads (on the loading thread, after this).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

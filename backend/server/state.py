@@ -74,6 +74,7 @@ class ServerState:
         self.vocab_size = 0
         self.max_token_chars = 0  # the longest token's text: a prompt longer than window x this cannot fit (jobs.py)
         self.decoding = ""  # plain or speculative, lossless or not (Engine.describe_decoding), once loaded
+        self.decoding_note = ""  # why the shipped drafter was left out on this CPU, if it was
         self.on_ready = None  # called with the state once the model is ready (serve prints the ready line)
 
     # -- loading (background thread) --
@@ -95,7 +96,7 @@ class ServerState:
             release_freed_memory()  # what loading freed (conversion, casts): ~10 MB from the embedded model's cache
             self.metrics.model_ready.set(1)
             self.ready.set()
-            self.decoding = engine.describe_decoding()
+            self.decoding = engine.describe_decoding() + self.decoding_note
             log.info("model %s ready on %s (%s, context %d tokens): %s", loaded.name, loaded.device,
                      loaded.dtype, loaded.max_context, self.decoding)
             if self.on_ready:
@@ -143,6 +144,12 @@ class ServerState:
             self.model_spec, self.device, self.dtype, self.max_context_arg)
         drafter = resolve_drafter(self.drafter_spec, loaded)
         engine = Engine(loaded.model, drafter=drafter, max_context=loaded.max_context)
+        if drafter is not None and engine.device.type == "cpu" and self.drafter_spec == "auto":
+            pays, why = speculation_pays_on_cpu(engine)
+            log.info("speculation on this CPU: %s", why)
+            if not pays:
+                engine = Engine(loaded.model, drafter=None, max_context=loaded.max_context)
+                self.decoding_note = f"; speculation off: {why}"
         if engine.fast and engine.device.type == "cuda":
             # the fast path compiles its glue and captures CUDA graphs on first use: do it now, while /health
             # says "loading", not inside the first request
@@ -157,6 +164,31 @@ class ServerState:
         if isinstance(self.model_spec, str):
             ids.add(self.model_spec)
         return ids
+
+
+# Tokens a cycle the shipped drafter commits on the CPU (bench/results/spec_embedded_shipped_cpu.json: 2.85 and 2.83;
+# issue 43 measured 2.44 on a loaded box). A cycle costs a block verify plus the draft, so speculation cannot pay where
+# the verify alone costs this many plain steps.
+CPU_DRAFTER_TAU = 2.8
+
+
+def speculation_pays_on_cpu(engine) -> tuple[bool, str]:
+    """The measured rule at load for the torch engine on a CPU with the shipped drafter (--drafter auto): a short
+    generation gives the target a context, then Engine.measure_verify_costs times a verify of 1..block tokens on this
+    machine, now. On a CPU whose matmuls cost what their rows cost (fp32 without AMX: a 16-token verify ~4x a step)
+    speculation loses (issue 43: 0.32x plain decoding on a loaded 2-core EPYC); with AMX in bf16 a 16-row matmul
+    costs about one row's, and it wins (1.86x). An explicitly named drafter is kept: that is the user's choice."""
+    from backend.decoding.engine import SamplingParams
+
+    list(engine.generate(list(range(1, 33)), SamplingParams(max_tokens=4)))
+    costs = engine.measure_verify_costs(reps=2)
+    if not costs:
+        return True, "no verify cost measured"
+    block = max(costs)
+    ratio = costs[block] / costs[1]
+    why = (f"a {block}-token verify costs {ratio:.1f}x a one-token step here, the drafter commits ~{CPU_DRAFTER_TAU} "
+           "tokens a cycle")
+    return ratio < CPU_DRAFTER_TAU, why
 
 
 def resolve_drafter(spec: str | None, loaded: LoadedModel):

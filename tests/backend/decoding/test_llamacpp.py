@@ -72,8 +72,10 @@ def test_bad_input_is_a_value_error(engine, prompt, params, message):
 
 
 def test_the_thread_choice_follows_the_cpus_and_the_load():
-    assert choose_threads(cpus=2, load=0.1) == ThreadChoice(2, 0, "2 usable CPUs, idle")
-    assert choose_threads(cpus=2, load=4.0).threads == 1  # two busy processes already: leave them a core
+    assert choose_threads(cpus=2, load=0.1) == ThreadChoice(2, 0, "2 usable CPUs, idle", 2)
+    busy = choose_threads(cpus=2, load=4.0)
+    assert (busy.threads, busy.batch_threads) == (1, 2)  # decode leaves the busy processes a core; prefill takes both
+    assert busy.describe() == "1 thread decoding, 2 prefilling, passive wait (2 usable CPUs, load 4.0)"
     assert choose_threads(cpus=8, load=2.0).threads == 6
     assert choose_threads(threads=3).describe() == "3 threads, passive wait (asked for)"
     assert all(choose_threads(cpus=c, load=l).poll == 0 for c in (1, 2, 16) for l in (0.0, 9.0))
