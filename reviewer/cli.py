@@ -86,7 +86,7 @@ def run(
     context_window: ContextWindowOption = None,
     db: DbOption = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Step budget per persona (overrides the persona's own).")] = None,
-    timeout: Annotated[Optional[float], typer.Option(help="Wall-clock limit per persona, seconds.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Wall-clock limit per persona, seconds; it cuts an LLM call or a command under way.")] = None,
     personas_dir: PersonasDirOption = None,
     isolation: Annotated[Optional[str], typer.Option(help="Sandbox: auto, bwrap or none (none is loudly reported).")] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Fail at once if another review holds this machine.")] = False,
