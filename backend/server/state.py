@@ -145,11 +145,13 @@ class ServerState:
         drafter = resolve_drafter(self.drafter_spec, loaded)
         engine = Engine(loaded.model, drafter=drafter, max_context=loaded.max_context)
         if drafter is not None and engine.device.type == "cpu" and self.drafter_spec == "auto":
-            pays, why = speculation_pays_on_cpu(engine)
+            plain = Engine(loaded.model, drafter=None, max_context=loaded.max_context)
+            pays, why = speculation_pays_on_cpu(engine, plain)
             log.info("speculation on this CPU: %s", why)
             if not pays:
-                engine = Engine(loaded.model, drafter=None, max_context=loaded.max_context)
+                engine = plain
                 self.decoding_note = f"; speculation off: {why}"
+            del plain
         if engine.fast and engine.device.type == "cuda":
             # the fast path compiles its glue and captures CUDA graphs on first use: do it now, while /health
             # says "loading", not inside the first request
@@ -172,22 +174,28 @@ class ServerState:
 CPU_DRAFTER_TAU = 2.8
 
 
-def speculation_pays_on_cpu(engine) -> tuple[bool, str]:
-    """The measured rule at load for the torch engine on a CPU with the shipped drafter (--drafter auto): a short
-    generation gives the target a context, then Engine.measure_verify_costs times a verify of 1..block tokens on this
-    machine, now. On a CPU whose matmuls cost what their rows cost (fp32 without AMX: a 16-token verify ~4x a step)
-    speculation loses (issue 43: 0.32x plain decoding on a loaded 2-core EPYC); with AMX in bf16 a 16-row matmul
-    costs about one row's, and it wins (1.86x). An explicitly named drafter is kept: that is the user's choice."""
+def speculation_pays_on_cpu(engine, plain) -> tuple[bool, str]:
+    """The measured rule at load for the torch engine on a CPU with the shipped drafter (--drafter auto): what a
+    speculative cycle costs here (draft + verify + rollback, from a short generation's GenerationStats, exact mode)
+    against the drafter's tokens per cycle (CPU_DRAFTER_TAU, measured on real prompts; the load-time prompt is too
+    short to say) times a step of the plain engine it competes with (`plain`: no drafter, unpadded), both timed on this
+    machine now, each after a warm-up. On a CPU whose matmuls cost what their rows cost (fp32 without AMX) speculation loses (issue 43:
+    0.32x plain decoding on a loaded 2-core EPYC); with AMX in bf16 a 16-row matmul costs about one row's, and it wins
+    (1.86x). An explicitly named drafter is kept: that is the user's choice."""
     from backend.decoding.engine import SamplingParams
 
-    list(engine.generate(list(range(1, 33)), SamplingParams(max_tokens=4)))
-    costs = engine.measure_verify_costs(reps=2)
-    if not costs:
-        return True, "no verify cost measured"
-    block = max(costs)
-    ratio = costs[block] / costs[1]
-    why = (f"a {block}-token verify costs {ratio:.1f}x a one-token step here, the drafter commits ~{CPU_DRAFTER_TAU} "
-           "tokens a cycle")
+    prompt = list(range(1, 33))
+    for warm in (True, False):
+        list(engine.generate(prompt, SamplingParams(max_tokens=4 if warm else 24)))
+        list(plain.generate(prompt, SamplingParams(max_tokens=4 if warm else 9)))  # 8 forwards: the 9th needs none
+    spec, base = engine.last_stats, plain.last_stats
+    step = base.decode_seconds / max(1, base.generated_tokens - 1)
+    if not spec.cycles or step <= 0:
+        return True, "nothing measured"
+    cycle = (spec.draft_seconds + spec.verify_seconds + spec.rollback_seconds) / spec.cycles
+    ratio = cycle / step
+    why = (f"a speculative cycle (draft + {engine.drafter.block_size}-token verify) costs {ratio:.1f}x a plain step "
+           f"here, the drafter commits ~{CPU_DRAFTER_TAU} tokens a cycle")
     return ratio < CPU_DRAFTER_TAU, why
 
 

@@ -546,6 +546,29 @@ def test_a_gguf_model_on_the_cpu_is_served_by_llama_cpp_and_the_ready_line_says_
         assert stop(process)
 
 
+@pytest.mark.slow
+def test_the_torch_engine_on_a_cpu_keeps_the_shipped_drafter_only_where_a_verify_can_pay(tmp_path):
+    """--cpu-engine torch with --drafter auto: at load a verify of the whole block is timed against a one-token step on
+    this machine; where it costs more than the drafter's tokens per cycle, the ready line says speculation is off and
+    why, with the measured figure; elsewhere the engine is speculative."""
+    process = start_serve(tmp_path, cpu_engine="torch", drafter="auto")
+    try:
+        url = listening_address(process)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            assert wait_for(lambda: http.get("/health").status_code == 200, timeout=300)
+            ready = process.stdout.readline()
+            off = re.search(r"speculation off: a speculative cycle \(draft \+ 16-token verify\) costs ([\d.]+)x a plain step here", ready)
+            if off:
+                assert "plain decoding (no drafter); speculation off" in ready and float(off.group(1)) >= 2.8, ready
+            else:
+                assert "speculative decoding (DFlash" in ready, ready
+            answer = http.post("/v1/chat/completions", json={"model": "embedded", "temperature": 0, "max_tokens": 5,
+                                                              "messages": ASK}).json()
+            assert answer["usage"]["completion_tokens"] >= 1
+    finally:
+        assert stop(process)
+
+
 def test_serve_exits_when_the_model_fails_to_load(tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
