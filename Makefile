@@ -12,8 +12,10 @@ BUILD_PACKAGES := g++ cmake
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo
 # llama-cpp-python's OpenAI server: the peer backend tests/reviewer/llm/test_peer_backends.py reviews through (docs/backends.md).
-# PyPI has only its source, so it is compiled once per virtual environment, under its own stamp: a pyproject.toml
-# change does not rebuild it, and `make demo` does not need it. Only the shared libraries its Python package loads are
+# PyPI has only its source (no wheel for any platform), so it is compiled once per virtual environment, under its own
+# stamp: a pyproject.toml change does not rebuild it. `make test-peer` (and CI, .ci/run) builds it and runs those tests;
+# `make test` and `make demo` do without: `make test` reviews through llama.cpp's own llama-server from the prebuilt
+# xllamacpp wheel instead (tests/reviewer/llm/test_llama_server_peer.py). Only the shared libraries its Python package loads are
 # built: no llava/mtmd (multimodal), no tests, examples, tools or server binaries, no curl or OpenSSL; -march=native
 # for this machine alone (one CPU variant, not all of them).
 LLAMA_CPP_VERSION := 0.3.36
@@ -21,7 +23,7 @@ LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
 
-.PHONY: setup peer-server demo test system-deps build-deps clean
+.PHONY: setup peer-server demo test test-peer system-deps build-deps clean
 
 setup: $(STAMP)
 
@@ -75,8 +77,11 @@ demo: setup system-deps
 	@echo "  --persona docs   (a llama-server, vLLM or \`reviewer serve --model /path/to/model\` there; or --llm openai,"
 	@echo "  --llm anthropic: docs/backends.md)"
 
-test: setup system-deps peer-server
+test: setup system-deps
 	$(BIN)/python -m pytest -q
+
+test-peer: setup system-deps peer-server
+	$(BIN)/python -m pytest -q tests/reviewer/llm/test_peer_backends.py
 
 clean:
 	rm -rf $(VENV) build
