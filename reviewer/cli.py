@@ -61,7 +61,8 @@ ContextWindowOption = Annotated[
 ]
 PersonaOption = Annotated[
     Optional[list[str]],
-    typer.Option("--persona", "-p", help="Persona to run (repeatable). Default: smoke, performance, correctness, docs."),
+    typer.Option("--persona", "-p", help="Persona to run (repeatable). Default: smoke, performance, correctness, docs; "
+                 "with the embedded model only smoke (the others need a capable --llm)."),
 ]
 PersonasDirOption = Annotated[
     Optional[list[Path]], typer.Option("--personas-dir", help="Extra folder of persona .md files (repeatable).")
@@ -85,7 +86,7 @@ def run(
     context_window: ContextWindowOption = None,
     db: DbOption = None,
     max_steps: Annotated[Optional[int], typer.Option(help="Step budget per persona (overrides the persona's own).")] = None,
-    timeout: Annotated[Optional[float], typer.Option(help="Wall-clock limit per persona, seconds.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Wall-clock limit per persona, seconds; it cuts an LLM call or a command under way.")] = None,
     personas_dir: PersonasDirOption = None,
     isolation: Annotated[Optional[str], typer.Option(help="Sandbox: auto, bwrap or none (none is loudly reported).")] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Fail at once if another review holds this machine.")] = False,
@@ -103,9 +104,16 @@ def run(
         llm=llm, model=model, context_window=context_window, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
         personas_dir=personas_dir, isolation=isolation, probes=False if no_probes else None,
     )
+    from reviewer.run.inputs import UserError, check_inputs  # light: bad input answers before the SDKs load
+
+    try:
+        checked = check_inputs(target, settings, ref)
+    except UserError as e:
+        raise fail(str(e)) from None
     from reviewer.run.review import run_command
 
-    raise typer.Exit(run_command(target, settings, ref=ref, no_wait=no_wait, json_output=json_output, console=console))
+    raise typer.Exit(run_command(target, settings, ref=ref, no_wait=no_wait, json_output=json_output, console=console,
+                                 checked=checked))
 
 
 @app.command()
@@ -206,6 +214,16 @@ def serve(
     keepalive_timeout: Annotated[
         float, typer.Option(help="Seconds an idle keep-alive connection is kept between requests (then closed).")
     ] = 5.0,
+    cpu_engine: Annotated[
+        str, typer.Option(help="On the CPU: 'llama.cpp' (llama.cpp's runtime from the xllamacpp wheel, reading a GGUF's "
+                               "own quantized weights), 'torch' (our engine, fp32 or bf16, with the DFlash drafter), or "
+                               "'auto': llama.cpp for a GGUF model (embedded too) when installed and no drafter folder "
+                               "is named (docs/backends.md).")
+    ] = "auto",
+    threads: Annotated[
+        Optional[int], typer.Option(help="llama.cpp engine threads (default: one per usable CPU, fewer when the "
+                                         "machine is already busy; always a passive wait). Printed in the ready line.")
+    ] = None,
 ) -> None:
     """Serve a local model over an OpenAI- and Anthropic-compatible HTTP API (batch 1, speculative decoding).
     SIGTERM or Ctrl-C ends streams with a final error event and exits within a few seconds."""
@@ -230,7 +248,7 @@ def serve(
                   max_context=max_context, api_key=api_key, allow_remote_without_key=allow_remote_without_key,
                   max_body_bytes=None if max_body_mb is None else int(max_body_mb * 2**20), body_timeout=body_timeout,
                   max_connections=max_connections, max_queue=max_queue, header_timeout=header_timeout,
-                  keepalive_timeout=keepalive_timeout)
+                  keepalive_timeout=keepalive_timeout, cpu_engine=cpu_engine, threads=threads)
 
 
 @app.command()

@@ -47,6 +47,8 @@ class Reply:
     error: str = ""
     headers: dict = field(default_factory=dict)
     delay: float = 0.0  # seconds to wait before answering
+    chunk_delay: float = 0.0  # seconds between streamed content pieces (a slow model that keeps streaming)
+    pieces: int = 3  # how many pieces the content streams in
     finish_reason: str | None = None
 
 
@@ -219,7 +221,9 @@ class ScriptedLLM:
 
         yield chunk({"role": "assistant", "content": ""})
         if reply.content:
-            for piece in chunks_of(reply.content):
+            for piece in chunks_of(reply.content, reply.pieces):
+                if reply.chunk_delay:
+                    await asyncio.sleep(reply.chunk_delay)
                 yield chunk({"content": piece})
         for index, (call_id, name, args) in enumerate(self._calls(reply)):
             yield chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function",

@@ -76,7 +76,7 @@ def summary(r: dict, l_target_ms: float, baseline: dict) -> dict:
 def format_table(res: dict) -> str:
     m, runs = res["model"], res["runs"]
     lines = [f"reviewer bench  {res['date']}  {res['machine']['device']} "
-             f"({res['machine'].get('gpu') or res['machine'].get('cpu')}, {res['machine']['torch_threads']} threads)",
+             f"({res['machine'].get('gpu') or res['machine'].get('cpu')}, {res['machine']['torch_threads']} thread{'' if res['machine']['torch_threads'] == 1 else 's'})",
              f"target  {m['name']} ({m['class']}, {m['layers']} layers, {m['params_m']}M params, {m['dtype']})",
              f"drafter {res['drafter']['source']}"
              + (f", block {res['drafter']['block_size']}, {res['drafter']['block_attention']} block attention"

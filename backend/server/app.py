@@ -58,13 +58,16 @@ def check_api_key(request: Request) -> None:
 def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", device: str = "auto", dtype: str = "auto",
                max_context: int | None = None, api_key: str | None = None,
                queue_timeout: float = DEFAULT_QUEUE_TIMEOUT, max_body_bytes: int | None = None,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT, limits: ServeLimits | None = None) -> FastAPI:
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, limits: ServeLimits | None = None,
+               cpu_engine: str = "auto", threads: int | None = None) -> FastAPI:
     """The ASGI app. The model loads on a background thread once the app starts (lifespan), so the socket answers
     /health (503) at once. `model` may also be an already loaded LoadedModel (tests). `max_body_bytes`: the request
     body cap (default: sized to the context window); `body_timeout`: seconds a body may take to arrive; `limits`:
-    the connection and queue caps (the connection ones act only under serve's protocol, limits.py)."""
+    the connection and queue caps (the connection ones act only under serve's protocol, limits.py). `cpu_engine`:
+    auto, torch or llama.cpp (ServerState._engine_kind); `threads`: llama.cpp's threads (default: chosen for the
+    machine, backend/decoding/llamacpp.py)."""
     state = ServerState(model, drafter, device, dtype, max_context, api_key, queue_timeout, max_body_bytes,
-                        body_timeout, limits)
+                        body_timeout, limits, cpu_engine, threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -215,13 +218,19 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
           max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False,
           max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
           max_connections: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT) -> None:
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+          cpu_engine: str = "auto", threads: int | None = None) -> None:
     """Run the server until interrupted (blocking). Prints one "listening on ..." line once the socket is up; the
     model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
     bad setup (model path, drafter, port, an address in use, limits that cannot work). SIGTERM or Ctrl-C: streams end
     with a final error event, other requests get a 503, and the process exits within a few seconds.
     `max_connections` (default: 1024, lowered to fit the file-descriptor limit), `max_queue`, `header_timeout` and
-    `keepalive_timeout`: the connection limits of limits.py (backend/README.md, "Limits")."""
+    `keepalive_timeout`: the connection limits of limits.py (backend/README.md, "Limits"). `cpu_engine`, `threads`:
+    the CPU engine (backend/README.md, "The CPU engine")."""
+    # OpenMP threads that spin between parallel regions take the cores the reviewer's sandboxed work needs, and stall
+    # the torch engine itself when the box is busy (bench/results/cpu_peer-torch_engine-20261203.json): a passive
+    # wait, unless the user set one. Read once, when torch loads (on the loading thread, after this).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -245,6 +254,12 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
         print(f"reviewer serve: --body-timeout must be a positive number of seconds, got {body_timeout:g}",
               file=sys.stderr)
         raise SystemExit(2)
+    if cpu_engine not in ("auto", "torch", "llama.cpp"):
+        print(f"reviewer serve: --cpu-engine must be auto, torch or llama.cpp, got {cpu_engine!r}", file=sys.stderr)
+        raise SystemExit(2)
+    if threads is not None and threads < 1:
+        print(f"reviewer serve: --threads must be at least 1, got {threads}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         limits = plan_limits(raise_fd_limit(), max_connections, max_queue, header_timeout, keepalive_timeout)
     except LimitError as exc:
@@ -252,7 +267,7 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
         raise SystemExit(2) from None
     sock = bind_socket(host, port, uds)
     app = create_app(model, drafter, device, dtype, max_context, api_key, max_body_bytes=max_body_bytes,
-                     body_timeout=body_timeout, limits=limits)
+                     body_timeout=body_timeout, limits=limits, cpu_engine=cpu_engine, threads=threads)
     state: ServerState = app.state.reviewer
 
     class Server(uvicorn.Server):

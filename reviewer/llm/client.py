@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from reviewer.llm.errors import ContextOverflow, EndpointDown, LLMError, classify
+from reviewer.llm.errors import CallTimedOut, ContextOverflow, EndpointDown, LLMError, classify
 
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
@@ -100,11 +101,16 @@ class LLMClient:
              on_delta: Callable[[str], None] | None = None, request_timeout: float | None = None,
              **params) -> ChatResponse:
         """One completion. `on_delta` sees the generated text as it streams; `params` are sampling settings
-        (temperature, top_p, max_tokens, ...). Raises LLMError (or a subclass) with a one-line message."""
+        (temperature, top_p, max_tokens, ...). `request_timeout` is a wall-clock limit for the whole call, retries
+        included: past it the call is cut under way (CallTimedOut), however steadily the server streams. Raises
+        LLMError (or a subclass) with a one-line message."""
+        deadline = None if request_timeout is None else time.monotonic() + request_timeout
         attempt = 0
         while True:
             try:
-                return self._chat_once(messages, tools, on_delta, request_timeout, params)
+                return self._chat_until(deadline, messages, tools, on_delta, params)
+            except CallTimedOut:
+                raise
             except Exception as e:  # noqa: BLE001 - every SDK error is classified below
                 error, retryable, requested = classify(e, self.name, bool(tools))
                 if isinstance(error, ContextOverflow) and error.window and error.window < self.context_window:
@@ -115,7 +121,45 @@ class LLMClient:
                 attempt += 1
                 if not retryable or attempt >= limit:
                     raise error from None
-                time.sleep(self.retry.delay(attempt - 1, requested))
+                pause = self.retry.delay(attempt - 1, requested)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise error from None  # no time left for another try
+                time.sleep(pause)
+
+    def _chat_until(self, deadline: float | None, messages, tools, on_delta, params) -> ChatResponse:
+        """_chat_once, cut at `deadline`. An SDK's timeout is per read, so a server that keeps streaming (or a slow
+        model that sends a token every few seconds) never trips it: the call runs on a helper thread, and at the
+        deadline the caller gets CallTimedOut while the helper's next streamed piece ends the stream (closing the
+        connection, which a server like `reviewer serve` takes as a cancel)."""
+        if deadline is None:
+            return self._chat_once(messages, tools, on_delta, None, params)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CallTimedOut(f"the time limit ran out before the call to the LLM at {self.name}")
+        abandoned = threading.Event()
+        outcome: dict = {}
+
+        def deliver(piece: str) -> None:
+            if abandoned.is_set():
+                raise CallTimedOut("abandoned at the deadline")  # ends the SDK's stream on the helper thread
+            if on_delta is not None:
+                on_delta(piece)
+
+        def work() -> None:
+            try:
+                outcome["reply"] = self._chat_once(messages, tools, deliver, left, params)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                outcome["error"] = e
+
+        helper = threading.Thread(target=work, name="llm-call", daemon=True)
+        helper.start()
+        helper.join(left)
+        if helper.is_alive():
+            abandoned.set()
+            raise CallTimedOut(f"the time limit cut the call to the LLM at {self.name} after {left:.0f} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["reply"]
 
     def _chat_once(self, messages, tools, on_delta, request_timeout, params) -> ChatResponse:
         raise NotImplementedError

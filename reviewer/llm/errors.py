@@ -26,6 +26,10 @@ class EndpointDown(LLMError):
     """The endpoint did not answer (connection refused, reset, timed out): another endpoint may."""
 
 
+class CallTimedOut(LLMError):
+    """A wall-clock limit (a persona's --timeout) ended the call under way."""
+
+
 class ContextOverflow(LLMError):
     """The server says the prompt does not fit its context window; `window` is the size it names, if it does."""
 

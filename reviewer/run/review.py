@@ -23,9 +23,10 @@ from sqlmodel import select
 from reviewer.llm.endpoints import open_llm
 from reviewer.llm.errors import LLMError
 from reviewer.persona.agent import run_agent
-from reviewer.persona.files import Persona, PersonaError, select_personas
+from reviewer.persona.files import Persona
 from reviewer.persona.smoke import run_smoke
 from reviewer.report import report
+from reviewer.run.inputs import DETERMINISTIC_NAMES, CheckedInputs, UserError, check_inputs
 from reviewer.run.lock import LockBusy, lock_path, review_lock
 from reviewer.run.machine import machine_fingerprint
 from reviewer.run.recorder import DbRecorder, update_row
@@ -41,12 +42,9 @@ from reviewer.store.db import PersonaRun, ReviewRun
 from reviewer.text import first_line
 
 DETERMINISTIC = {"smoke": run_smoke}  # personas that run code instead of a model
+assert tuple(DETERMINISTIC) == DETERMINISTIC_NAMES  # inputs.py checks names without importing the runners
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 ENDED = ("completed", "step_budget", "token_budget", "timeout")
-
-
-class UserError(Exception):
-    """Bad input found before anything is written; one line."""
 
 
 # --- the run -----------------------------------------------------------------------------------------------------------
@@ -57,40 +55,22 @@ def error_exit(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def check_inputs(target: str, settings, ref: str | None) -> tuple[list[Persona], Target, isolation.Policy]:
-    """Everything that can be wrong with what the user typed, before the lock and before the database; the
-    personas, the target and the sandbox policy (built once: every persona's workspace and the verification use it)."""
-    try:
-        personas = select_personas(list(dict.fromkeys(settings.personas)), settings.personas_dir)  # each once
-    except PersonaError as e:
-        raise UserError(str(e)) from None
-    if not personas:
-        raise UserError("no persona selected")
-    for p in personas:
-        if p.deterministic and p.name not in DETERMINISTIC:
-            raise UserError(f"persona {p.name!r} ({p.source}) says `deterministic: true`, but only "
-                            f"{', '.join(DETERMINISTIC)} run without an LLM")
-    try:
-        policy = isolation.Policy.from_settings(settings)  # bubblewrap missing or broken: one line, nothing written
-    except isolation.IsolationError as e:
-        raise UserError(str(e)) from None
-    try:
-        return personas, resolve_target(target, ref), policy
-    except WorkspaceError as e:
-        raise UserError(str(e)) from None
-
-
 def run_command(target: str, settings, *, ref: str | None = None, no_wait: bool = False, json_output: bool = False,
-                console: Console | None = None, lock_held: bool = False, worker: str | None = None) -> int:
+                console: Console | None = None, lock_held: bool = False, worker: str | None = None,
+                checked: CheckedInputs | None = None) -> int:
     """`reviewer run TARGET`: returns the exit code (0 completed, 1 failed, 2 bad input, 75 machine busy with
     --no-wait, 130 interrupted). `reviewer loop` calls it with `lock_held` (it holds the machine lock from claiming a
-    queue row to verification) and its `worker` name, stored on the run."""
+    queue row to verification) and its `worker` name, stored on the run. `checked`: the inputs, if the caller checked
+    them already (cli.py does, before importing this module)."""
     console = console or Console()
     ui = Console(stderr=True) if json_output else console  # with --json, stdout carries only the JSON
     try:
-        personas, tgt, policy = check_inputs(target, settings, ref)
+        checked = checked or check_inputs(target, settings, ref)
     except UserError as e:
         return error_exit(str(e))
+    personas, tgt, policy = checked.personas, checked.target, checked.policy
+    if checked.note:
+        ui.print(f"[yellow]note:[/yellow] {escape(checked.note)}", highlight=False, soft_wrap=True)
     llm_personas = [p for p in personas if not p.deterministic]
     where = f"{tgt.url} @ {tgt.commit[:12]}" + (f" ({tgt.ref})" if tgt.ref else f" ({tgt.branch})" if tgt.branch else "")
     run_id = None

@@ -22,7 +22,7 @@ MAY_IMPORT = {
 }
 # The server binds its socket before torch loads: these imports wait until a request or the loading thread needs them.
 LAZY_OK = {("backend.server.jobs", "backend.decoding.engine"), ("backend.server.state", "backend.decoding.engine"),
-           ("backend.server.state", "backend.dflash.checkpoint")}
+           ("backend.server.state", "backend.dflash.checkpoint"), ("backend.server.state", "backend.decoding.llamacpp")}
 
 
 def part(module: str) -> str:

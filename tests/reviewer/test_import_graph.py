@@ -23,7 +23,7 @@ MAY_IMPORT = {
 # Imports inside functions that keep something heavy out of start-up, each for its reason (the cli's docstring).
 LAZY_OK = {("reviewer.cli", "reviewer.run.review"), ("reviewer.cli", "reviewer.run.loop"),
            ("reviewer.cli", "reviewer.report.report"), ("reviewer.cli", "reviewer.persona.files"),
-           ("reviewer.cli", "reviewer.sandbox.doctor")}
+           ("reviewer.cli", "reviewer.sandbox.doctor"), ("reviewer.cli", "reviewer.run.inputs")}
 
 
 def part(module: str) -> str:

@@ -569,7 +569,9 @@ def stop(process) -> bool:
 def test_serve_refuses_bad_setups_without_a_traceback(tmp_path):
     for kwargs, message in [(dict(model=str(tmp_path / "missing")), "model not found"),
                             (dict(host="0.0.0.0"), "refusing to listen on 0.0.0.0"),
-                            (dict(drafter=str(tmp_path / "no-drafter")), "drafter not found")]:
+                            (dict(drafter=str(tmp_path / "no-drafter")), "drafter not found"),
+                            (dict(cpu_engine="onnx"), "--cpu-engine must be auto, torch or llama.cpp"),
+                            (dict(threads=0), "--threads must be at least 1")]:
         process = start_serve(tmp_path, **kwargs)
         assert process.wait(60) == 2
         process.stderr_file.seek(0)
@@ -589,6 +591,62 @@ def test_serve_on_a_unix_socket_then_stop(tmp_path, tiny_model):
             client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=http, max_retries=0)
             assert client.chat.completions.create(model=client.models.list().data[0].id, messages=ASK,
                                                   max_tokens=3).usage.completion_tokens == 3
+    finally:
+        assert stop(process)
+
+
+@pytest.mark.slow
+def test_a_gguf_model_on_the_cpu_is_served_by_llama_cpp_and_the_ready_line_says_how(tmp_path):
+    """--cpu-engine auto on the CPU: the embedded GGUF through llama.cpp's runtime (its own Q4_1 weights), behind the
+    same routes; the ready line names the runtime, the weights and the threads (here asked for)."""
+    pytest.importorskip("xllamacpp", reason="llama.cpp's runtime (the xllamacpp wheel) is not installed")
+    process = start_serve(tmp_path, threads=1)
+    try:
+        url = listening_address(process)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            assert wait_for(lambda: http.get("/health").status_code == 200, timeout=300)
+            ready = process.stdout.readline()
+            assert "llama.cpp's CPU runtime" in ready and "Q4_1 weights" in ready, ready
+            assert "1 thread, passive wait (asked for)" in ready, ready
+            (model,) = http.get("/v1/models").json()["data"]
+            assert model["dtype"] == "Q4_1 (llama.cpp)" and model["max_context"] == 8192
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", http_client=http, max_retries=0)
+            question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+            answer = client.chat.completions.create(model="embedded", temperature=0, max_tokens=30, messages=question)
+            assert "paris" in answer.choices[0].message.content.lower()
+            assert answer.choices[0].finish_reason == "stop"
+            streamed = client.chat.completions.create(model="embedded", temperature=0, max_tokens=30, stream=True,
+                                                      messages=question, stream_options={"include_usage": True})
+            chunks = list(streamed)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == answer.choices[0].message.content  # greedy: the same answer streamed
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # llama.cpp's prompt cache
+            cut = client.chat.completions.create(model="embedded", temperature=0, max_tokens=30, messages=question,
+                                                 stop=["Paris"])
+            assert "Paris" not in cut.choices[0].message.content and cut.choices[0].finish_reason == "stop"
+    finally:
+        assert stop(process)
+
+
+@pytest.mark.slow
+def test_the_torch_engine_on_a_cpu_keeps_the_shipped_drafter_only_where_a_verify_can_pay(tmp_path):
+    """--cpu-engine torch with --drafter auto: at load a verify of the whole block is timed against a one-token step on
+    this machine; where it costs more than the drafter's tokens per cycle, the ready line says speculation is off and
+    why, with the measured figure; elsewhere the engine is speculative."""
+    process = start_serve(tmp_path, cpu_engine="torch", drafter="auto")
+    try:
+        url = listening_address(process)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            assert wait_for(lambda: http.get("/health").status_code == 200, timeout=300)
+            ready = process.stdout.readline()
+            off = re.search(r"speculation off: a speculative cycle \(draft \+ 16-token verify\) costs ([\d.]+)x a plain step here", ready)
+            if off:
+                assert "plain decoding (no drafter); speculation off" in ready and float(off.group(1)) >= 2.8, ready
+            else:
+                assert "speculative decoding (DFlash" in ready, ready
+            answer = http.post("/v1/chat/completions", json={"model": "embedded", "temperature": 0, "max_tokens": 5,
+                                                              "messages": ASK}).json()
+            assert answer["usage"]["completion_tokens"] >= 1
     finally:
         assert stop(process)
 

@@ -16,9 +16,10 @@ from reviewer.config import Settings
 from reviewer.llm.anthropic_chat import to_anthropic_messages
 from reviewer.llm.client import FailoverClient
 from reviewer.llm.endpoints import open_llm
-from reviewer.llm.errors import ContextOverflow, EndpointDown, LLMError, ToolsUnsupported
+from reviewer.llm.errors import CallTimedOut, ContextOverflow, EndpointDown, LLMError, ToolsUnsupported
 from reviewer.persona.tools import TOOLS
-from tests.scripted_llm import ScriptedLLM, fail, scripted_llm, text, tool  # noqa: F401  (scripted_llm is a fixture)
+from tests.scripted_llm import (Reply, ScriptedLLM, fail, scripted_llm, text,  # noqa: F401  (scripted_llm: a fixture)
+                                tool)
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPTED_SERVER = [sys.executable, str(ROOT / "tests" / "scripted_llm.py"), "--port", "{port}"]
@@ -87,6 +88,21 @@ def test_unreachable_url_is_one_clear_line():
         with open_llm(Settings(llm=[url])):
             pass
     assert str(e.value).startswith(f"cannot reach the LLM at {url}") and "\n" not in str(e.value)
+
+
+def test_a_time_limit_cuts_a_call_that_keeps_streaming(scripted_llm):
+    """An SDK's timeout is per read: a model that streams a piece every 0.2 s never trips it. The wall-clock limit
+    does, under way: 60 pieces (12 s of stream) cut at 1.5 s, the pieces seen so far delivered, the next request
+    served at once."""
+    server = scripted_llm([Reply(content="abc" * 60, chunk_delay=0.2, pieces=60), text("next one")])
+    pieces = []
+    with open_llm(Settings(llm=[server.base_url])) as llm:
+        with pytest.raises(CallTimedOut, match="time limit cut the call"):
+            llm.chat(HELLO, on_delta=pieces.append, request_timeout=1.5)
+        seen = len(pieces)
+        assert 0 < seen < 30
+        assert llm.chat(HELLO, request_timeout=30).content == "next one"
+    assert len(pieces) == seen  # the abandoned stream delivers nothing after the cut
 
 
 def test_cli_run_with_an_unreachable_llm_exits_non_zero_with_one_line(tmp_path):

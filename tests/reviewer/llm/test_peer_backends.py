@@ -2,7 +2,9 @@
 (`python -m llama_cpp.server`) on the embedded GGUF, through the official openai SDK on real sockets. Nothing about
 the server is mocked: its empty answer to an overflowing stream, its silence about its context window, the `tools`
 it drops and the usage it does not stream are what it really does. `make peer-server` builds llama-cpp-python into
-the virtual environment (`make test` does it once); without it these tests skip and say so.
+the virtual environment (`make test-peer` does it once and runs this file; CI does); without it these tests skip and
+say so. `make test` reviews through llama.cpp's own llama-server instead, which needs no compile
+(test_llama_server_peer.py).
 
 A few tests at the end use the scripted server instead, for what llama-cpp-python cannot show: the llama-server and
 vLLM ways of telling the context window, a server whose model does see the tools, and an old database."""
@@ -68,8 +70,8 @@ def default_peer(tmp_path_factory):
 
 
 def serve_peer(tmp_path_factory, options: list[str]):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: `make peer-server` builds it "
-                                            "(`make test` does)")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: `make test-peer` builds it "
+                                            "and runs these tests")
     from backend.loading import embedded_gguf_path
 
     port = free_port()

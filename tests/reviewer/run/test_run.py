@@ -134,6 +134,44 @@ def test_bad_input_is_one_line_and_writes_nothing(args, message, example, tmp_pa
     assert time.monotonic() - start < 60
 
 
+def test_bad_input_is_answered_before_the_llm_sdks_and_the_database_layer_load(tmp_path):
+    """A typo must not wait for the openai SDK and SQLAlchemy to import (10-15 s on a busy box): the CLI checks its
+    input first. The process reports which heavy modules it had loaded when it answered."""
+    code = ("import sys, atexit; atexit.register(lambda: print(sorted(m for m in ('openai', 'anthropic', 'sqlalchemy', "
+            "'reviewer.run.review') if m in sys.modules), file=sys.stderr)); from reviewer.cli import app; "
+            "app(['run', sys.argv[1]])")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing")], capture_output=True, text=True,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 2
+    error, loaded = proc.stderr.strip().splitlines()
+    assert error.startswith("error:") and "no such file or directory" in error
+    assert loaded == "[]"
+
+
+@pytest.mark.parametrize("settings, expected, noted", [
+    ({}, ["smoke"], True),  # the embedded default: the deterministic persona, and a note on the others
+    ({"personas": ["smoke", "docs"]}, ["smoke", "docs"], False),  # named: run as named
+    ({"llm": ["http://127.0.0.1:9/v1"]}, ["smoke", "performance", "correctness", "docs"], False),  # a capable model
+])
+def test_default_personas_fit_the_backend(settings, expected, noted):
+    from reviewer.config import load_settings
+    from reviewer.run.inputs import persona_names
+
+    names, note = persona_names(load_settings(**settings))
+    assert names == expected
+    assert bool(note) == noted
+    if note:
+        assert "--llm" in note and "--persona docs" in note
+
+
+def test_personas_named_in_the_environment_count_as_named(monkeypatch):
+    from reviewer.config import load_settings
+    from reviewer.run.inputs import persona_names
+
+    monkeypatch.setenv("REVIEWER_PERSONAS", "docs")
+    assert persona_names(load_settings()) == (["docs"], None)
+
+
 # --- the scripted model: a whole LLM review --------------------------------------------------------------------------
 
 def tool_outputs(request: dict) -> list[str]:
