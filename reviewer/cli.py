@@ -270,7 +270,8 @@ def bench(
     sessions through `reviewer serve` cold."""
     if replay:
         raise typer.Exit(bench_replay(model=model, drafter=drafter, device=device, sessions=sessions,
-                                      max_tokens=max_tokens, json_out=json_out, forced_tau=forced_tau))
+                                      max_tokens=max_tokens, json_out=json_out, forced_tau=forced_tau,
+                                      routing_trace=routing_trace))
     try:
         from backend.bench import main as bench_main
     except ImportError as e:
@@ -281,7 +282,7 @@ def bench(
 
 
 def bench_replay(*, model: str, drafter: str, device: str, sessions: int, max_tokens: int, json_out: Optional[Path],
-                 forced_tau: str) -> int:
+                 forced_tau: str, routing_trace: int = 0) -> int:
     """`reviewer bench --replay`: backend/bench/replay.py with the options `bench` shares with it."""
     try:
         from backend.bench.replay import main as replay_main
@@ -295,6 +296,8 @@ def bench_replay(*, model: str, drafter: str, device: str, sessions: int, max_to
         if "," in forced_tau:
             raise fail("--replay takes one --forced-tau value")
         args += ["--interface", "engine", "--forced-tau", forced_tau]
+    if routing_trace:
+        args += (["--interface", "engine"] if not forced_tau else []) + ["--routing-trace", str(routing_trace)]
     return replay_main(args)
 
 

@@ -180,3 +180,17 @@ def test_the_engine_replay_runs_each_configuration_in_its_own_process(tmp_path):
     assert record["settings"]["processes"].startswith("each configuration in its own process")
     assert set(record["configs"]) == {"none", "auto"} and record["replies"] == 2 == record["identical"]
     assert record["interface"] == "engine in-process" and record["speedup"] > 0
+
+
+def test_reviewer_bench_replay_is_the_replay_with_the_bench_options(tmp_path):
+    """`reviewer bench --replay`: a real subprocess of the CLI; its bad input is the replay's one line."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "reviewer.cli", "bench", "--replay", "--model", "tiny-moe",
+                           "--forced-tau", "4.9,6.4", "--json-out", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "one --forced-tau value" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr and not (tmp_path / "r.json").exists()
+    done = subprocess.run([sys.executable, "-m", "reviewer.cli", "bench", "--help"], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert "--replay" in done.stdout and "product figure" in done.stdout
