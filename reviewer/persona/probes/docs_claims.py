@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes import doc_sessions, doctext, prelude
 from reviewer.persona.probes.docs_examples import examples_script
 from reviewer.persona.probes.runner import Probe, command, data, run, script
 from reviewer.persona.probes.thresholds import DOC_COMMAND_TIMEOUT_S, DOCS_SCRIPT_TIMEOUT
@@ -220,7 +220,8 @@ def check_commands(probe: Probe, blocks: list[doctext.Block]) -> None:
             continue
         seen.add(cmd.text)
         prefix = 3 if cmd.argv[0].startswith("python") else 1
-        checks = ["subcommand", "flags"] + (["run"] if runnable(cmd, probe.root) else [])
+        # a `$ ` line runs as a step of its session (check_sessions), not alone
+        checks = ["subcommand", "flags"] + (["run"] if not cmd.prompted and runnable(cmd, probe.root) else [])
         spec = {"text": cmd.text, "argv": cmd.argv, "prefix": prefix, "expected": cmd.expected}
         got, res, _ = run(probe, f"probe: documented command `{cmd.text[:60]}`", command_script(spec, checks),
                           DOC_COMMAND_TIMEOUT_S * 4 + 20)
@@ -251,9 +252,48 @@ def command_finding(probe: Probe, cmd: doctext.Command, spec: dict, p: dict) -> 
                  repro_command=command(command_script(spec, [p["check"]])), file=cmd.file, line=cmd.line)
 
 
+def file_name(token: str) -> bool:
+    return bool(PATHLIKE.search(token) or FILE_NAME.match(token))
+
+
+def check_sessions(probe: Probe, blocks: list[doctext.Block]) -> None:
+    """Each documented `$ ` session, in order, in one shell (doc_sessions.py)."""
+    for session in doctext.sessions(blocks, set(probe.scripts), probe.package)[:10]:
+        steps = doc_sessions.session_steps(session, probe.root, file_name)
+        got, _, _ = run(probe, f"probe: the shell session at {session.file}:{session.line}",
+                        doc_sessions.session_script(steps), DOC_COMMAND_TIMEOUT_S * (2 * len(steps) + 4))
+        problems = (got or {}).get("problems", [])
+        unshown = [p for p in problems if p["what"] == "unshown output"]
+        for p in [p for p in problems if p["what"] != "unshown output"] + unshown[:1]:  # silence: one per session
+            session_finding(probe, session, steps, p, also=[steps[q["step"]]["line"] for q in unshown[1:]]
+                            if p in unshown else [])
+
+
+def session_finding(probe: Probe, session: doctext.Session, steps: list[dict], p: dict, also: list[int]) -> None:
+    step = steps[p["step"]]
+    where, text = f"{session.file}:{step['line']}", step["text"]
+    before = [s["text"] for s in steps[:p["step"]] if s["kind"] != "setup"]
+    after = (" after " + ", ".join(f"`{t}`" for t in before) if before else "") + " (one shell, in order)"
+    if p["what"] in ("output", "unshown output"):
+        title = f"{session.file}: `{text[:60]}` prints something else than the docs show"
+        severity = "medium" if p["what"] == "output" else "low"
+        shown = step["expected"] or "(nothing)"
+        details = f"{where} documents `{text}` printing:\n{shown}\nRun{after}, it prints:\n{p['output']}" + (
+            f"\nThe lines at {', '.join(map(str, also))} also print what the docs do not show." if also else "")
+    else:
+        what = "crashes" if p["what"] == "traceback" else f"fails ({p['what']})"
+        title, severity = f"{session.file}: documented command `{text[:60]}` {what}", "high"
+        details = f"{where} documents `{text}`; run as the docs show it{after}, it {what}."
+    probe.record(title=title, severity=severity, category="docs", details=details,
+                 evidence=tail(p["output"], EVIDENCE_CHARS),
+                 repro_command=command(doc_sessions.session_script(steps[:p["step"] + 1], only=p["step"])),
+                 file=session.file, line=step["line"])
+
+
 def probe_docs(probe: Probe) -> None:
     blocks = probe.blocks()
     if probe.package:
         check_examples(probe, blocks)
     check_help(probe)
     check_commands(probe, blocks)
+    check_sessions(probe, blocks)

@@ -829,3 +829,87 @@ def test_the_probes_stop_when_their_time_is_spent(tmp_path):
     run_probes(probe)
     assert probe.notes == ["probes stopped at 'probe: console scripts and import of the installed project': "
                            "their time ran out"]
+
+
+TOOL = '''#!/usr/bin/env python3
+"""A key-value store in ./store.json: `tool set KEY VALUE` (says "saved KEY"), `tool list` (sorted keys)."""
+import json, os, sys
+path = "store.json"
+data = json.load(open(path)) if os.path.exists(path) else None
+if sys.argv[1] == "set":
+    data = dict(data or {}, **{sys.argv[2]: sys.argv[3]})
+    json.dump(data, open(path, "w"))
+    print("saved", sys.argv[2])
+elif sys.argv[1] == "list":
+    if data is None:
+        sys.exit("no store here: run `tool set` first")
+    for key in sorted(data):
+        print(f"{key}={data[key]}")
+'''
+
+SESSION_README = """# tool
+
+```console
+$ pip install tool
+$ tool set NAME alice@example.com
+$ tool set AGE 42
+$ tool list
+NAME=alice@example.com
+AGE=42
+```
+
+Your own file:
+
+```console
+$ tool import path/to/your.csv
+$ tool list
+AGE=42
+```
+"""
+
+
+def run_session_check(root: Path, steps: list[dict], only=None) -> tuple[int, dict]:
+    from reviewer.persona.probes import doc_sessions
+    from reviewer.persona.probes.runner import result_line
+
+    done = subprocess.run([sys.executable, "-"], input=doc_sessions.session_script(steps, only), capture_output=True,
+                          text=True, cwd=root, env={"PATH": f"{root / 'bin'}:/usr/bin:/bin"}, timeout=120)
+    return done.returncode, result_line(done.stdout)
+
+
+def test_a_documented_shell_session_runs_in_order_in_one_shell(tmp_path):
+    """Seen on a real project (false, high, "verified"): `tool set KEY value` twice, then `tool list`. The keys and
+    the e-mail address were taken for values the reader supplies, so the `set` lines never ran and `tool list`, run
+    alone with no state file, "failed". Run as a session, in order, the lines work, and what the probe missed shows:
+    `list` sorts its keys, and `set` prints a line the docs do not show."""
+    from reviewer.persona.probes import doc_sessions
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tool").write_text(TOOL)
+    (tmp_path / "bin" / "tool").chmod(0o755)
+    (tmp_path / "README.md").write_text(SESSION_README)
+    sessions = doctext.sessions(doctext.all_blocks(tmp_path), {"tool"}, None)
+    assert [[(s.kind, s.run, s.filled) for s in x.steps] for x in sessions] == [
+        [("setup", None, False), ("project", "tool set NAME alice@example.com", True),
+         ("project", "tool set AGE 42", True), ("project", "tool list", False)],
+        [("project", None, False), ("project", "tool list", False)]]
+    steps = doc_sessions.session_steps(sessions[0], tmp_path, docs_claims.file_name)
+    code, got = run_session_check(tmp_path, steps)
+    assert code == 1
+    problems = [(steps[p["step"]]["text"], p["what"], p["output"]) for p in got["problems"]]
+    assert problems == [("tool set NAME alice@example.com", "unshown output", "saved NAME\n"),
+                        ("tool set AGE 42", "unshown output", "saved AGE\n"),
+                        ("tool list", "output", "AGE=42\nNAME=alice@example.com\n")], problems
+    assert not (tmp_path / "store.json").exists()  # the session ran in a copy of the repository
+    # the repro of one finding runs the lines before it and judges that line alone
+    code, got = run_session_check(tmp_path, steps[:4], only=3)
+    assert code == 1 and [p["step"] for p in got["problems"]] == [3]
+    # a line that cannot run (the reader's file) ends what is judged: `tool list` after it is not judged
+    second = doc_sessions.session_steps(sessions[1], tmp_path, docs_claims.file_name)
+    assert run_session_check(tmp_path, second) == (0, {"problems": []})
+    # what the docs show is what it prints: no finding
+    (tmp_path / "README.md").write_text("```console\n$ tool set NAME alice@example.com\nsaved NAME\n$ tool list\n"
+                                        "NAME=alice@example.com\n```\n")
+    fixed = doctext.sessions(doctext.all_blocks(tmp_path), {"tool"}, None)[0]
+    assert run_session_check(tmp_path, doc_sessions.session_steps(fixed, tmp_path, docs_claims.file_name)) == (
+        0, {"problems": []})
