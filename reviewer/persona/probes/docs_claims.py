@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+import unicodedata
 from pathlib import Path
 
 from reviewer.persona.probes import doc_sessions, doctext, prelude
@@ -143,6 +145,42 @@ def check_examples(probe: Probe, blocks: list[doctext.Block]) -> None:
             example_finding(probe, file_blocks, same[0], also=[o["line"] for o in same[1:]])
 
 
+DIFF_CONTEXT = 2  # lines of context around each difference
+DIFF_LINES = 40  # at most, in a finding
+
+
+def visible(text: str) -> str:
+    """The text with what a reader cannot see escaped: a variation selector (U+FE0F after an emoji), zero-width and
+    other format or control characters, combining marks, unusual spaces, tabs, a carriage return (CRLF) and trailing
+    spaces. Three findings of a real round differed only in an invisible U+FE0F: expected and got looked the same."""
+    def one(ch: str) -> str:
+        if ch == "\t":
+            return "\\t"
+        if ch == "\r":
+            return "\\r"
+        if ch != " " and (unicodedata.category(ch)[0] in "CMZ" or 0xFE00 <= ord(ch) <= 0xFE0F):
+            return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
+        return ch
+
+    lines = []
+    for line in text.split("\n"):
+        cr = "\\r" if line.endswith("\r") else ""
+        line = line.removesuffix("\r")
+        body = line.rstrip(" ")
+        lines.append("".join(one(ch) for ch in body) + "\\x20" * (len(line) - len(body)) + cr)
+    return "\n".join(lines)
+
+
+def difference(want: str, got: str) -> str:
+    """A short unified diff of what the docs show (-) and what came (+), invisible characters escaped; a long output
+    shows only the lines that differ, with a little context."""
+    diff = list(difflib.unified_diff(visible(want).split("\n"), visible(got).split("\n"), "docs", "got",
+                                     n=DIFF_CONTEXT, lineterm=""))
+    if len(diff) > DIFF_LINES:
+        diff = diff[:DIFF_LINES] + [f"... ({len(diff) - DIFF_LINES} more lines of difference)"]
+    return "\n".join(diff)
+
+
 def short(text: str, limit: int) -> str:
     """One line of at most `limit` characters, for a title."""
     lines = text.strip().splitlines() or [""]
@@ -154,9 +192,11 @@ def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[i
     code = short(o["code"], 80)
     if o["kind"] == "mismatch":
         o = dict(o, got=o["got"] or "nothing")  # an example that prints nothing where the docs show output
-        title = f"{o['file']} example `{code}` gives {short(o['got'], 60)}, the docs say {short(o['want'], 60)}"
+        title = (f"{o['file']} example `{code}` gives {short(visible(o['got']), 60)}, the docs say "
+                 f"{short(visible(o['want']), 60)}")
         details = (f"{o['file']}:{o['line']} shows\n    {o['code']}\nwith the result {o['want']}; run after the "
-                   f"examples before it in that file, it gives {o['got']}.")
+                   f"examples before it in that file, it gives {o['got']}.\nDifference:\n"
+                   + difference(o["want"], o["got"]))
         severity = "medium"
     else:
         more = f" (and {len(also)} more examples)" if also else ""
@@ -169,9 +209,10 @@ def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[i
                     f"not what the docs bound to `{name}` before that loop.")
     before = [b for b in file_blocks if b["line"] <= o["line"]]  # the repro needs only what comes before the example
     repro = command(examples_script(before, probe.package, only=o["line"]), env="PYTHONHASHSEED=0")
+    shown = (f"doc line: {o['code']}\nexpected: {o.get('want', '-')}\ngot: {o.get('got') or o.get('error')}"
+             + (f"\n\n{difference(o['want'], o['got'])}" if o["kind"] == "mismatch" else ""))
     probe.record(title=title, severity=severity, category="docs", details=details,
-                 evidence=tail(f"doc line: {o['code']}\nexpected: {o.get('want', '-')}\n"
-                               f"got: {o.get('got') or o.get('error')}", EVIDENCE_CHARS),
+                 evidence=tail(shown, EVIDENCE_CHARS) if len(shown) > EVIDENCE_CHARS else shown,
                  repro_command=repro, file=o["file"], line=o["line"])
 
 
@@ -240,7 +281,8 @@ def command_finding(probe: Probe, cmd: doctext.Command, spec: dict, p: dict) -> 
                    "rejects it.")
     elif p["what"] == "output":
         title, severity = f"{cmd.file}: `{cmd.text[:60]}` prints something else than the docs show", "medium"
-        details = f"{where} documents `{cmd.text}` printing:\n{cmd.expected}\nIt prints:\n{p['output']}"
+        details = (f"{where} documents `{cmd.text}` printing:\n{cmd.expected}\nIt prints:\n{p['output']}"
+                   f"\nDifference:\n{difference(cmd.expected or '', p['output'])}")
     else:
         title = f"{cmd.file}: documented command `{cmd.text[:60]}` " + ("crashes" if p["what"] == "traceback"
                                                                          else f"fails ({p['what']})")
@@ -278,7 +320,8 @@ def session_finding(probe: Probe, session: doctext.Session, steps: list[dict], p
         title = f"{session.file}: `{text[:60]}` prints something else than the docs show"
         severity = "medium" if p["what"] == "output" else "low"
         shown = step["expected"] or "(nothing)"
-        details = f"{where} documents `{text}` printing:\n{shown}\nRun{after}, it prints:\n{p['output']}" + (
+        details = (f"{where} documents `{text}` printing:\n{shown}\nRun{after}, it prints:\n{p['output']}"
+                   f"\nDifference:\n{difference(step['expected'] or '', p['output'])}") + (
             f"\nThe lines at {', '.join(map(str, also))} also print what the docs do not show." if also else "")
     else:
         what = "crashes" if p["what"] == "traceback" else f"fails ({p['what']})"

@@ -913,3 +913,28 @@ def test_a_documented_shell_session_runs_in_order_in_one_shell(tmp_path):
     fixed = doctext.sessions(doctext.all_blocks(tmp_path), {"tool"}, None)[0]
     assert run_session_check(tmp_path, doc_sessions.session_steps(fixed, tmp_path, docs_claims.file_name)) == (
         0, {"problems": []})
+
+
+def test_a_difference_is_shown_with_what_cannot_be_seen_escaped(tmp_path):
+    """Seen on a real project: three findings differed only in an invisible U+FE0F after an emoji, and expected and
+    got looked the same in the report; another dumped a whole --help text without saying which lines differ."""
+    from reviewer.persona.probes.runner import Probe
+
+    pkg = {"pkg/__init__.py": "def heart():\n    return '\\u2764'\n"}
+    code, got = run_examples_script(tmp_path, pkg, "```pycon\n>>> from pkg import heart\n>>> print(heart())\n"
+                                                   "\u2764\ufe0f\n```\n")
+    assert code == 1 and [o["kind"] for o in got["outcomes"]] == ["mismatch"]
+    found = []
+    probe = Probe(root=tmp_path, sh=None, finding=lambda **kw: found.append(kw), measure=None, deadline=0,
+                  package="pkg")
+    docs_claims.example_finding(probe, [], got["outcomes"][0])
+    assert found[0]["title"] == "README.md example `print(heart())` gives \u2764, the docs say \u2764\\ufe0f"
+    assert "--- docs\n+++ got\n@@ -1 +1 @@\n-\u2764\\ufe0f\n+\u2764" in found[0]["details"]
+    assert "-\u2764\\ufe0f\n+\u2764" in found[0]["evidence"]
+    # tabs, a carriage return and trailing spaces are escaped too; of a long output only the lines that differ show
+    assert docs_claims.visible("a\tb  \r\nc\u200b") == "a\\tb\\x20\\x20\\r\nc\\u200b"
+    help_text = "\n".join(f"  --option-{i}  does {i}" for i in range(80))
+    diff = docs_claims.difference(help_text, help_text.replace("does 40", "does forty"))
+    assert diff.splitlines() == ["--- docs", "+++ got", "@@ -39,5 +39,5 @@", "   --option-38  does 38",
+                                 "   --option-39  does 39", "-  --option-40  does 40", "+  --option-40  does forty",
+                                 "   --option-41  does 41", "   --option-42  does 42"]
