@@ -21,7 +21,7 @@ import unicodedata
 from pathlib import Path
 
 from reviewer.persona.probes import doc_sessions, doctext, prelude
-from reviewer.persona.probes.docs_examples import examples_script
+from reviewer.persona.probes.docs_examples import examples_script, syntax_script
 from reviewer.persona.probes.runner import Probe, command, data, run, script
 from reviewer.persona.probes.thresholds import DOC_COMMAND_TIMEOUT_S, DOCS_SCRIPT_TIMEOUT
 from reviewer.persona.project import EVIDENCE_CHARS
@@ -117,7 +117,8 @@ sys.exit(1 if problems else 0)
 
 def block_data(b: doctext.Block) -> dict:
     """A Python block as run_examples takes it (plain data, copied into the check script)."""
-    return {"file": b.file, "line": b.line, "doctest": b.is_doctest and not b.setup, "text": b.text, "setup": b.setup}
+    return {"file": b.file, "line": b.line, "doctest": b.is_doctest and not b.setup, "text": b.text, "setup": b.setup,
+            "lang": b.lang}
 
 
 def check_examples(probe: Probe, blocks: list[doctext.Block]) -> None:
@@ -333,8 +334,31 @@ def session_finding(probe: Probe, session: doctext.Session, steps: list[dict], p
                  file=session.file, line=step["line"])
 
 
+def check_syntax(probe: Probe, blocks: list[doctext.Block]) -> None:
+    """Every Python block of the docs must parse (docs_examples.syntax_errors says what is a deliberate fragment)."""
+    data_ = [block_data(b) for b in blocks if b.is_python]
+    if not data_:
+        return
+    got, _, _ = run(probe, "probe: do the docs' Python examples parse?", syntax_script(data_), 60)
+    seen = set()
+    for e in (got or {}).get("errors", []):
+        if (e["file"], e["line"]) in seen:
+            continue
+        seen.add((e["file"], e["line"]))
+        caret = " " * max(0, (e["offset"] or 1) - 1) + "^"
+        only = {"file": e["file"], "line": e["line"], "doctest": False, "text": e["source"], "setup": False,
+                "lang": "python"}
+        probe.record(title=f"{e['file']}:{e['line']}: a Python example does not parse ({e['msg']})",
+                     severity="medium", category="docs",
+                     details=f"{e['file']}:{e['line']} is a Python example a reader copies, and Python cannot run "
+                             f"it: SyntaxError: {e['msg']}\n    {e['text']}\n    {caret}",
+                     evidence=tail(e["source"], EVIDENCE_CHARS), repro_command=command(syntax_script([only])),
+                     file=e["file"], line=e["line"])
+
+
 def probe_docs(probe: Probe) -> None:
     blocks = probe.blocks()
+    check_syntax(probe, blocks)
     if probe.package:
         check_examples(probe, blocks)
     check_help(probe)

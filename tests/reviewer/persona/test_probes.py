@@ -938,3 +938,69 @@ def test_a_difference_is_shown_with_what_cannot_be_seen_escaped(tmp_path):
     assert diff.splitlines() == ["--- docs", "+++ got", "@@ -39,5 +39,5 @@", "   --option-38  does 38",
                                  "   --option-39  does 39", "-  --option-40  does 40", "+  --option-40  does forty",
                                  "   --option-41  does 41", "   --option-42  does 42"]
+
+
+def test_docs_that_do_not_parse_are_findings_and_fragments_are_not(tmp_path):
+    """Seen on a real project: doctest's parser crashed on one .rst (`>>>x` without its blank) and only a note was
+    left, although the file holds an example with an extra `)`. Every Python block now compiles; a SyntaxError is a
+    finding with its line, a deliberate fragment is not, and a block doctest cannot parse is read paragraph by
+    paragraph (its other examples still run)."""
+    from reviewer.persona.probes.docs_examples import doctest_examples, syntax_script
+
+    (tmp_path / "README.md").write_text("""# pkg
+
+```python
+from pkg import half
+print(half(4)))
+```
+
+```python
+result = half(...)
+def signature(x, y=2)
+```
+
+```python
+client = Client(<your key>)
+```
+
+```python
+    return value
+```
+
+```python
+def later():
+```
+
+```pytb
+Traceback (most recent call last):
+  File "x", line 1
+```
+
+```python
+print "python 2"
+```
+""")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.rst").write_text("""Guide
+=====
+
+.. code-block:: python
+
+    >>> from pkg import half
+    >>>half(2)
+    1.0
+
+    >>> print(half(2)))
+""")
+    blocks = [docs_claims.block_data(b) for b in doctext.all_blocks(tmp_path) if b.is_python]
+    got = run_probe_script(syntax_script(blocks), tmp_path)
+    assert [(e["file"], e["line"], e["msg"], e["text"]) for e in got["errors"]] == [
+        ("README.md", 5, "unmatched ')'", "print(half(4)))"),
+        ("README.md", 31, "Missing parentheses in call to 'print'. Did you mean print(...)?", 'print "python 2"'),
+        ("docs/guide.rst", 10, "unmatched ')'", "print(half(2)))")], got
+    # the .rst block doctest cannot parse still gives its examples, at their lines
+    rst = next(b for b in blocks if b["file"] == "docs/guide.rst")
+    assert [(rst["line"] + ex.lineno, ex.source.strip()) for ex in doctest_examples(rst["text"])] == [
+        (6, "from pkg import half"), (7, "half(2)"), (10, "print(half(2)))")]
+    code, result = run_examples_script(tmp_path, PKG, (tmp_path / "docs" / "guide.rst").read_text(), "docs/guide.rst")
+    assert result is not None and result["checked"] >= 1, result  # the file's script no longer dies
