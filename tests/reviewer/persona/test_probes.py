@@ -1004,3 +1004,181 @@ print "python 2"
         (6, "from pkg import half"), (7, "half(2)"), (10, "print(half(2)))")]
     code, result = run_examples_script(tmp_path, PKG, (tmp_path / "docs" / "guide.rst").read_text(), "docs/guide.rst")
     assert result is not None and result["checked"] >= 1, result  # the file's script no longer dies
+
+
+ORDERED_SET = '''from collections.abc import MutableSet
+
+
+class OrderedSet(MutableSet):
+    """A set that remembers insertion order, with list-like indexing."""
+
+    def __init__(self, items=()):
+        self.items, self.map = [], {}
+        for x in items:
+            self.add(x)
+
+    def add(self, key):
+        if key not in self.map:
+            self.map[key] = len(self.items)
+            self.items.append(key)
+
+    def discard(self, key):
+        if key in self.map:
+            self.pop(self.index(key))
+
+    def pop(self, index=-1):
+        """Remove and return the item at index (the last by default)."""
+        if not self.items:
+            raise KeyError("pop from an empty set")
+        key = self.items.pop(index)
+        del self.map[key]
+        REINDEX
+        return key
+
+    def index(self, key):
+        """The position of key.
+
+        Raises:
+            IndexError: if key is not in the set.
+        """
+        MISSING
+        return self.map[key]
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __contains__(self, key):
+        return key in self.map
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self):
+        return len(self.items)
+'''
+
+FINE_COLLECTIONS = '''import bisect
+from collections.abc import MutableMapping, MutableSequence, MutableSet, Sequence
+
+
+class Defaults(MutableMapping):
+    """A dict with a default of 0 for a missing key (like collections.Counter)."""
+    def __init__(self):
+        self.data = {}
+    def __missing__(self, key):
+        return 0
+    def __contains__(self, key):
+        return key in self.data
+    def __getitem__(self, key):
+        return self.data[key] if key in self.data else self.__missing__(key)
+    def __setitem__(self, key, value):
+        self.data[key] = value
+    def __delitem__(self, key):
+        del self.data[key]
+    def __iter__(self):
+        return iter(self.data)
+    def __len__(self):
+        return len(self.data)
+
+
+class SortedSet(MutableSet, Sequence):
+    """Kept sorted, not in insertion order."""
+    def __init__(self):
+        self.items = []
+    def add(self, x):
+        if x not in self.items:
+            bisect.insort(self.items, x)
+    def discard(self, x):
+        if x in self.items:
+            self.items.remove(x)
+    def __getitem__(self, i):
+        return self.items[i]
+    def __contains__(self, x):
+        return x in self.items
+    def __iter__(self):
+        return iter(self.items)
+    def __len__(self):
+        return len(self.items)
+
+
+class Readings(MutableSequence):
+    """Only grows through add(); append and insert are refused."""
+    def __init__(self):
+        self.items = []
+    def add(self, x):
+        self.items.append(x)
+    def insert(self, i, x):
+        raise NotImplementedError("use add()")
+    def __getitem__(self, i):
+        return self.items[i]
+    def __setitem__(self, i, x):
+        raise NotImplementedError
+    def __delitem__(self, i):
+        del self.items[i]
+    def __len__(self):
+        return len(self.items)
+'''
+
+
+def model_results(tmp_path: Path, core: str) -> list[dict]:
+    """Every collection class of `pkg` driven against its model: [(target, what it found)]."""
+    from reviewer.persona.probes import models
+
+    (tmp_path / "pkg").mkdir(exist_ok=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("from pkg.core import *\n")
+    (tmp_path / "pkg" / "core.py").write_text(core)
+    discover = models.script(models.constants() + "PACKAGE = 'pkg'\nDOC_KINDS = {}\n" + models.DISCOVER_BODY,
+                             *models.HELPERS, imports=("random", "re"))
+    classes = run_probe_script(discover, tmp_path)["classes"]
+    assert all(why.startswith("is a collections.abc.Mutable") for _, _, why in classes), classes
+    return [(t, kind, run_probe_script(models.drive_script(t, kind), tmp_path)) for t, kind, _ in classes]
+
+
+def test_a_collection_is_checked_against_the_builtin_type_as_its_model(tmp_path):
+    """Missed on a real project: an ordered set whose index map is not rebuilt after pop(0), so index() is stale,
+    and whose index() raises KeyError where its docstring promises IndexError. Driven with random operations against
+    a list without duplicates as the model, the failing sequence is shrunk to the shortest, and its repro runs."""
+    from reviewer.persona.probes import models
+    from reviewer.persona.probes.runner import Probe
+
+    stale = ORDERED_SET.replace("        REINDEX\n", "").replace("        MISSING\n", "")
+    (target, kind, got), = model_results(tmp_path, stale)
+    assert (target, kind) == ("pkg.core.OrderedSet", "orderedset")
+    behaviour, promise = got["found"]
+    assert behaviour["kind"] == "orderedset" and behaviour["failure"]["what"] in ("value", "state", "raises")
+    ops = behaviour["ops"]
+    # the shortest: two adds, the first removed (pop(0), remove, discard), then a use of the stale index of the second
+    assert len(ops) == 4 and [n for n, _ in ops[:2]] == ["add", "add"], ops
+    assert ops[2] in (["pop_at", [0]], ["pop_at", [-2]], ["remove", ops[0][1]], ["discard", ops[0][1]]), ops
+    assert ops[3][0] in ("index", "discard", "remove", "pop_at") and ops[3][1] in ([ops[1][1][0]], [0], [-1]), ops
+    assert promise["failure"]["what"] == "promise" and promise["failure"]["want"] == "IndexError"
+    assert promise["failure"]["got"].startswith("KeyError") and len(promise["ops"]) == 1
+    found = []
+    probe = Probe(root=tmp_path, sh=None, finding=lambda **kw: found.append(kw), measure=None, deadline=0,
+                  package="pkg")
+    for f in got["found"]:
+        models.model_finding(probe, target, dict(f, why="is a collections.abc.MutableSet"), got["where"])
+    assert found[0]["title"].startswith("`OrderedSet` does not behave like a set kept in insertion order: `s.")
+    assert "from pkg.core import OrderedSet\n    s = OrderedSet()\n    s.add(" in found[0]["details"]
+    assert found[0]["details"].startswith("`pkg.core.OrderedSet` is a collections.abc.MutableSet; driven")
+    assert found[0]["file"] == "pkg/core.py" and found[0]["line"] == 4 and found[0]["category"] == "correctness"
+    assert found[1]["title"] == "`OrderedSet.index` raises KeyError where its docstring says IndexError"
+    assert found[1]["severity"] == "low"
+    # each repro is a standalone script that exits 1 while the bug is there, 0 once it is fixed
+    for f in found:
+        code = f["repro_command"].split("\n", 1)[1].rsplit("\n", 1)[0]
+        done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, cwd=tmp_path,
+                              env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=60)
+        assert done.returncode == 1, done.stdout + done.stderr
+    fixed = ORDERED_SET.replace("REINDEX", "self.map = {k: i for i, k in enumerate(self.items)}").replace(
+        "MISSING", "if key not in self.map:\n            raise IndexError(key)")
+    assert [got for _, _, got in model_results(tmp_path, fixed)] == [{"found": [], "where": ["pkg/core.py", 4]}]
+
+
+def test_a_collection_model_leaves_alone_what_the_class_means_to_do_otherwise(tmp_path):
+    """A default for a missing key (`__missing__`), a set kept sorted rather than in insertion order, a sequence
+    that refuses append and insert: none is a difference from the model."""
+    results = model_results(tmp_path, FINE_COLLECTIONS)
+    assert [(t, k) for t, k, _ in results] == [("pkg.core.Defaults", "dict"), ("pkg.core.Readings", "list"),
+                                               ("pkg.core.SortedSet", "orderedset")]
+    assert [got["found"] for _, _, got in results] == [[], [], []], results
