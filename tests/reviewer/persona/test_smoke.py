@@ -341,6 +341,10 @@ def test_the_code_under_test_is_the_checkouts(tmp_path):
         assert "installed the checkout again as version 2.5" in result.summary, result.summary
         redone = measurements["install time (the checkout's own code)"]
         assert redone.command == "SETUPTOOLS_SCM_PRETEND_VERSION=2.5 python -m pip install -e ."
+        from reviewer.run.verify import setup_command
+
+        with db.session(str(tmp_path / "reviews.db")) as s:  # verification installs the way it was redone
+            assert setup_command(s, redone.run_id) == redone.command
         assert ws.run("python -I -c 'import scmproj; print(scmproj.WHERE)'", 60).output.strip() == "checkout"
     finally:
         ws.remove()
