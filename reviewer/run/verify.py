@@ -123,11 +123,14 @@ def check(repro: str, target: Target, setup: str | None, settings, policy) -> tu
 
 
 def repro_setup(root, repro: str) -> list[str]:
-    """Commands that give the fresh workspace what smoke gave the tests, for a repro that runs pytest."""
-    if "pytest" not in repro:
+    """Commands that give the fresh workspace what smoke gave the tests, for a repro that runs pytest, and for a
+    probe's script (smoke runs the probes after the tests' environment is installed: python-dotenv's CLI needs click,
+    which only its tox.ini's deps bring, and its documented session "did not reproduce" without it)."""
+    probe = "REVIEWER_PROBE" in repro  # reviewer.persona.probes.runner.DELIMITER
+    if "pytest" not in repro and not probe:
         return []
-    return (["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"]
-            + [command for _, command in declared_setup(root)])
+    return (["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"] if "pytest" in repro else []) \
+        + [command for _, command in declared_setup(root)]
 
 
 def undeclared_imports_matter(repro: str, result) -> bool:

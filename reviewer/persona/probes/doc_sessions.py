@@ -93,11 +93,14 @@ def step_verdict(step, result, strict_silence):
     return "ok"
 
 
-def check_session(steps, timeout, only=None):
+def check_session(steps, timeout, only=None, strict_silence=None):
     """The problems of a session's project lines (only the step `only`, for a repro), each judged only when every
-    line before it ran as the docs show. A different output counts when a second run gives it again."""
+    line before it ran as the docs show. A different output counts when a second run gives it again. Whether a line
+    the docs show no output for must print nothing is the whole session's: a repro holds only the lines up to its
+    own, and one that dropped the later `tool list` with its output had passed where the session failed."""
     first = run_session(steps, timeout)
-    strict_silence = any(s["expected"] for s in steps if s["kind"] == "project")
+    if strict_silence is None:
+        strict_silence = any(s["expected"] for s in steps if s["kind"] == "project")
     problems = []
     for i, step in enumerate(steps):
         if step["kind"] == "setup":
@@ -123,7 +126,7 @@ def check_session(steps, timeout, only=None):
 
 
 SESSION_BODY = """
-problems = check_session(STEPS, TIMEOUT, ONLY)
+problems = check_session(STEPS, TIMEOUT, ONLY, STRICT)
 emit({"problems": problems})
 sys.exit(1 if problems else 0)
 """
@@ -149,6 +152,7 @@ def session_steps(session: doctext.Session, root: Path, file_name) -> list[dict]
     return steps
 
 
-def session_script(steps: list[dict], only: int | None = None) -> str:
-    head = f"STEPS = {data(steps)}\nTIMEOUT = {DOC_COMMAND_TIMEOUT_S!r}\nONLY = {only!r}\n"
+def session_script(steps: list[dict], only: int | None = None, strict: bool | None = None) -> str:
+    """The session's check as a script; `strict` (a repro's) is whether the whole session shows any output."""
+    head = f"STEPS = {data(steps)}\nTIMEOUT = {DOC_COMMAND_TIMEOUT_S!r}\nONLY = {only!r}\nSTRICT = {strict!r}\n"
     return script(head + SESSION_BODY, prelude.emit, run_session, step_verdict, check_session, imports=("re",))

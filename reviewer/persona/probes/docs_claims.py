@@ -175,6 +175,7 @@ def visible(text: str) -> str:
 def difference(want: str, got: str) -> str:
     """A short unified diff of what the docs show (-) and what came (+), invisible characters escaped; a long output
     shows only the lines that differ, with a little context."""
+    want, got = want.rstrip("\n"), got.rstrip("\n")  # a command's last newline is not a line of its output
     diff = list(difflib.unified_diff(visible(want).split("\n"), visible(got).split("\n"), "docs", "got",
                                      n=DIFF_CONTEXT, lineterm=""))
     if len(diff) > DIFF_LINES:
@@ -330,7 +331,9 @@ def session_finding(probe: Probe, session: doctext.Session, steps: list[dict], p
         details = f"{where} documents `{text}`; run as the docs show it{after}, it {what}."
     probe.record(title=title, severity=severity, category="docs", details=details,
                  evidence=tail(p["output"], EVIDENCE_CHARS),
-                 repro_command=command(doc_sessions.session_script(steps[:p["step"] + 1], only=p["step"])),
+                 repro_command=command(doc_sessions.session_script(
+                     steps[:p["step"] + 1], only=p["step"],
+                     strict=any(s["expected"] for s in steps if s["kind"] == "project"))),
                  file=session.file, line=step["line"])
 
 

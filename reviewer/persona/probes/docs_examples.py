@@ -525,8 +525,10 @@ def syntax_errors(blocks):
     their function or loop (a piece of a body), a trailing `def f():` whose body the docs leave out, shell lines and
     IPython magics in a python block, tracebacks (pytb), templates (`{{`, `{%`)."""
     import ast
+    import re
 
-    fragment = re.compile(r"\.\.\.|…|\{\{|\{%|^\s*(\$ |% |!|In \[\d*\]:|pip install)", re.M)
+    # (IPython's magics: `%load_ext dotenv`, `%%time`, python-dotenv's README)
+    fragment = re.compile(r"\.\.\.|…|\{\{|\{%|^\s*(\$ |%{1,2}\w|% |!|In \[\d*\]:|pip install)", re.M)
     partial = re.compile(r"outside (async )?function|outside loop|not properly in loop|'await' outside")
     found = []
     for block in blocks:
@@ -534,12 +536,12 @@ def syntax_errors(blocks):
         if lang in ("pytb", "ipython"):
             continue
         if block["doctest"]:
-            pieces = [(block["line"] + ex.lineno, ex.source) for ex in doctest_examples(block["text"])]
+            pieces = [(block["line"] + ex.lineno, ex.source, ex.want) for ex in doctest_examples(block["text"])]
         elif lang in ("pycon", "doctest", "pyrepl"):
             continue  # a console block without prompts is output
         else:
-            pieces = [(block["line"], block["text"])]
-        for first, source in pieces:
+            pieces = [(block["line"], block["text"], "")]
+        for i, (first, source, _) in enumerate(pieces):
             if fragment.search(source):
                 continue
             try:

@@ -83,7 +83,14 @@ def doc_files(root: Path) -> list[Path]:
             found += sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in (".md", ".rst")
                             and not any(part.startswith((".", "_")) for part in p.relative_to(base).parts))
     found = [p for p in found if not NOT_DOCS.search(p.stem) and p.stat().st_size <= MAX_DOC_BYTES]
-    return found[:MAX_DOC_FILES]
+    # a docs page that is the README again (python-dotenv's docs/index.md) is read once: its findings are the same
+    texts, unique = set(), []
+    for p in found:
+        body = p.read_bytes()
+        if body not in texts:
+            texts.add(body)
+            unique.append(p)
+    return unique[:MAX_DOC_FILES]
 
 
 def read(path: Path) -> str:

@@ -195,9 +195,10 @@ def contents(target, kind):
 
 
 def promised(doc):
-    """The exception names a docstring promises: a Raises section (Google, NumPy), `:raises X:`, "raises X"."""
+    """The exception names a docstring promises: a Raises section (Google, NumPy), `:raises X:`, "raises X", "raising
+    an X if ..." (ordered-set's `index`)."""
     names = set(re.findall(r":raises?\s+([\w.]+)\s*:", doc or ""))
-    names |= set(re.findall(r"\b[Rr]aises?\s+(?:an?\s+)?`*([A-Z]\w*(?:Error|Exception))\b", doc or ""))
+    names |= set(re.findall(r"\b(?:[Rr]aises?|[Rr]aising)\s+(?:an?\s+)?`*([A-Z]\w*(?:Error|Exception))\b", doc or ""))
     section = re.search(r"^\s*Raises\s*:?\s*\n(?:\s*-{3,}\s*\n)?((?:[ \t]*\S.*\n?)+)", doc or "", re.M)
     for line in (section.group(1).splitlines() if section else []):
         m = re.match(r"^\s*`*([A-Z]\w*(?:Error|Exception))\b", line)
@@ -261,8 +262,12 @@ def random_ops(kind, names, domain, rng, length):
     import copy
 
     model, ops, base = new_model(kind), [], kind.split("-")[0]
+    grow = {"dict": "__setitem__", "list": "append"}.get(base, "add")
     for _ in range(length):
-        name, x, n = rng.choice(names), rng.choice(domain), len(model)
+        # one in three adds: with removals as likely as additions the collection seldom holds two elements, and a
+        # stale index needs an element removed before another one that is then used
+        name = grow if grow in names and rng.random() < 0.35 else rng.choice(names)
+        x, n = rng.choice(domain), len(model)
         index = rng.randint(-n - 1, n) if n else rng.randint(-1, 1)
         if name in ("add", "discard", "remove", "index", "count", "append", "__contains__", "get", "pop") and (
                 base != "list" or name != "pop"):

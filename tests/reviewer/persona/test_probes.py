@@ -868,11 +868,12 @@ AGE=42
 """
 
 
-def run_session_check(root: Path, steps: list[dict], only=None) -> tuple[int, dict]:
+def run_session_check(root: Path, steps: list[dict], only=None, strict=None) -> tuple[int, dict]:
     from reviewer.persona.probes import doc_sessions
     from reviewer.persona.probes.runner import result_line
 
-    done = subprocess.run([sys.executable, "-"], input=doc_sessions.session_script(steps, only), capture_output=True,
+    done = subprocess.run([sys.executable, "-"], input=doc_sessions.session_script(steps, only, strict),
+                          capture_output=True,
                           text=True, cwd=root, env={"PATH": f"{root / 'bin'}:/usr/bin:/bin"}, timeout=120)
     return done.returncode, result_line(done.stdout)
 
@@ -904,6 +905,9 @@ def test_a_documented_shell_session_runs_in_order_in_one_shell(tmp_path):
     # the repro of one finding runs the lines before it and judges that line alone
     code, got = run_session_check(tmp_path, steps[:4], only=3)
     assert code == 1 and [p["step"] for p in got["problems"]] == [3]
+    # and that of a `set` line, which holds no line with output, judges it as the whole session did (it had passed)
+    code, got = run_session_check(tmp_path, steps[:2], only=1, strict=True)
+    assert code == 1 and [(p["step"], p["what"]) for p in got["problems"]] == [(1, "unshown output")]
     # a line that cannot run (the reader's file) ends what is judged: `tool list` after it is not judged
     second = doc_sessions.session_steps(sessions[1], tmp_path, docs_claims.file_name)
     assert run_session_check(tmp_path, second) == (0, {"problems": []})
@@ -1182,3 +1186,116 @@ def test_a_collection_model_leaves_alone_what_the_class_means_to_do_otherwise(tm
     assert [(t, k) for t, k, _ in results] == [("pkg.core.Defaults", "dict"), ("pkg.core.Readings", "list"),
                                                ("pkg.core.SortedSet", "orderedset")]
     assert [got["found"] for _, _, got in results] == [[], [], []], results
+
+
+KV_README = """# kv
+
+A key-value store with a command line, an ordered set and a heart.
+
+```pycon
+>>> from kv import heart
+>>> print(heart())
+\u2764\ufe0f
+```
+
+```python
+from kv import OrderedSet
+s = OrderedSet([1, 2, 3]))
+```
+
+```console
+$ pip install kv
+$ tool set NAME alice@example.com
+$ tool set AGE 42
+$ tool list
+NAME=alice@example.com
+AGE=42
+```
+"""
+
+
+KV_CLI = '''"""`tool set KEY VALUE` (says "saved KEY"), `tool list` (sorted keys): TOOL as a console script."""
+import json
+import os
+import sys
+
+
+def main():
+    data = json.load(open("store.json")) if os.path.exists("store.json") else None
+    if sys.argv[1] == "set":
+        data = dict(data or {}, **{sys.argv[2]: sys.argv[3]})
+        json.dump(data, open("store.json", "w"))
+        print("saved", sys.argv[2])
+    elif sys.argv[1] == "list":
+        if data is None:
+            sys.exit("no store here: run `tool set` first")
+        for key in sorted(data):
+            print(f"{key}={data[key]}")
+'''
+
+
+def test_the_checks_of_issue_41_on_a_real_git_repository(tmp_path):
+    """The smoke persona, as `reviewer run` runs it, on one git repository holding what a real round missed or got
+    wrong: a README shell session (`tool set` twice, then `tool list`) run in order, an example whose output differs
+    in an invisible U+FE0F (escaped in the finding), a README block that is a SyntaxError, and an ordered set whose
+    index map goes stale after pop(0) (caught against its model, with a shrunk repro that runs)."""
+    stale = ORDERED_SET.replace("        REINDEX\n", "").replace("        MISSING\n", "")
+    repo = make_repo(tmp_path / "kv", {
+        "pyproject.toml": PYPROJECT.replace('"statly"', '"kv"').replace('statly = "statly.cli', 'tool = "kv.cli'),
+        "README.md": KV_README,
+        "kv/__init__.py": "from kv.oset import OrderedSet\n\n\ndef heart():\n    return '\\u2764'\n",
+        "kv/oset.py": stale, "kv/cli.py": KV_CLI,
+        "tests/test_kv.py": "from kv import heart\n\n\ndef test_heart():\n    assert heart()\n"})
+    assert "tool = \"kv.cli:main\"" in (repo / "pyproject.toml").read_text()
+    findings, _, ws = review(repo, tmp_path)
+    try:
+        titles = sorted(f.title for f in findings)
+        by = {f.title: f for f in findings}
+        # the session ran in order: `tool list` is judged on its output (sorted keys), never as failing alone
+        assert not any("fails" in t or "crashes" in t for t in titles), titles
+        listed = by["README.md: `tool list` prints something else than the docs show"]
+        assert "after `tool set NAME alice@example.com`, `tool set AGE 42`" in listed.details
+        assert "-NAME=alice@example.com\n-AGE=42\n+AGE=42\n+NAME=alice@example.com" in listed.details \
+            or "+AGE=42\n NAME=alice@example.com\n-AGE=42" in listed.details, listed.details
+        # the invisible difference is escaped
+        heart = by["README.md example `print(heart())` gives \u2764, the docs say \u2764\\ufe0f"]
+        assert "-\u2764\\ufe0f\n+\u2764" in heart.details
+        # the block that does not parse is a finding with its line
+        assert "README.md:13: a Python example does not parse (unmatched ')')" in titles, titles
+        # the ordered set against its model, with a shrunk repro that fails while the bug is there
+        model = next(f for f in findings if f.title.startswith("`OrderedSet` does not behave like a set kept in "
+                                                                "insertion order"))
+        assert model.file == "kv/oset.py" and "s = OrderedSet()" in model.details
+        assert model.details.count("\n    s.") <= 4, model.details  # shrunk: at most four operations
+        assert "`OrderedSet.index` raises KeyError where its docstring says IndexError" in titles
+        for f in findings:
+            assert ws.run(f.repro_command, 120).exit_code != 0, f.title
+    finally:
+        ws.remove()
+
+
+def test_what_a_round_on_real_projects_showed_the_docs_and_model_probes(tmp_path):
+    """Seen on python-dotenv and ordered-set: IPython's `%load_ext dotenv` in a python block is a magic, not a
+    SyntaxError; docs/index.md that is the README again is read once (each finding had come twice); "raising an
+    IndexError if ..." is a promise; and a class with many methods still gets sequences that grow it (with adds one
+    operation in a dozen, the collection seldom held the two elements a stale index needs)."""
+    from reviewer.persona.probes import models
+    from reviewer.persona.probes.docs_examples import syntax_errors
+
+    magic = {"file": "README.md", "line": 1, "doctest": False, "lang": "python",
+             "text": "%load_ext dotenv\n%dotenv -o\n"}
+    assert syntax_errors([magic]) == []
+    assert [e["msg"] for e in syntax_errors([dict(magic, text="x = 5 %\n")])] == ["invalid syntax"]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# pkg\n\n```python\nprint(1)\n```\n")
+    (tmp_path / "docs" / "index.md").write_text("# pkg\n\n```python\nprint(1)\n```\n")
+    (tmp_path / "docs" / "usage.md").write_text("# usage\n")
+    assert [p.relative_to(tmp_path).as_posix() for p in doctext.doc_files(tmp_path)] == ["README.md", "docs/usage.md"]
+    assert models.promised("Get the index of a given entry, raising an IndexError if it's not present.") == {
+        "IndexError"}
+    names = ["add", "discard", "remove", "pop", "pop_at", "index", "__contains__", "clear", "__getitem__", "copy"]
+    body = (f"ops = random_ops('orderedset', {names!r}, [0, 1, 2], random.Random(1), 3000)\n"
+            "emit({'adds': sum(name == 'add' for name, _ in ops) / len(ops)})\n")
+    got = run_probe_script(models.script(models.constants() + body, *models.HELPERS, imports=("random", "re")),
+                           tmp_path)
+    assert got["adds"] > 0.3, got
