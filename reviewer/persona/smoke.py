@@ -30,7 +30,7 @@ from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, 
 from reviewer.persona.pytest_output import (MACHINE_LACKS, failure_location, failure_sections, failures_excerpt,
                                             machine_lacks, pytest_counts, pytest_problems)
 from reviewer.persona.testdeps import (declared_setup, distribution, missing_test_modules, named_in_repository,
-                                       plugins_for_options)
+                                       plugins_for_options, project_test_commands)
 from reviewer.sandbox.command import CommandResult
 from reviewer.sandbox.workspace import Workspace
 from reviewer.text import tail
@@ -289,6 +289,20 @@ def unittest_run(smoke: Smoke) -> bool:
     return True
 
 
+def own_test_command_run(smoke: Smoke, why: str) -> bool:
+    """pytest could not run the tests (`why`): the project's own test command (tox.ini's, a Makefile's `test`) may.
+    True when one of them passes: then pytest's trouble is no finding (roman's tests run with zope-testrunner,
+    toposort's with `make test`). When each fails, what pytest said stands."""
+    for command in project_test_commands(smoke.workspace.root):
+        res = smoke.sh(f"run the tests the project's own way (pytest {why})", command)
+        if res.exit_code == 0 and not res.timed_out:
+            smoke.measure(name="test suite time", value=round(res.seconds, 3), unit="s", command=command)
+            smoke.notes.append(f"pytest {why}; the project's own `{command}` runs its tests and passes "
+                               f"({res.seconds:.1f} s)")
+            return True
+    return False
+
+
 def python_tests(smoke: Smoke) -> None:
     root = smoke.workspace.root
     if not has_tests(root):
@@ -329,7 +343,7 @@ def python_tests(smoke: Smoke) -> None:
     problems = pytest_problems(result.output)
     counted = ", ".join(f"{n} {what}" for what, n in counts.items()) or "no summary line"
     if result.exit_code == 5 or (result.exit_code == 0 and not counts.get("passed") and not problems):
-        if unittest_run(smoke):
+        if own_test_command_run(smoke, "collects no tests") or unittest_run(smoke):
             return
         smoke.finding(title="pytest collects no tests", severity="medium", category="tests",
                       details=f"The repository looks like it has tests, but `{command}` ran none ({counted}).",
@@ -363,6 +377,8 @@ def python_tests(smoke: Smoke) -> None:
         shown = ids[0] + (f" and {len(ids) - 1} more" if len(ids) > 1 else "")
         title = f"{bad} of {total} tests fail ({shown})" if total else f"Tests fail ({shown})"
         repro = "python -m pytest -x " + " ".join(shlex.quote(t) for t in ids[:5])
+    elif own_test_command_run(smoke, f"fails before running the tests (exit code {result.exit_code})"):
+        return
     else:  # pytest itself failed (bad config, internal error): no test ids to point at
         file, line = None, None
         title = f"pytest fails before running the tests (exit code {result.exit_code})"

@@ -1299,3 +1299,30 @@ def test_what_a_round_on_real_projects_showed_the_docs_and_model_probes(tmp_path
     got = run_probe_script(models.script(models.constants() + body, *models.HELPERS, imports=("random", "re")),
                            tmp_path)
     assert got["adds"] > 0.3, got
+
+
+def test_slips_of_the_prompts_are_not_syntax_errors(tmp_path):
+    """Seen on addict and simpleeval: continuation lines written with `>>>` (a class body), a call's second line
+    without `...` (doctest takes it for output), two spaces after `>>>`. The code is right as a reader copies it, and
+    "Python cannot run it" was false; an extra `)` beside them still is a finding."""
+    from reviewer.persona.probes.docs_examples import syntax_errors
+
+    rst = """.. code-block:: pycon
+
+    >>> class NoDefault(Dict):
+    >>>     def __missing__(self, key):
+    >>>         raise KeyError(key)
+
+    >>> simple_eval("'equal' if x == y else 'not equal'",
+                    names={"x": 1, "y": 2})
+    'not equal'
+
+    >>>  simple_eval("foo.bar", names={"foo": {"bar": 42}})
+    42
+
+    >>> print(simple_eval("1 + 1")))
+    2
+"""
+    (tmp_path / "README.rst").write_text(rst)
+    blocks = [docs_claims.block_data(b) for b in doctext.all_blocks(tmp_path) if b.is_python]
+    assert [(e["line"], e["msg"]) for e in syntax_errors(blocks)] == [(14, "unmatched ')'")]

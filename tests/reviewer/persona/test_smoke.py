@@ -381,3 +381,33 @@ def test_a_tagless_clone_of_an_sdist_is_installed_as_its_version(tmp_path):
     plain = make_repo(tmp_path / "plain", {"pyproject.toml": SETUPTOOLS + '[project]\nname = "p"\nversion = "1"\n',
                                            "PKG-INFO": "Version: 9\n"})
     assert version_before_install(plain, str(plain)) is None  # a static version needs nothing
+
+
+def test_tests_pytest_cannot_run_are_run_the_projects_own_way(tmp_path):
+    """Seen on toposort and roman: toposort's test module calls `unittest.main()` on import, which stops pytest's
+    collection (exit code 3), and its Makefile's `test` target runs them (pass); roman's tests run with
+    zope-testrunner, as its tox.ini's commands say, and pytest collects none. Both were findings, both false."""
+    from reviewer.persona.testdeps import project_test_commands
+
+    files = {
+        "pyproject.toml": SETUPTOOLS + '[project]\nname = "topo"\nversion = "0.1"\n',
+        "topo.py": "def double(x):\n    return x * 2\n",
+        "test/__init__.py": "",
+        "test/test_topo.py": "import unittest\n\nfrom topo import double\n\n\nclass T(unittest.TestCase):\n"
+                             "    def test_two(self):\n        self.assertEqual(double(2), 4)\n\n\nunittest.main()\n",
+        "Makefile": "test:\n\tpython -m test.test_topo\n"}
+    result, findings, measurements, _, ws = smoke_review(make_repo(tmp_path / "topo", files), tmp_path)
+    ws.remove()
+    assert findings == [], ([f.title for f in findings], result.summary)
+    assert "pytest fails before running the tests (exit code 3); the project's own `make -B test` runs its tests " \
+           "and passes" in result.summary, result.summary
+    assert measurements["test suite time"].command == "make -B test"
+    # when the project's own way fails too, what pytest said stands
+    broken = dict(files, **{"topo.py": "def double(x):\n    return x * 3\n"})
+    result, findings, _, _, ws = smoke_review(make_repo(tmp_path / "broken", broken), tmp_path / "b")
+    ws.remove()
+    assert [f.title for f in findings] == ["pytest fails before running the tests (exit code 3)"], result.summary
+    # tox.ini's commands, their {posargs:...} as the default; factor lines and substitutions left out
+    (tmp_path / "tox.ini").write_text("[testenv]\ndeps = zope.testrunner\ncommands =\n    py38: echo old\n"
+                                      "    zope-testrunner --test-path=src {posargs:-vc}\n")
+    assert project_test_commands(tmp_path) == ["zope-testrunner --test-path=src -vc"]
