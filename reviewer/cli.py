@@ -97,9 +97,9 @@ def run(
     """Review one repository now: each persona installs it from scratch, tests it, tries to break it, and records
     findings and measurements in the database. Reviews on one machine run one at a time; before it starts, a review
     marks runs whose process is gone interrupted and removes the workspaces and sandbox folders they left. After its
-    install and tests, the smoke persona runs the probes of docs/probes.md: the docs' examples and commands, import
-    and CLI start-up time, scaling and edge inputs of the functions the tests call, each finding with a repro
-    command."""
+    install and tests, the smoke persona runs the probes of docs/probes.md: the docs' examples, commands and shell
+    sessions, import and CLI start-up time, scaling and edge inputs of the functions the tests call, collection
+    classes against the built-in type as their model, each finding with a repro command."""
     settings = settings_or_exit(
         llm=llm, model=model, context_window=context_window, db=db, personas=persona, max_steps=max_steps, timeout=timeout,
         personas_dir=personas_dir, isolation=isolation, probes=False if no_probes else None,

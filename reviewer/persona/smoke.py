@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reviewer import stats
+from reviewer.persona.checkout import PRETEND, ensure_checkout, version_before_install
 from reviewer.persona.probes.suite import from_smoke, run_probes
 from reviewer.persona.project import EVIDENCE_CHARS, SmokeTimeout, import_name, python_metadata
 from reviewer.persona.pytest_output import (MACHINE_LACKS, failure_location, failure_sections, failures_excerpt,
                                             machine_lacks, pytest_counts, pytest_problems)
 from reviewer.persona.testdeps import (declared_setup, distribution, missing_test_modules, named_in_repository,
-                                       plugins_for_options)
+                                       plugins_for_options, project_test_commands)
 from reviewer.sandbox.command import CommandResult
 from reviewer.sandbox.workspace import Workspace
 from reviewer.text import tail
@@ -69,6 +70,9 @@ class Smoke:
     notes: list[str] = field(default_factory=list)  # becomes the summary
     deadline: float = 0.0
     probes: bool = True  # run reviewer/persona/probes after a Python install (settings.probes)
+    package: str | None = None  # the project's top-level import name, once installed
+    reinstall: str = ""  # the command that installed the checkout (again, when a dependency replaced it)
+    not_checkout: str | None = None  # set when the code under test is not the checkout's: every finding says so
 
     def sh(self, label: str, command: str, timeout: float | None = None) -> CommandResult:
         """Run one command in the workspace as a step: progress, transcript, saved at once."""
@@ -92,7 +96,12 @@ class Smoke:
         self.recorder.save_transcript(self.messages, steps=self.steps, prompt_tokens=0, completion_tokens=0, llm_seconds=0.0)
 
     def finding(self, **kw) -> None:
+        if self.not_checkout:  # a finding about someone else's release must say so (reviewer/persona/checkout.py)
+            kw["details"] = f"{kw.get('details') or ''}\n\nWarning: {self.not_checkout}.".strip()
         self.recorder.record_finding(**kw)
+
+    def checkout_under_test(self, moment: str) -> None:
+        ensure_checkout(self, moment)
 
     def measure(self, **kw) -> None:
         self.recorder.record_measurement(**kw)
@@ -174,11 +183,18 @@ def smoke_python(smoke: Smoke, marker: str) -> None:
     if extra is None and marker != "pyproject.toml":
         extra = "test"  # setup.py projects rarely say in a file we can read; pip only warns if it is missing
     spec = f".[{extra}]" if extra else "."
-    editable = f"python -m pip install -e {shlex.quote(spec)}"
+    # A tagless clone of a project whose version comes from git would be 0.1.dev1: a dependent that requires the
+    # project replaces it with a release (reviewer/persona/checkout.py); PKG-INFO or the upstream's tags say better
+    pretend = version_before_install(root, smoke.workspace.url)
+    env = f"{PRETEND}={shlex.quote(pretend[0])} " if pretend else ""
+    if pretend:
+        smoke.workspace.env[PRETEND] = pretend[0]
+        smoke.notes.append(f"the clone has no tags; installed as version {pretend[0]} ({pretend[1]})")
+    editable = f"{env}python -m pip install -e {shlex.quote(spec)}"
     install = smoke.sh("install (editable, with test extras)", editable)
     installed_with = editable
     if install.exit_code != 0:
-        plain = "python -m pip install ."
+        plain = f"{env}python -m pip install ."
         fallback = smoke.sh("install (plain)", plain)
         if fallback.exit_code == 0:
             installed_with = plain
@@ -204,6 +220,8 @@ def smoke_python(smoke: Smoke, marker: str) -> None:
                 smoke.finding(title=f"`pip install -r {req}` fails", severity="medium", category="install",
                               details=pip_error(res.output), evidence=tail(res.output, EVIDENCE_CHARS), repro_command=cmd)
     package = import_name(root, dist_name)
+    smoke.package, smoke.reinstall = package, installed_with
+    smoke.checkout_under_test("after the install")
     import_ms = measure_import(smoke, package) if package else None
     python_tests(smoke)
     if smoke.probes:  # docs as executable claims, timing claims, edge inputs, scaling: persona/probes/README.md
@@ -271,6 +289,20 @@ def unittest_run(smoke: Smoke) -> bool:
     return True
 
 
+def own_test_command_run(smoke: Smoke, why: str) -> bool:
+    """pytest could not run the tests (`why`): the project's own test command (tox.ini's, a Makefile's `test`) may.
+    True when one of them passes: then pytest's trouble is no finding (roman's tests run with zope-testrunner,
+    toposort's with `make test`). When each fails, what pytest said stands."""
+    for command in project_test_commands(smoke.workspace.root):
+        res = smoke.sh(f"run the tests the project's own way (pytest {why})", command)
+        if res.exit_code == 0 and not res.timed_out:
+            smoke.measure(name="test suite time", value=round(res.seconds, 3), unit="s", command=command)
+            smoke.notes.append(f"pytest {why}; the project's own `{command}` runs its tests and passes "
+                               f"({res.seconds:.1f} s)")
+            return True
+    return False
+
+
 def python_tests(smoke: Smoke) -> None:
     root = smoke.workspace.root
     if not has_tests(root):
@@ -286,6 +318,7 @@ def python_tests(smoke: Smoke) -> None:
             return
         smoke.notes.append("pytest was not installed by the project's test extras; installed it")
     install_test_environment(smoke, root)
+    smoke.checkout_under_test("after installing what the tests need")
     command = "python -m pytest -q -rfE --color=no"
     result = smoke.sh("run the tests", command)
     plugins = plugins_for_options(result.output) if result.exit_code == 4 else []
@@ -295,6 +328,7 @@ def python_tests(smoke: Smoke) -> None:
         if got.exit_code == 0:
             smoke.notes.append(f"pytest's config needs {', '.join(plugins)}, which the install does not bring; "
                                "installed")
+            smoke.checkout_under_test(f"after installing {', '.join(plugins)}")
             result = smoke.sh("run the tests", command)
     result = install_missing_imports(smoke, root, result, command)
     if result.exit_code in (0, 1) or result.timed_out:  # a suite that ran (not a usage or collection error)
@@ -309,7 +343,7 @@ def python_tests(smoke: Smoke) -> None:
     problems = pytest_problems(result.output)
     counted = ", ".join(f"{n} {what}" for what, n in counts.items()) or "no summary line"
     if result.exit_code == 5 or (result.exit_code == 0 and not counts.get("passed") and not problems):
-        if unittest_run(smoke):
+        if own_test_command_run(smoke, "collects no tests") or unittest_run(smoke):
             return
         smoke.finding(title="pytest collects no tests", severity="medium", category="tests",
                       details=f"The repository looks like it has tests, but `{command}` ran none ({counted}).",
@@ -343,6 +377,8 @@ def python_tests(smoke: Smoke) -> None:
         shown = ids[0] + (f" and {len(ids) - 1} more" if len(ids) > 1 else "")
         title = f"{bad} of {total} tests fail ({shown})" if total else f"Tests fail ({shown})"
         repro = "python -m pytest -x " + " ".join(shlex.quote(t) for t in ids[:5])
+    elif own_test_command_run(smoke, f"fails before running the tests (exit code {result.exit_code})"):
+        return
     else:  # pytest itself failed (bad config, internal error): no test ids to point at
         file, line = None, None
         title = f"pytest fails before running the tests (exit code {result.exit_code})"
@@ -376,6 +412,7 @@ def install_missing_imports(smoke: Smoke, root: Path, result: CommandResult, com
     named = [f"{d} (named in {w})" for d, w in where.items() if w]
     if named:
         smoke.notes.append(f"the tests import {', '.join(named)}, which the install does not bring; installed")
+    smoke.checkout_under_test(f"after installing {', '.join(dists)}")
     rerun = smoke.sh("run the tests", command)
     unnamed = [d for d, w in where.items() if not w]
     if unnamed:

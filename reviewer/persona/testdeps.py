@@ -1,6 +1,7 @@
 """What a project's tests need beyond its install, as the project declares it elsewhere: tox.ini's test deps and the
 requirements files they name, a PEP 735 dependency group, the pytest plugins its pytest config names, and the modules
-its tests import that nothing installs. Pure file and text work; smoke.py installs them."""
+its tests import that nothing installs; and the project's own test command. Pure file and text work; smoke.py
+installs and runs them."""
 
 from __future__ import annotations
 
@@ -120,6 +121,32 @@ def declared_setup(root: Path) -> list[tuple[str, str]]:
     for name in tox_requirement_files(root):
         steps.append((f"tox.ini's test requirements ({name})", f"python -m pip install -r {shlex.quote(name)}"))
     return steps
+
+
+def project_test_commands(root: Path) -> list[str]:
+    """The project's own ways to run its tests, for when pytest cannot: tox.ini's [testenv] commands (roman's
+    `zope-testrunner --test-path=src {posargs:-vc}`, its `{posargs:X}` as X) and a Makefile's `test` target (toposort's
+    `make -B test`: its test module calls `unittest.main()` on import, which stops pytest's collection)."""
+    found = []
+    path = root / "tox.ini"
+    if path.is_file():
+        cfg = configparser.ConfigParser(interpolation=None, strict=False)
+        try:
+            cfg.read_string(path.read_text(errors="replace"))
+            commands = cfg.get("testenv", "commands", fallback="")
+        except configparser.Error:
+            commands = ""
+        for line in (x.strip() for x in commands.splitlines()):
+            line = re.sub(r"\{posargs(?::([^}]*))?\}", lambda m: m.group(1) or "", line)
+            line = line.replace("{toxinidir}", ".").strip()
+            # one plain command a fresh venv can run: no factor (`py38: ...`), substitution left or tox-only prefix
+            if line and not re.match(r"^[\w.-]+:\s", line) and "{" not in line and not line.startswith(("-", "!")):
+                found.append(line)
+                break
+    makefile = root / "Makefile"
+    if makefile.is_file() and re.search(r"^test\s*:", makefile.read_text(errors="replace"), re.M):
+        found.append("make -B test")  # -B: a `test/` folder would make a target without prerequisites "up to date"
+    return found
 
 
 # import names whose distribution on PyPI is named otherwise (the common ones; anything else is tried as named)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from sqlmodel import select
 
+from reviewer.persona.checkout import REDONE
 from reviewer.persona.testdeps import declared_setup, distribution, missing_test_modules
 from reviewer.sandbox import isolation
 from reviewer.sandbox.workspace import Target, WorkspaceError, create_workspace
@@ -43,9 +44,11 @@ OUTPUT_TAIL = 3000
 
 
 def setup_command(s, run_id: int) -> str | None:
-    """How this run's smoke persona installed the project (None when it did not, or is not in the run)."""
-    row = s.exec(select(Measurement).where(Measurement.run_id == run_id, Measurement.persona == "smoke",
-                                           Measurement.name == "install time")).first()
+    """How this run's smoke persona installed the project (None when it did not, or is not in the run): the install
+    it redid when a dependency had replaced the checkout's code (reviewer/persona/checkout.py), else the first."""
+    rows = s.exec(select(Measurement).where(Measurement.run_id == run_id, Measurement.persona == "smoke",
+                                            Measurement.name.in_(("install time", REDONE)))).all()
+    row = next((r for r in rows if r.name == REDONE), rows[0] if rows else None)
     return row.command if row and row.command else None
 
 
@@ -120,11 +123,14 @@ def check(repro: str, target: Target, setup: str | None, settings, policy) -> tu
 
 
 def repro_setup(root, repro: str) -> list[str]:
-    """Commands that give the fresh workspace what smoke gave the tests, for a repro that runs pytest."""
-    if "pytest" not in repro:
+    """Commands that give the fresh workspace what smoke gave the tests, for a repro that runs pytest, and for a
+    probe's script (smoke runs the probes after the tests' environment is installed: python-dotenv's CLI needs click,
+    which only its tox.ini's deps bring, and its documented session "did not reproduce" without it)."""
+    probe = "REVIEWER_PROBE" in repro  # reviewer.persona.probes.runner.DELIMITER
+    if "pytest" not in repro and not probe:
         return []
-    return (["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"]
-            + [command for _, command in declared_setup(root)])
+    return (["python -c 'import pytest' 2>/dev/null || python -m pip install pytest"] if "pytest" in repro else []) \
+        + [command for _, command in declared_setup(root)]
 
 
 def undeclared_imports_matter(repro: str, result) -> bool:

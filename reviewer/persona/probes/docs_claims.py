@@ -15,11 +15,13 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+import unicodedata
 from pathlib import Path
 
-from reviewer.persona.probes import doctext, prelude
-from reviewer.persona.probes.docs_examples import examples_script
+from reviewer.persona.probes import doc_sessions, doctext, prelude
+from reviewer.persona.probes.docs_examples import examples_script, syntax_script
 from reviewer.persona.probes.runner import Probe, command, data, run, script
 from reviewer.persona.probes.thresholds import DOC_COMMAND_TIMEOUT_S, DOCS_SCRIPT_TIMEOUT
 from reviewer.persona.project import EVIDENCE_CHARS
@@ -115,7 +117,8 @@ sys.exit(1 if problems else 0)
 
 def block_data(b: doctext.Block) -> dict:
     """A Python block as run_examples takes it (plain data, copied into the check script)."""
-    return {"file": b.file, "line": b.line, "doctest": b.is_doctest and not b.setup, "text": b.text, "setup": b.setup}
+    return {"file": b.file, "line": b.line, "doctest": b.is_doctest and not b.setup, "text": b.text, "setup": b.setup,
+            "lang": b.lang}
 
 
 def check_examples(probe: Probe, blocks: list[doctext.Block]) -> None:
@@ -143,6 +146,43 @@ def check_examples(probe: Probe, blocks: list[doctext.Block]) -> None:
             example_finding(probe, file_blocks, same[0], also=[o["line"] for o in same[1:]])
 
 
+DIFF_CONTEXT = 2  # lines of context around each difference
+DIFF_LINES = 40  # at most, in a finding
+
+
+def visible(text: str) -> str:
+    """The text with what a reader cannot see escaped: a variation selector (U+FE0F after an emoji), zero-width and
+    other format or control characters, combining marks, unusual spaces, tabs, a carriage return (CRLF) and trailing
+    spaces. Three findings of a real round differed only in an invisible U+FE0F: expected and got looked the same."""
+    def one(ch: str) -> str:
+        if ch == "\t":
+            return "\\t"
+        if ch == "\r":
+            return "\\r"
+        if ch != " " and (unicodedata.category(ch)[0] in "CMZ" or 0xFE00 <= ord(ch) <= 0xFE0F):
+            return f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}"
+        return ch
+
+    lines = []
+    for line in text.split("\n"):
+        cr = "\\r" if line.endswith("\r") else ""
+        line = line.removesuffix("\r")
+        body = line.rstrip(" ")
+        lines.append("".join(one(ch) for ch in body) + "\\x20" * (len(line) - len(body)) + cr)
+    return "\n".join(lines)
+
+
+def difference(want: str, got: str) -> str:
+    """A short unified diff of what the docs show (-) and what came (+), invisible characters escaped; a long output
+    shows only the lines that differ, with a little context."""
+    want, got = want.rstrip("\n"), got.rstrip("\n")  # a command's last newline is not a line of its output
+    diff = list(difflib.unified_diff(visible(want).split("\n"), visible(got).split("\n"), "docs", "got",
+                                     n=DIFF_CONTEXT, lineterm=""))
+    if len(diff) > DIFF_LINES:
+        diff = diff[:DIFF_LINES] + [f"... ({len(diff) - DIFF_LINES} more lines of difference)"]
+    return "\n".join(diff)
+
+
 def short(text: str, limit: int) -> str:
     """One line of at most `limit` characters, for a title."""
     lines = text.strip().splitlines() or [""]
@@ -154,9 +194,11 @@ def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[i
     code = short(o["code"], 80)
     if o["kind"] == "mismatch":
         o = dict(o, got=o["got"] or "nothing")  # an example that prints nothing where the docs show output
-        title = f"{o['file']} example `{code}` gives {short(o['got'], 60)}, the docs say {short(o['want'], 60)}"
+        title = (f"{o['file']} example `{code}` gives {short(visible(o['got']), 60)}, the docs say "
+                 f"{short(visible(o['want']), 60)}")
         details = (f"{o['file']}:{o['line']} shows\n    {o['code']}\nwith the result {o['want']}; run after the "
-                   f"examples before it in that file, it gives {o['got']}.")
+                   f"examples before it in that file, it gives {o['got']}.\nDifference:\n"
+                   + difference(o["want"], o["got"]))
         severity = "medium"
     else:
         more = f" (and {len(also)} more examples)" if also else ""
@@ -169,9 +211,10 @@ def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[i
                     f"not what the docs bound to `{name}` before that loop.")
     before = [b for b in file_blocks if b["line"] <= o["line"]]  # the repro needs only what comes before the example
     repro = command(examples_script(before, probe.package, only=o["line"]), env="PYTHONHASHSEED=0")
+    shown = (f"doc line: {o['code']}\nexpected: {o.get('want', '-')}\ngot: {o.get('got') or o.get('error')}"
+             + (f"\n\n{difference(o['want'], o['got'])}" if o["kind"] == "mismatch" else ""))
     probe.record(title=title, severity=severity, category="docs", details=details,
-                 evidence=tail(f"doc line: {o['code']}\nexpected: {o.get('want', '-')}\n"
-                               f"got: {o.get('got') or o.get('error')}", EVIDENCE_CHARS),
+                 evidence=tail(shown, EVIDENCE_CHARS) if len(shown) > EVIDENCE_CHARS else shown,
                  repro_command=repro, file=o["file"], line=o["line"])
 
 
@@ -220,7 +263,8 @@ def check_commands(probe: Probe, blocks: list[doctext.Block]) -> None:
             continue
         seen.add(cmd.text)
         prefix = 3 if cmd.argv[0].startswith("python") else 1
-        checks = ["subcommand", "flags"] + (["run"] if runnable(cmd, probe.root) else [])
+        # a `$ ` line runs as a step of its session (check_sessions), not alone
+        checks = ["subcommand", "flags"] + (["run"] if not cmd.prompted and runnable(cmd, probe.root) else [])
         spec = {"text": cmd.text, "argv": cmd.argv, "prefix": prefix, "expected": cmd.expected}
         got, res, _ = run(probe, f"probe: documented command `{cmd.text[:60]}`", command_script(spec, checks),
                           DOC_COMMAND_TIMEOUT_S * 4 + 20)
@@ -239,7 +283,8 @@ def command_finding(probe: Probe, cmd: doctext.Command, spec: dict, p: dict) -> 
                    "rejects it.")
     elif p["what"] == "output":
         title, severity = f"{cmd.file}: `{cmd.text[:60]}` prints something else than the docs show", "medium"
-        details = f"{where} documents `{cmd.text}` printing:\n{cmd.expected}\nIt prints:\n{p['output']}"
+        details = (f"{where} documents `{cmd.text}` printing:\n{cmd.expected}\nIt prints:\n{p['output']}"
+                   f"\nDifference:\n{difference(cmd.expected or '', p['output'])}")
     else:
         title = f"{cmd.file}: documented command `{cmd.text[:60]}` " + ("crashes" if p["what"] == "traceback"
                                                                          else f"fails ({p['what']})")
@@ -251,9 +296,74 @@ def command_finding(probe: Probe, cmd: doctext.Command, spec: dict, p: dict) -> 
                  repro_command=command(command_script(spec, [p["check"]])), file=cmd.file, line=cmd.line)
 
 
+def file_name(token: str) -> bool:
+    return bool(PATHLIKE.search(token) or FILE_NAME.match(token))
+
+
+def check_sessions(probe: Probe, blocks: list[doctext.Block]) -> None:
+    """Each documented `$ ` session, in order, in one shell (doc_sessions.py)."""
+    for session in doctext.sessions(blocks, set(probe.scripts), probe.package)[:10]:
+        steps = doc_sessions.session_steps(session, probe.root, file_name)
+        got, _, _ = run(probe, f"probe: the shell session at {session.file}:{session.line}",
+                        doc_sessions.session_script(steps), DOC_COMMAND_TIMEOUT_S * (2 * len(steps) + 4))
+        problems = (got or {}).get("problems", [])
+        unshown = [p for p in problems if p["what"] == "unshown output"]
+        for p in [p for p in problems if p["what"] != "unshown output"] + unshown[:1]:  # silence: one per session
+            session_finding(probe, session, steps, p, also=[steps[q["step"]]["line"] for q in unshown[1:]]
+                            if p in unshown else [])
+
+
+def session_finding(probe: Probe, session: doctext.Session, steps: list[dict], p: dict, also: list[int]) -> None:
+    step = steps[p["step"]]
+    where, text = f"{session.file}:{step['line']}", step["text"]
+    before = [s["text"] for s in steps[:p["step"]] if s["kind"] != "setup"]
+    after = (" after " + ", ".join(f"`{t}`" for t in before) if before else "") + " (one shell, in order)"
+    if p["what"] in ("output", "unshown output"):
+        title = f"{session.file}: `{text[:60]}` prints something else than the docs show"
+        severity = "medium" if p["what"] == "output" else "low"
+        shown = step["expected"] or "(nothing)"
+        details = (f"{where} documents `{text}` printing:\n{shown}\nRun{after}, it prints:\n{p['output']}"
+                   f"\nDifference:\n{difference(step['expected'] or '', p['output'])}") + (
+            f"\nThe lines at {', '.join(map(str, also))} also print what the docs do not show." if also else "")
+    else:
+        what = "crashes" if p["what"] == "traceback" else f"fails ({p['what']})"
+        title, severity = f"{session.file}: documented command `{text[:60]}` {what}", "high"
+        details = f"{where} documents `{text}`; run as the docs show it{after}, it {what}."
+    probe.record(title=title, severity=severity, category="docs", details=details,
+                 evidence=tail(p["output"], EVIDENCE_CHARS),
+                 repro_command=command(doc_sessions.session_script(
+                     steps[:p["step"] + 1], only=p["step"],
+                     strict=any(s["expected"] for s in steps if s["kind"] == "project"))),
+                 file=session.file, line=step["line"])
+
+
+def check_syntax(probe: Probe, blocks: list[doctext.Block]) -> None:
+    """Every Python block of the docs must parse (docs_examples.syntax_errors says what is a deliberate fragment)."""
+    data_ = [block_data(b) for b in blocks if b.is_python]
+    if not data_:
+        return
+    got, _, _ = run(probe, "probe: do the docs' Python examples parse?", syntax_script(data_), 60)
+    seen = set()
+    for e in (got or {}).get("errors", []):
+        if (e["file"], e["line"]) in seen:
+            continue
+        seen.add((e["file"], e["line"]))
+        caret = " " * max(0, (e["offset"] or 1) - 1) + "^"
+        only = {"file": e["file"], "line": e["line"], "doctest": False, "text": e["source"], "setup": False,
+                "lang": "python"}
+        probe.record(title=f"{e['file']}:{e['line']}: a Python example does not parse ({e['msg']})",
+                     severity="medium", category="docs",
+                     details=f"{e['file']}:{e['line']} is a Python example a reader copies, and Python cannot run "
+                             f"it: SyntaxError: {e['msg']}\n    {e['text']}\n    {caret}",
+                     evidence=tail(e["source"], EVIDENCE_CHARS), repro_command=command(syntax_script([only])),
+                     file=e["file"], line=e["line"])
+
+
 def probe_docs(probe: Probe) -> None:
     blocks = probe.blocks()
+    check_syntax(probe, blocks)
     if probe.package:
         check_examples(probe, blocks)
     check_help(probe)
     check_commands(probe, blocks)
+    check_sessions(probe, blocks)

@@ -53,6 +53,51 @@ def from_project(error, namespace_names, package, code):
     return isinstance(error, (TypeError, AttributeError)) and any(re.search(rf"\b{n}\b", code) for n in namespace_names)
 
 
+def doctest_examples(text):
+    """doctest's examples of a block, never its ValueError: a block doctest cannot parse (`>>>x` without the blank,
+    prompts indented unevenly: a real `.rst` crashed the whole file's script, and only a note was left) is parsed
+    paragraph by paragraph, a paragraph that still fails with its prompts mended, one that fails even then left out."""
+    import doctest
+    import re
+
+    def parse(lines):
+        try:
+            return doctest.DocTestParser().get_examples("\n".join(lines) + "\n")
+        except ValueError:
+            return None
+
+    def mend(lines):
+        """`>>>x` -> `>>> x`, `...x` after a prompt -> `... x`, every line at one indentation."""
+        out, prompt = [], False
+        for ln in (ln.strip() for ln in lines):
+            m = re.match(r"^(>>>|\.\.\.)(?=\S)", ln)
+            if m and (m.group(1) == ">>>" or prompt):
+                ln = ln[:3] + " " + ln[3:]
+            prompt = bool(re.match(r"^(>>>|\.\.\.)( |$)", ln))
+            out.append(ln)
+        return out
+
+    whole = parse([text])
+    if whole is not None:
+        return whole
+    lines, chunks, current, first = text.split("\n"), [], [], 0
+    for k, line in enumerate(lines):
+        if line.strip():
+            first = k if not current else first
+            current.append(line)
+        elif current:
+            chunks.append((first, current))
+            current = []
+    chunks += [(first, current)] if current else []
+    found = []
+    for first, chunk in chunks:
+        if any(">>>" in ln for ln in chunk):
+            for ex in parse(chunk) or parse(mend(chunk)) or []:
+                ex.lineno += first
+                found.append(ex)
+    return found
+
+
 def project_names(namespace, package):
     return [k for k, v in namespace.items() if not k.startswith("__") and
             (getattr(v, "__module__", None) or getattr(v, "__name__", "") or "").split(".")[0] == package]
@@ -117,7 +162,7 @@ def run_examples(blocks, package, only=None):
     def sources(block):
         if not block["doctest"]:
             return [block["text"]]
-        return [ex.source for ex in doctest.DocTestParser().get_examples(block["text"])]
+        return [ex.source for ex in doctest_examples(block["text"])]
 
     def used_names(code):
         """The names a piece of code uses, its imports left out."""
@@ -353,7 +398,7 @@ def run_examples(blocks, package, only=None):
 
     def run_block(block):
         if block["doctest"]:
-            for ex in doctest.DocTestParser().get_examples(block["text"]):
+            for ex in doctest_examples(block["text"]):
                 line = block["line"] + ex.lineno
                 if ex.options.get(doctest.SKIP) or (only is not None and line > only):
                     continue
@@ -473,6 +518,70 @@ def run_examples(blocks, package, only=None):
     return outcomes
 
 
+def syntax_errors(blocks):
+    """The docs' Python that does not parse: each block (each `>>>` example of a doctest block) compiled as the
+    project's Python compiles it. Deliberate fragments are left alone: `...` or `…` in it, a `<placeholder>` on the
+    failing line, a signature shown without its body (`def f(x)`, `class A(B)`), `return`/`yield`/`break` outside
+    their function or loop (a piece of a body), a trailing `def f():` whose body the docs leave out, shell lines and
+    IPython magics in a python block, tracebacks (pytb), templates (`{{`, `{%`). Nor a slip of the prompts in code
+    that is right as the reader copies it: continuation lines written with `>>>` (addict's `>>>     def
+    __missing__`) or without `...` (simpleeval's second line of a call, doctest's "output"), two spaces after `>>>`."""
+    import ast
+    import re
+    import textwrap
+
+    def compiles(text):
+        try:
+            compile(textwrap.dedent(text), "<docs>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+            return True
+        except (SyntaxError, ValueError, OverflowError):
+            return False
+
+    def prompt_slip(pieces, i):
+        """The failing example i is right once joined to its neighbours, or to the lines doctest took for output."""
+        want = pieces[i][2].splitlines(keepends=True)
+        if any(compiles(pieces[i][1] + "".join(want[:m])) for m in range(1, min(len(want), 20) + 1)):
+            return True
+        return any(compiles("".join(p[1] for p in pieces[j:k + 1]))
+                   for j in range(max(0, i - 10), i + 1) for k in range(i, min(len(pieces), i + 10)))
+
+    # (IPython's magics: `%load_ext dotenv`, `%%time`, python-dotenv's README)
+    fragment = re.compile(r"\.\.\.|…|\{\{|\{%|^\s*(\$ |%{1,2}\w|% |!|In \[\d*\]:|pip install)", re.M)
+    partial = re.compile(r"outside (async )?function|outside loop|not properly in loop|'await' outside")
+    found = []
+    for block in blocks:
+        lang = block.get("lang", "")
+        if lang in ("pytb", "ipython"):
+            continue
+        if block["doctest"]:
+            pieces = [(block["line"] + ex.lineno, ex.source, ex.want) for ex in doctest_examples(block["text"])]
+        elif lang in ("pycon", "doctest", "pyrepl"):
+            continue  # a console block without prompts is output
+        else:
+            pieces = [(block["line"], block["text"], "")]
+        for i, (first, source, _) in enumerate(pieces):
+            if fragment.search(source):
+                continue
+            try:
+                compile(source, block["file"], "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+                continue
+            except SyntaxError as e:
+                error = e
+            except (ValueError, OverflowError):  # a NUL byte, a literal too large: not what a reader sees
+                continue
+            lines = source.splitlines()
+            n = max(1, min(error.lineno or 1, len(lines) or 1))
+            bad = lines[n - 1] if lines else ""
+            signature = re.match(r"^\s*(async\s+def|def|class)\s", bad) and not bad.rstrip().endswith(":")
+            body_left_out = "expected an indented block" in str(error.msg) and n >= len(lines)
+            if partial.search(str(error.msg)) or signature or body_left_out or re.search(r"<\w[^<>]*>", bad) \
+                    or (block["doctest"] and prompt_slip(pieces, i)):
+                continue
+            found.append({"file": block["file"], "line": first + n - 1, "msg": str(error.msg), "text": bad,
+                          "offset": error.offset, "source": source})
+    return found
+
+
 # --- the host side: the script that carries them -------------------------------------------------------------------
 
 EXAMPLES_BODY = """
@@ -486,5 +595,17 @@ sys.exit(1 if bad else 0)
 def examples_script(blocks: list[dict], package: str, only: int | None = None) -> str:
     head = f"BLOCKS = {data(blocks)}\nPACKAGE = {package!r}\nONLY = {only!r}\n"
     return script(head + EXAMPLES_BODY, prelude.emit, prelude.resolve, prelude.Overtime, prelude.limit,
-                  prelude.exception_line, same_value, from_project, project_names, run_examples,
+                  prelude.exception_line, same_value, from_project, doctest_examples, project_names, run_examples,
+                  imports=("re",))
+
+
+SYNTAX_BODY = """
+errors = syntax_errors(BLOCKS)
+emit({"errors": errors[:50]})
+sys.exit(1 if errors else 0)
+"""
+
+
+def syntax_script(blocks: list[dict]) -> str:
+    return script(f"BLOCKS = {data(blocks)}\n" + SYNTAX_BODY, prelude.emit, doctest_examples, syntax_errors,
                   imports=("re",))

@@ -49,6 +49,28 @@ class Command:
     text: str  # the command line as documented (prompt removed, continuations joined)
     expected: str | None = None  # the output the docs show after it (only after a `$ ` prompt)
     argv: list[str] = field(default_factory=list)  # the stage that runs the project's script, split
+    prompted: bool = False  # after a `$ ` prompt: one step of a shell session (its run is the session's, see Step)
+
+
+@dataclass
+class Step:
+    """One `$ ` line of a documented shell session, as the session runs it."""
+
+    line: int
+    text: str  # as documented (prompt removed, continuations joined)
+    expected: str | None  # the output the docs show after it
+    kind: str  # project (runs the project: judged) | aux (cd, export, echo, ...: run, not judged) | setup (skipped)
+    run: str | None  # the line as run, placeholders filled; None: it cannot run (what follows is not judged)
+    filled: bool = False  # a value the reader supplies was filled in: a failure may be our value's, not judged
+
+
+@dataclass
+class Session:
+    """A block of `$ ` lines: one shell, one working directory, in order (a `set` before a `list`)."""
+
+    file: str
+    line: int
+    steps: list[Step]
 
 
 def doc_files(root: Path) -> list[Path]:
@@ -61,7 +83,14 @@ def doc_files(root: Path) -> list[Path]:
             found += sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in (".md", ".rst")
                             and not any(part.startswith((".", "_")) for part in p.relative_to(base).parts))
     found = [p for p in found if not NOT_DOCS.search(p.stem) and p.stat().st_size <= MAX_DOC_BYTES]
-    return found[:MAX_DOC_FILES]
+    # a docs page that is the README again (python-dotenv's docs/index.md) is read once: its findings are the same
+    texts, unique = set(), []
+    for p in found:
+        body = p.read_bytes()
+        if body not in texts:
+            texts.add(body)
+            unique.append(p)
+    return unique[:MAX_DOC_FILES]
 
 
 def read(path: Path) -> str:
@@ -199,8 +228,81 @@ def commands(blocks_: list[Block], scripts: set[str], package: str | None) -> li
                     out.append(lines[k])
                     k += 1
                 expected = "\n".join(out).strip() or None
-            found.append(Command(block.file, line_no, text, expected, argv))
+            found.append(Command(block.file, line_no, text, expected, argv, prompted=prompted))
     return found
+
+
+# Session lines that install, fetch or set up rather than use the project: skipped, and nothing after them depends on
+# them (the review has installed the project already)
+SETUP_WORDS = {"pip", "pip3", "pipx", "uv", "conda", "git", "curl", "wget", "make", "sudo", "apt", "apt-get", "brew",
+               "npm", "poetry", "docker", "tox", "nox", "source", ".", "virtualenv", "pyenv", "hatch", "pdm"}
+# Session lines run for their effect on the shell or the files, not judged
+AUX_WORDS = TEXT_WORDS | {"cd", "export", "mkdir", "touch", "ls", "pwd", "cp", "mv", "rm", "unset", "set"}
+# A value the reader supplies that a session keeps as written: an upper-case key (`tool set API_KEY value`), an e-mail
+# or example.com address; they are strings to the command, and the output the docs show is for them
+VERBATIM = re.compile(r"^[A-Z][A-Z0-9_]{2,}(=\S*)?$|^[\w.+-]+@[\w-]+(\.[\w-]+)+$|^[\w.-]*example\.(com|org)$")
+ANGLE = re.compile(r"<([A-Za-z][\w-]*)>")
+
+
+def fill(text: str) -> tuple[str | None, bool]:
+    """(the line as a session runs it, whether a value was filled in): `<name>` becomes `name`, upper-case keys and
+    example addresses stay as written; a path, URL or `...` to supply makes it None (it cannot run)."""
+    run = ANGLE.sub(r"\1", text)
+    try:
+        tokens = shlex.split(run)
+    except ValueError:
+        return None, False
+    filled = run != text
+    for token in tokens:
+        if VERBATIM.match(token):
+            filled = True
+        elif is_placeholder(token) or "://" in token:
+            return None, False
+    return run, filled
+
+
+def sessions(blocks_: list[Block], scripts: set[str], package: str | None) -> list[Session]:
+    """The documented shell sessions that run the project: blocks of `$ ` lines, every line a step."""
+    found = []
+    for block in blocks_:
+        if block.is_python or block.lang not in SHELL_LANGS:
+            continue
+        lines = block.text.splitlines()
+        if not any(re.match(r"^\s*[$%] ", ln) for ln in lines):
+            continue
+        steps, k = [], 0
+        while k < len(lines):
+            line_no, text = block.line + k, lines[k].strip()
+            k += 1
+            if not re.match(r"^[$%] ", text):
+                continue
+            text = text[2:].strip()
+            while text.endswith("\\") and k < len(lines):
+                text = text[:-1].rstrip() + " " + lines[k].strip().removeprefix("> ")
+                k += 1
+            out = []
+            while k < len(lines) and not re.match(r"^\s*[$%] ", lines[k]):
+                out.append(lines[k])
+                k += 1
+            if text and not text.startswith("#"):
+                steps.append(step(line_no, text, "\n".join(out).strip() or None, scripts, package))
+        if any(s.kind == "project" for s in steps):
+            found.append(Session(block.file, block.line, steps))
+    return found
+
+
+def step(line: int, text: str, expected: str | None, scripts: set[str], package: str | None) -> Step:
+    try:
+        first = shlex.split(text)[0]
+    except (ValueError, IndexError):
+        return Step(line, text, expected, "aux", None)
+    if first in SETUP_WORDS or (first.startswith("python") and re.match(r"\S+ -m (pip|venv)\b", text)):
+        return Step(line, text, expected, "setup", None)
+    kind = "project" if project_stage(text, scripts, package) is not None else "aux"
+    if kind == "aux" and (first not in AUX_WORDS or re.search(r"\$\(|`", text)):
+        return Step(line, text, expected, "aux", None)  # something we cannot tell is harmless: not run
+    run, filled = fill(text)
+    return Step(line, text, expected, kind, run, filled)
 
 
 def project_stage(text: str, scripts: set[str], package: str | None) -> list[str] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from reviewer.persona.probes import docs_claims, edge_inputs, scaling, timing_claims
+from reviewer.persona.probes import docs_claims, edge_inputs, models, scaling, timing_claims
 from reviewer.persona.probes.runner import OutOfTime, Probe, installed
 from reviewer.persona.probes.thresholds import PROBES_BUDGET_S
 from reviewer.persona.project import SmokeTimeout, import_name, python_metadata
@@ -24,6 +24,7 @@ def run_probes(probe: Probe, *, import_ms: float | None = None) -> None:
              ("docs", lambda: docs_claims.probe_docs(probe)),
              ("timing", lambda: timing_claims.probe_timing(probe, import_ms=import_ms)),
              ("edge inputs", lambda: edge_inputs.probe_edges(probe)),
+             ("collection models", lambda: models.probe_models(probe)),
              ("scaling", lambda: scaling.probe_scaling(probe))]
     for name, step in steps:
         try:

@@ -80,3 +80,10 @@ MAX_DOC_BYTES = 300_000
 # Files that describe the past (or how to contribute), not what the code does now.
 NOT_DOCS = re.compile(r"change|history|news|release|version|contribut|code.of.conduct|authors|license|security",
                       re.I)
+
+# --- collections against their models (models.py) ---------------------------------------------------------------------
+MODEL_MAX_CLASSES = 5  # collection classes driven per review
+MODEL_TRIALS = 200  # random sequences per class and mode (behaviour, promised exceptions)
+MODEL_SEQUENCE_LENGTH = 25  # operations per sequence: long enough to pop what was added and use it again
+MODEL_SEARCH_S = 5.0  # per class and mode; a stale index shows within the first few sequences
+MODEL_SCRIPT_TIMEOUT = 40.0  # both modes and the shrinking; every call also has a one-second alarm

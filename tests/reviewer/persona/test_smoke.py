@@ -18,7 +18,7 @@ from reviewer.store.db import Finding, Measurement, PersonaRun, ReviewRun
 
 
 def make_repo(path: Path, files: dict[str, str]) -> Path:
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_text(content)
@@ -290,3 +290,124 @@ def test_pytest_summary_and_importtime_parsing():
            "import time:       300 |        900 |   json.tool\n")
     assert importtime_us(out, "json") == 1517
     assert importtime_us(out, "json.tool") is None  # only the top-level line counts
+
+
+def wheel(folder: Path, name: str, version: str, files: dict[str, str], requires: tuple[str, ...] = ()) -> Path:
+    """A pure-Python wheel made by hand (no build, no network): what a registry's release would be."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    contents = {**files, f"{info}/METADATA": meta,
+                f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    contents[f"{info}/RECORD"] = "".join(f"{p},,\n" for p in contents) + f"{info}/RECORD,,\n"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for rel, text in contents.items():
+            z.writestr(rel, text)
+    return path
+
+
+SCM_PROJECT = {
+    "pyproject.toml": '[build-system]\nrequires = ["setuptools>=64", "setuptools-scm>=8"]\n'
+                      'build-backend = "setuptools.build_meta"\n[project]\nname = "scmproj"\ndynamic = ["version"]\n'
+                      '[tool.setuptools_scm]\n',
+    "src/scmproj/__init__.py": 'WHERE = "checkout"\n',
+    "tests/test_where.py": 'import scmproj\n\n\ndef test_the_checkout_is_under_test():\n'
+                           '    assert scmproj.WHERE == "checkout"\n',
+    # the project's own test dependency requires the project at >=2; both wheels lie in the repository
+    "requirements-test.txt": "--no-index\n--find-links wheels\nscmdep\n",
+}
+
+
+def test_the_code_under_test_is_the_checkouts(tmp_path):
+    """Seen on a real project: a tagless clone gets setuptools-scm's version 0.1.dev1, and a test dependency that
+    requires the project at >=2 made pip replace the editable install with the registry's release; the tests then
+    ran against site-packages and nothing said so. Now smoke checks where the package imports from after each
+    install step and installs the checkout again, as the version of the release pip chose (it satisfies the
+    dependents), so the tests run against the checkout."""
+    repo = tmp_path / "scmproj"
+    wheel(repo / "wheels", "scmdep", "1.0", {"scmdep/__init__.py": ""}, requires=("scmproj>=2",))
+    wheel(repo / "wheels", "scmproj", "2.5", {"scmproj/__init__.py": 'WHERE = "release"\n'})
+    repo = make_repo(repo, SCM_PROJECT)
+    result, findings, measurements, _, ws = smoke_review(repo, tmp_path)
+    try:
+        assert findings == [], ([f.title for f in findings], result.summary)
+        assert "1 passed" in result.summary, result.summary
+        assert "after the install, `import scmproj` came from" in result.summary
+        assert "scmproj 2.5, not built from this checkout" in result.summary
+        assert "installed the checkout again as version 2.5" in result.summary, result.summary
+        redone = measurements["install time (the checkout's own code)"]
+        assert redone.command == "SETUPTOOLS_SCM_PRETEND_VERSION=2.5 python -m pip install -e ."
+        from reviewer.run.verify import setup_command
+
+        with db.session(str(tmp_path / "reviews.db")) as s:  # verification installs the way it was redone
+            assert setup_command(s, redone.run_id) == redone.command
+        assert ws.run("python -I -c 'import scmproj; print(scmproj.WHERE)'", 60).output.strip() == "checkout"
+    finally:
+        ws.remove()
+
+
+def test_a_run_that_cannot_test_the_checkout_says_so_in_every_finding(tmp_path):
+    """A test dependency that ships a module of the project's name shadows the editable install (setuptools' editable
+    finder comes after site-packages), and installing the checkout again does not remove it: the run is marked and
+    its findings say that they are not about the checkout's code."""
+    repo = tmp_path / "shadowed"
+    wheel(repo / "wheels", "scmdep", "1.0", {"scmproj/__init__.py": 'WHERE = "release"\n'})
+    files = dict(SCM_PROJECT, **{"pyproject.toml": SETUPTOOLS + '[project]\nname = "scmproj"\nversion = "3.0"\n'})
+    repo = make_repo(repo, files)
+    result, findings, _, _, ws = smoke_review(repo, tmp_path)
+    ws.remove()
+    assert "NOT THE CHECKOUT'S CODE: this run did not test the checkout's own code" in result.summary, result.summary
+    assert [f.title for f in findings] == ["1 of 1 tests fail (tests/test_where.py::test_the_checkout_is_under_test)"]
+    assert all("Warning: this run did not test the checkout's own code: after the install, `import scmproj` comes "
+               "from" in f.details for f in findings), [f.details for f in findings]
+
+
+def test_a_tagless_clone_of_an_sdist_is_installed_as_its_version(tmp_path):
+    """A repository made from an sdist keeps PKG-INFO at the top: its version is used before the install, so the
+    project is never 0.1.dev1 at all; the egg-info an install writes is not read (it holds that 0.1.dev1)."""
+    from reviewer.persona.checkout import version_before_install
+
+    repo = make_repo(tmp_path / "sdist", {**SCM_PROJECT, "PKG-INFO": "Metadata-Version: 2.1\nName: scmproj\n"
+                                          "Version: 4.2.0\n", "src/scmproj.egg-info/PKG-INFO": "Version: 0.1.dev1\n"})
+    assert version_before_install(repo, str(repo)) == ("4.2.0", "PKG-INFO")
+    (repo / "PKG-INFO").unlink()
+    assert version_before_install(repo, str(repo)) is None  # nothing says: the check after the install decides
+    git(repo, "tag", "v3.1.0")
+    assert version_before_install(repo, str(repo)) is None  # tagged: setuptools-scm reads the tag itself
+    plain = make_repo(tmp_path / "plain", {"pyproject.toml": SETUPTOOLS + '[project]\nname = "p"\nversion = "1"\n',
+                                           "PKG-INFO": "Version: 9\n"})
+    assert version_before_install(plain, str(plain)) is None  # a static version needs nothing
+
+
+def test_tests_pytest_cannot_run_are_run_the_projects_own_way(tmp_path):
+    """Seen on toposort and roman: toposort's test module calls `unittest.main()` on import, which stops pytest's
+    collection (exit code 3), and its Makefile's `test` target runs them (pass); roman's tests run with
+    zope-testrunner, as its tox.ini's commands say, and pytest collects none. Both were findings, both false."""
+    from reviewer.persona.testdeps import project_test_commands
+
+    files = {
+        "pyproject.toml": SETUPTOOLS + '[project]\nname = "topo"\nversion = "0.1"\n',
+        "topo.py": "def double(x):\n    return x * 2\n",
+        "test/__init__.py": "",
+        "test/test_topo.py": "import unittest\n\nfrom topo import double\n\n\nclass T(unittest.TestCase):\n"
+                             "    def test_two(self):\n        self.assertEqual(double(2), 4)\n\n\nunittest.main()\n",
+        "Makefile": "test:\n\tpython -m test.test_topo\n"}
+    result, findings, measurements, _, ws = smoke_review(make_repo(tmp_path / "topo", files), tmp_path)
+    ws.remove()
+    assert findings == [], ([f.title for f in findings], result.summary)
+    assert "pytest fails before running the tests (exit code 3); the project's own `make -B test` runs its tests " \
+           "and passes" in result.summary, result.summary
+    assert measurements["test suite time"].command == "make -B test"
+    # when the project's own way fails too, what pytest said stands
+    broken = dict(files, **{"topo.py": "def double(x):\n    return x * 3\n"})
+    result, findings, _, _, ws = smoke_review(make_repo(tmp_path / "broken", broken), tmp_path / "b")
+    ws.remove()
+    assert [f.title for f in findings] == ["pytest fails before running the tests (exit code 3)"], result.summary
+    # tox.ini's commands, their {posargs:...} as the default; factor lines and substitutions left out
+    (tmp_path / "tox.ini").write_text("[testenv]\ndeps = zope.testrunner\ncommands =\n    py38: echo old\n"
+                                      "    zope-testrunner --test-path=src {posargs:-vc}\n")
+    assert project_test_commands(tmp_path) == ["zope-testrunner --test-path=src -vc"]

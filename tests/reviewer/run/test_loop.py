@@ -367,3 +367,15 @@ def test_a_review_that_cannot_start_stays_queued(env):
     assert "it stays queued" in out and "1 still queued" in out
     assert query(str(dbp), "SELECT status, attempts FROM reviewqueue") == [("queued", 0)]
     assert query(str(dbp), "SELECT id FROM reviewrun") == []
+
+
+def test_a_probe_repro_gets_the_test_environment_smoke_gave_the_probes(tmp_path):
+    """Smoke runs the probes after the tests' environment is installed (python-dotenv's CLI needs click, which only its
+    tox.ini brings): a probe's script gets it in verification too; a plain command does not."""
+    from reviewer.run.verify import repro_setup
+
+    (tmp_path / "tox.ini").write_text("[testenv]\ndeps =\n    click\n")
+    probe = "python - <<'REVIEWER_PROBE'\nprint(1)\nREVIEWER_PROBE"
+    assert repro_setup(tmp_path, probe) == ["python -m pip install click"]
+    assert repro_setup(tmp_path, "tool --help") == []
+    assert repro_setup(tmp_path, "python -m pytest -x tests")[0].endswith("python -m pip install pytest")
