@@ -18,8 +18,8 @@ from sqlmodel import select
 
 from reviewer import stats
 from reviewer.report.html_report import render_html
-from reviewer.run.recovery import recover_dead_runs, remove_orphans
-from reviewer.store import db
+from reviewer.sandbox import orphans
+from reviewer.store import db, deadruns
 from reviewer.store.db import Finding, Measurement, PersonaRun, Repository, ReviewRun
 from reviewer.text import first_line
 
@@ -413,22 +413,26 @@ def write_text(text: str, output: Path | None) -> None:
 
 def open_and_reconcile(db_path: str, workdir: Path | None = None) -> None:
     """Open the database (a file that is not one is a one-line ReportError), then mark the runs of this machine whose
-    process is gone `interrupted` and remove the workspaces (and their mounted disk images) and sandbox folders of
-    dead processes, exactly as `reviewer run` does before it starts (run/recovery.py): a report never shows a killed
-    review as running, and the first command to notice it is dead cleans up after it. What it says about them goes
-    to stderr (stdout may be JSON)."""
+    process is gone `interrupted` (store/deadruns.py) and remove the workspaces (and their mounted disk images) and
+    sandbox folders of dead processes (sandbox/orphans.py), the same two calls `reviewer run` makes before it starts:
+    a report never shows a killed review as running, and the first command to notice it is dead cleans up after it.
+    What it says about them goes to stderr (stdout may be JSON)."""
     try:
         db.get_engine(db_path)
     except Exception as e:  # noqa: BLE001 - not a database, a newer schema, unreadable: one line
         raise ReportError(f"cannot open the database {db.display_url(db_path)}: {first_line(e)}") from None
+    err = Console(stderr=True)
     try:
         with db.session(db_path) as s:
-            recover_dead_runs(s, [], Console(stderr=True))
+            dead = deadruns.interrupt_dead_runs(s)
             s.commit()
+        for run in dead:
+            err.print(f"[yellow]{escape(run.message)}[/yellow]", highlight=False, soft_wrap=True)
     except Exception as e:  # noqa: BLE001 - a read-only database: report what is stored, and say why it may be stale
-        Console(stderr=True).print(f"[yellow]warning:[/yellow] could not mark dead runs interrupted: "
-                                   f"{escape(first_line(e))}", highlight=False)
-    remove_orphans([workdir], Console(stderr=True))
+        err.print(f"[yellow]warning:[/yellow] could not mark dead runs interrupted: {escape(first_line(e))}",
+                  highlight=False)
+    if removed := orphans.remove_orphans([workdir]):
+        err.print(f"[yellow]{escape(orphans.removed_note(removed))}[/yellow]", highlight=False, soft_wrap=True)
 
 
 def report_command(db_path: str, flt: ReportFilter, fmt: str, output: Path | None, console: Console,

@@ -1,16 +1,11 @@
-"""What a killed review leaves behind, put right by the next `reviewer run`, `loop` or `report` on the machine: runs
-left `running` by a dead process become `interrupted`, dead workers' queue rows go back to the queue, and the
-workspaces and sandbox folders of dead processes are removed."""
+"""What a killed review leaves behind, put right by the next `reviewer run` or `loop` on the machine: runs left
+`running` by a dead process become `interrupted` (reviewer/store/deadruns.py, which `reviewer report` calls too), the
+watched ones are queued again, dead workers' queue rows and expired leases go back to the queue, and the workspaces
+and sandbox folders of dead processes are removed (reviewer/sandbox/orphans.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import shutil
 import socket
-import tempfile
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,54 +13,13 @@ from rich.console import Console
 from sqlalchemy import update
 from sqlmodel import select
 
+from reviewer.liveness import owner_alive
 from reviewer.run.queue import enqueue, me, worker_name
 from reviewer.run.view import log
-from reviewer.sandbox.workspace import KEPT_MARKER, remove_workspace
-from reviewer.store import db
-from reviewer.store.db import PersonaRun, Repository, ReviewQueue, ReviewRun
-
-KEPT_SECONDS = 86400.0  # a failed persona's workspace, kept for a look, is swept this long after
-
-
-# Folders a review makes, named with their owner's pid: workspaces (reviewer/sandbox/workspace.py, including the
-# verifier's and the ref probe's), the doctor's, and the sandbox's scratch folder (reviewer/sandbox/isolation.py).
-OWNED_FOLDER = re.compile(r"^(?:reviewer-.+|rvsb)-pid(\d+)-[A-Za-z0-9_]+$")
-
-
-def process_start_time(pid: int) -> float | None:
-    """When a process started (seconds since the epoch), from /proc; None where that cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
-def owner_alive(pid: int | None, since: datetime | None) -> bool:
-    """Is the process that started a run still that process? (A pid can be reused after a crash or a reboot.)"""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, someone else's
-    started = process_start_time(pid)
-    if started is None or since is None:
-        return True
-    since_epoch = (since if since.tzinfo else since.replace(tzinfo=timezone.utc)).timestamp()
-    return started <= since_epoch + 1.0
-
-
-def run_host(run: ReviewRun) -> str | None:
-    try:
-        return json.loads(run.machine or "{}").get("hostname")
-    except (ValueError, AttributeError):
-        return None
+from reviewer.sandbox import orphans
+from reviewer.store import db, deadruns
+from reviewer.store.db import ReviewQueue, ReviewRun
+from reviewer.store.deadruns import interrupt_run, run_host
 
 
 def claimer(row: ReviewQueue) -> tuple[str, int | None]:
@@ -74,35 +28,16 @@ def claimer(row: ReviewQueue) -> tuple[str, int | None]:
     return host, int(pid) if pid.isdigit() else None
 
 
-def interrupt_run(s, run: ReviewRun, why: str) -> None:
-    """A run whose process is gone: it and its running persona rows become `interrupted`; what they recorded stays."""
-    for p in s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id, PersonaRun.status == "running")).all():
-        p.status, p.error, p.finished_at = "interrupted", why, db.utcnow()
-        s.add(p)
-    run.status, run.error, run.finished_at = "interrupted", why, db.utcnow()
-    s.add(run)
-
-
 def recover_dead_runs(s, watched_urls: list[str], console: Console) -> int:
-    """Runs of this machine left `running` by a process that is gone (kill -9, power loss) become interrupted. Runs of
-    other machines are left to their leases (a shared database): a pid means nothing on another box."""
-    host = socket.gethostname()
-    recovered = 0
-    for run in s.exec(select(ReviewRun).where(ReviewRun.status == "running")).all():
-        if run.pid == os.getpid() or (run_host(run) not in (None, host)):
-            continue  # ours, or another machine's
-        if owner_alive(run.pid, run.started_at):
-            continue  # alive: reviewing (under another box lock) or between its last row and its exit
-        why = f"the reviewing process (pid {run.pid}) ended without finishing the run (killed or crashed)"
-        interrupt_run(s, run, why)
-        recovered += 1
-        url = s.get(Repository, run.repository_id).url
-        log(console, f"run {run.id} ({url} @ {(run.commit_sha or '?')[:12]}) was left running by pid {run.pid}: "
-                     "marked interrupted", "yellow")
-        if url in watched_urls and run.commit_sha and enqueue(s, run.repository_id, run.commit_sha, run.ref,
-                                                              run_id=run.id, attempts=1):
-            log(console, f"queued {run.commit_sha[:12]} of {url} again", "yellow")
-    return recovered
+    """Runs of this machine left `running` by a process that is gone become interrupted (store/deadruns.py); those of
+    a watched repository are queued again. Runs of other machines are left to their leases (a shared database)."""
+    dead = deadruns.interrupt_dead_runs(s)
+    for run in dead:
+        log(console, run.message, "yellow")
+        if run.url in watched_urls and run.commit_sha and enqueue(s, run.repository_id, run.commit_sha, run.ref,
+                                                                  run_id=run.run_id, attempts=1):
+            log(console, f"queued {run.commit_sha[:12]} of {run.url} again", "yellow")
+    return len(dead)
 
 
 def requeue_own_dead_jobs(s, worker: str, console: Console) -> int:
@@ -155,33 +90,11 @@ def requeue_expired(s, console: Console) -> int:
 
 
 def remove_orphans(parents: list[Path | None], console: Console) -> int:
-    """Workspaces and sandbox scratch folders whose process is gone (killed before it could remove them: 24-28 MB
-    each, piling up in /tmp), from the system's temporary folder and `parents`. The pid in a folder's name is its
-    owner; owner_alive compares that process's start with the folder's last change, so a reused pid does not keep
-    an orphan alive. A workspace kept on purpose (KEPT_MARKER) goes a day after it was kept. Returns how many went."""
-    removed = 0
-    for parent in dict.fromkeys(Path(p) for p in [*parents, tempfile.gettempdir()] if p):
-        try:
-            entries = list(parent.iterdir())
-        except OSError:
-            continue
-        for path in entries:
-            match = OWNED_FOLDER.match(path.name)
-            if not match or not path.is_dir() or path.is_symlink():
-                continue
-            try:
-                changed = path.stat().st_mtime
-                kept = (path / KEPT_MARKER).stat().st_mtime if (path / KEPT_MARKER).exists() else None
-            except OSError:
-                continue
-            if owner_alive(int(match.group(1)), datetime.fromtimestamp(changed, timezone.utc)):
-                continue
-            if kept is not None and time.time() - kept < KEPT_SECONDS:
-                continue
-            (remove_workspace if path.name.startswith("reviewer-") else shutil.rmtree)(path)
-            removed += 1
+    """The workspaces and sandbox folders of dead processes in `parents` and the temporary folder, removed
+    (sandbox/orphans.py), said in the log. Returns how many went."""
+    removed = orphans.remove_orphans(parents)
     if removed:
-        log(console, f"removed {removed} workspace(s) and sandbox folder(s) left by killed reviews", "yellow")
+        log(console, orphans.removed_note(removed), "yellow")
     return removed
 
 

@@ -281,7 +281,7 @@ def create_workspace(target: Target, *, parent: Path | None, name: str, command_
     confined by `policy` (default: bubblewrap with the default limits; IsolationError where it is unavailable).
     Where the machine allows (root), the folder is its own file system of the policy's disk size (diskcap), so the
     kernel stops a disk-filling command at the limit; the name carries our pid, so that a later review can tell an
-    orphan (its process killed) from a workspace in use, and remove it (reviewer.run.recovery.remove_orphans)."""
+    orphan (its process killed) from a workspace in use, and remove it (reviewer.sandbox.orphans)."""
     policy = policy or Policy.from_settings(None)
     parent = Path(parent) if parent else Path(tempfile.gettempdir())
     parent.mkdir(parents=True, exist_ok=True)
