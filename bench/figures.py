@@ -221,8 +221,12 @@ def collect(results: Path) -> Page:
     return page
 
 
+def cell(text: str) -> str:
+    """A table cell: a pipe or a newline inside a record's string would break the row."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def markdown_table(columns: list[str], rows: list[list[str]]) -> list[str]:
-    cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     # Newest first, then by file: the row order depends on the records alone.
     ordered = sorted(rows, key=lambda r: (r[0], r[3:]))
