@@ -113,8 +113,7 @@ def spec_e2e(record: dict) -> list[list[str]]:
 
 
 def cpu_peer(record: dict) -> list[list[str]]:
-    ours = ", ".join(k for k in sorted(record["servers"]) if k.startswith("ours"))
-    return [[ours, str(record["peer"]), fmt(record["ratio_idle"]), fmt(record["ratio_loaded"]),
+    return [[str(record["ratio_of"]), str(record["peer"]), fmt(record["ratio_idle"]), fmt(record["ratio_loaded"]),
              fmt(record.get("busy_processes")), conditions(record)]]
 
 
@@ -168,7 +167,7 @@ KINDS: dict[str, Kind] = {
                      ["model", "run", "tau", "eta", "plain tok/s", "spec tok/s", "identical", "conditions"],
                      spec_e2e),
     "cpu_peer": Kind("`reviewer serve` vs llama.cpp's server on the CPU (`bench/cpu_peer.py`; ratio ours/theirs)",
-                     ["ours", "peer", "ratio idle", "ratio loaded", "busy processes", "conditions"], cpu_peer),
+                     ["ratio of", "peer", "ratio idle", "ratio loaded", "busy processes", "conditions"], cpu_peer),
     "serve_limits": Kind("`reviewer serve` against a starving client (`bench/serve_limits.py`)",
                          ["code root", "/health median ms (flood)", "/health max ms", "log lines added",
                           "RSS growth MB", "queue ms after abort (plain)", "(speculative)", "conditions"],
