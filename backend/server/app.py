@@ -110,6 +110,13 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
     def openapi():
         return schema_as_on_the_wire(app.openapi())
 
+    add_error_handlers(app, state)
+    return app
+
+
+def add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every refusal as the APIs' error body (400 for a malformed request on every route, not FastAPI's 422), counted
+    on /metrics under its route."""
     routes = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
 
     def count_refusal(request: Request, outcome: str) -> None:
@@ -149,7 +156,6 @@ def create_app(model: str | LoadedModel = "embedded", drafter: str = "none", dev
         log.exception("unexpected error on %s", request.url.path)
         return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}")
 
-    return app
 
 
 def schema_as_on_the_wire(schema: dict) -> dict:
@@ -214,26 +220,11 @@ def bind_socket(host: str, port: int, uds: str | None) -> socket.socket:
     return sock
 
 
-def serve(model: str, drafter: str, host: str, port: int, uds: str | None, device: str, dtype: str,
-          max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False,
-          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-          max_connections: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
-          cpu_engine: str = "auto", threads: int | None = None) -> None:
-    """Run the server until interrupted (blocking). Prints one "listening on ..." line once the socket is up; the
-    model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
-    bad setup (model path, drafter, port, an address in use, limits that cannot work). SIGTERM or Ctrl-C: streams end
-    with a final error event, other requests get a 503, and the process exits within a few seconds.
-    `max_connections` (default: 1024, lowered to fit the file-descriptor limit), `max_queue`, `header_timeout` and
-    `keepalive_timeout`: the connection limits of limits.py (backend/README.md, "Limits"). `cpu_engine`, `threads`:
-    the CPU engine (backend/README.md, "The CPU engine")."""
-    # OpenMP threads that spin between parallel regions take the cores the reviewer's sandboxed work needs, and stall
-    # the torch engine itself when the box is busy (bench/results/cpu_peer-torch_engine-20261203.json): a passive
-    # wait, unless the user set one. Read once, when torch loads (on the loading thread, after this).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import uvicorn
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+def check_serve_options(model, drafter, host, uds, api_key, allow_remote_without_key, max_body_bytes, body_timeout,
+                        cpu_engine, threads, max_connections, max_queue, header_timeout,
+                        keepalive_timeout) -> ServeLimits:
+    """serve's arguments checked before a socket is bound: one line and status 2 for a mistake; returns the
+    connection limits planned under the file-descriptor limit (raised first)."""
     try:
         check_model_spec(model)
     except ModelLoadError as exc:
@@ -265,6 +256,32 @@ def serve(model: str, drafter: str, host: str, port: int, uds: str | None, devic
     except LimitError as exc:
         print(f"reviewer serve: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    return limits
+
+
+def serve(model: str, drafter: str, host: str, port: int, uds: str | None, device: str, dtype: str,
+          max_context: int | None, api_key: str | None = None, allow_remote_without_key: bool = False,
+          max_body_bytes: int | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+          max_connections: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT, keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+          cpu_engine: str = "auto", threads: int | None = None) -> None:
+    """Run the server until interrupted (blocking). Prints one "listening on ..." line once the socket is up; the
+    model then loads in the background (GET /health: 503 until ready). Exits with status 1 if loading fails, 2 for a
+    bad setup (model path, drafter, port, an address in use, limits that cannot work). SIGTERM or Ctrl-C: streams end
+    with a final error event, other requests get a 503, and the process exits within a few seconds.
+    `max_connections` (default: 1024, lowered to fit the file-descriptor limit), `max_queue`, `header_timeout` and
+    `keepalive_timeout`: the connection limits of limits.py (backend/README.md, "Limits"). `cpu_engine`, `threads`:
+    the CPU engine (backend/README.md, "The CPU engine")."""
+    # OpenMP threads that spin between parallel regions take the cores the reviewer's sandboxed work needs, and stall
+    # the torch engine itself when the box is busy (bench/results/cpu_peer-torch_engine-20261203.json): a passive
+    # wait, unless the user set one. Read once, when torch loads (on the loading thread, after this).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    limits = check_serve_options(model, drafter, host, uds, api_key, allow_remote_without_key, max_body_bytes,
+                                 body_timeout, cpu_engine, threads, max_connections, max_queue, header_timeout,
+                                 keepalive_timeout)
     sock = bind_socket(host, port, uds)
     app = create_app(model, drafter, device, dtype, max_context, api_key, max_body_bytes=max_body_bytes,
                      body_timeout=body_timeout, limits=limits, cpu_engine=cpu_engine, threads=threads)
