@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from backend.bench.routing import install_routing_trace, trace_distinct_experts
+from backend.bench.routing import route_engine_by_trace, trace_distinct_experts
 from backend.bench.run import TINY_MODELS, load_target, make_drafter
 from backend.bench.sessions import Chunk, ReplayError, Session, TurnRow, load_tools
 from backend.bench.shapes import RELEASED_DRAFTER, SHAPE_MODELS
@@ -171,10 +171,8 @@ def engine_replay(model: str, sessions: list[Session], *, drafters: tuple[str, .
         draft_model, source = make_drafter(drafter_spec(config, model), target, name, None)
         engine = Engine(target, drafter=draft_model, max_context=max_context)
         if routing_trace:
-            if not engine.fast:
-                raise ReplayError("--routing-trace needs the fast path (an MoE target it covers)")
             try:
-                tables = install_routing_trace(engine.target.fast, routing_trace)
+                tables = route_engine_by_trace(engine, routing_trace)
             except ValueError as exc:
                 raise ReplayError(f"--routing-trace: {exc}") from None
         graphs = engine.warm_up()  # what `reviewer serve` does before its ready line

@@ -68,6 +68,13 @@ def install_routing_trace(fast, hot: int, seed: int = 0) -> list[torch.Tensor]:
     return tables
 
 
+def route_engine_by_trace(engine, hot: int) -> list[torch.Tensor]:
+    """install_routing_trace on an engine's fast path (the benchmarks' --routing-trace); ValueError says why not."""
+    if not engine.fast:
+        raise ValueError("needs the fast path (an MoE target it covers)")
+    return install_routing_trace(engine.target.fast, hot)
+
+
 def trace_distinct_experts(tables: list[torch.Tensor], tokens: int = 16) -> float:
     """Mean distinct experts a block of `tokens` consecutive positions wakes per layer under the trace."""
     counts = [int(t[(start + torch.arange(tokens)) % PERIOD].unique().numel())

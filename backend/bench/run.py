@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from backend.bench.report import compare, format_table, machine_info, numerics, summary
-from backend.bench.routing import ExpertCounter, install_routing_trace, trace_distinct_experts
+from backend.bench.routing import ExpertCounter, route_engine_by_trace, trace_distinct_experts
 from backend.bench.shapes import RELEASED_DRAFTER, SHAPE_MODELS, released_shape_drafter, shape_model
 from backend.chat import stop_token_ids
 from backend.decoding.device_cycle import ForcedAcceptance
@@ -309,10 +309,8 @@ def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str 
         nonlocal tables
         engine = Engine(target, max_context=max_context, **kw)
         if routing_trace:
-            if not engine.fast:
-                raise BenchError("--routing-trace needs the fast path (an MoE target it covers)")
             try:
-                tables = install_routing_trace(engine.target.fast, routing_trace)
+                tables = route_engine_by_trace(engine, routing_trace)
             except ValueError as exc:
                 raise BenchError(f"--routing-trace: {exc}") from None
         return engine

@@ -290,7 +290,7 @@ class Engine:
         self.cache_ids at every yield.
         """
         prompt = [int(t) for t in prompt_ids]
-        _check_params(prompt, params, self.max_context, self.model)
+        check_request(prompt, params, self.max_context, self.model.get_input_embeddings().weight.shape[0])
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt))
         rng = _generator(params.seed, self.device)
         budget = min(params.max_tokens, self.max_context - len(prompt))
@@ -358,10 +358,10 @@ class Engine:
 # ---- helpers ------------------------------------------------------------------------------------------------------
 
 
-def _check_params(prompt: list[int], params: SamplingParams, max_context: int, model) -> None:
+def check_request(prompt: list[int], params: SamplingParams, max_context: int, vocab: int) -> None:
+    """A request's prompt and sampling parameters, as every engine takes them (this one and llamacpp.py's)."""
     if not prompt:
         raise ValueError("the prompt is empty")
-    vocab = model.get_input_embeddings().weight.shape[0]
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"prompt token ids must lie in [0, {vocab})")
     if len(prompt) >= max_context:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.decoding.engine import GenerationStats, SamplingParams
+from backend.decoding.engine import GenerationStats, SamplingParams, check_request
 
 log = logging.getLogger("reviewer.backend")
 
@@ -131,7 +131,7 @@ class LlamaCppEngine:
         """Yield lists of newly committed token ids; afterwards self.last_stats holds the GenerationStats. Closing the
         generator early stops llama.cpp at its next token."""
         prompt = [int(t) for t in prompt_ids]
-        _check(prompt, params, self.max_context, self.vocab_size)
+        check_request(prompt, params, self.max_context, self.vocab_size)
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt))
         budget = min(params.max_tokens, self.max_context - len(prompt))
         if budget <= 0:
@@ -212,18 +212,3 @@ def _fill_timings(stats: GenerationStats, final: dict) -> None:
     stats.cached_tokens = int(timings.get("cache_n", 0))
     stats.prefill_seconds = float(timings.get("prompt_ms", 0.0)) / 1e3
     stats.decode_seconds = float(timings.get("predicted_ms", 0.0)) / 1e3
-
-
-def _check(prompt: list[int], params: SamplingParams, max_context: int, vocab: int) -> None:
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    if min(prompt) < 0 or max(prompt) >= vocab:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-    if len(prompt) >= max_context:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {max_context}")
-    if params.max_tokens < 0:
-        raise ValueError("max_tokens must be >= 0")
-    if params.temperature < 0:
-        raise ValueError("temperature must be >= 0")
-    if not 0 < params.top_p <= 1:
-        raise ValueError("top_p must be in (0, 1]")
