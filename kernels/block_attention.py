@@ -51,6 +51,14 @@ COMBINE_COLS = 64  # head-dim columns per combine program
 if triton is not None:
     import triton.language as tl
 
+    # _partial_kernel, a cached-column slice (split < N_SPLITS): columns at fixed absolute offsets, whatever the
+    # span: a column's partial sum does not depend on how many splits the launch has (CUDA-graph spans and eager
+    # spans give the same bits). The last split also takes anything past the span (only if a caller broke
+    # span >= start + T). Row t sees the cached columns before its own position, start + t: those of earlier block
+    # tokens were written to the cache before this launch (block_attention does it), so a block position is computed
+    # exactly as a decode step at that position computes it (batch invariance); for T = 1 this is the plain decode
+    # step. Not CAUSAL (a DFlash drafter's bidirectional block): every row sees the cached columns before the block,
+    # and all of the block's tokens come from the projection.
     @triton.jit(do_not_specialize=["T"])
     def _partial_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, start_ptr, po_ptr, pm_ptr, pl_ptr, T, scale,
                         sq_h, sq_t, skn_h, skn_t, svn_h, svn_t, skc_h, skc_n, svc_h, svc_n,
@@ -78,14 +86,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         if split < N_SPLITS:
-            # columns at fixed absolute offsets, whatever the span: a column's partial sum does not depend on how
-            # many splits the launch has (CUDA-graph spans and eager spans give the same bits). The last split also
-            # takes anything past the span (only if a caller broke span >= start + T). Row t sees the cached columns
-            # before its own position, start + t: those of earlier block tokens were written to the cache before
-            # this launch (block_attention does it), so a block position is computed exactly as a decode step at
-            # that position computes it (batch invariance); for T = 1 this is the plain decode step.
-            # Not CAUSAL (a DFlash drafter's bidirectional block): every row sees the cached columns before the
-            # block, and all of the block's tokens come from the projection.
+            # cached columns at fixed offsets (see the note above this kernel)
             c0 = split * SPLIT_COLS
             last_split = split == N_SPLITS - 1
             limit = start + T - 1 if CAUSAL else start

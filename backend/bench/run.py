@@ -15,6 +15,7 @@ import itertools
 import json
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -253,18 +254,31 @@ def run_bench(*args, llama_invariant: str | None = None, **kwargs) -> dict:
         Llama.invariant_path = before
 
 
-def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
-               max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
-               adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
-               command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0) -> dict:
-    """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
-    drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
-    threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
-    forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
-    random weights accept nothing; labelled "forced" in the record). routing_trace: MoE targets, route every fast-path
-    engine by backend/bench/routing.py's synthetic trace over this many hot experts (labelled in the record).
-    (run_bench's llama_invariant: Llama targets, how a speculative engine's steps and verifies run, "glue" or "mma":
-    backend.models.llama.Llama.invariant_path; default: that attribute's value.)"""
+@dataclass
+class BenchSetup:
+    """What every run of one benchmark shares: the target and drafter, the workload, and the warm-up that precedes
+    each timed run. tables: the routing trace's tables of the last engine routed by it (None without a trace)."""
+
+    target: object
+    name: str
+    max_context: int
+    draft_model: object
+    drafter_desc: str
+    vocab: int
+    prompt_ids: list[list[int]]
+    stops: tuple[int, ...]
+    warm: list[list[int]]
+    warm_tokens: int
+    device: str
+    max_tokens: int
+    routing_trace: int = 0
+    tables: list | None = None
+
+
+def check_options(device: str, adaptive: str, forced_tau, compare_hf: bool, routing_trace: int,
+                  threads: int | None) -> tuple[str, tuple[float, ...]]:
+    """(device with "auto" resolved, forced_tau parsed), or a BenchError for a user mistake; sets torch's CPU threads.
+    Runs before any model is loaded, so a mistake costs nothing."""
     if threads:
         torch.set_num_threads(threads)
     if device == "auto":
@@ -279,121 +293,167 @@ def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str 
     if routing_trace and compare_hf:
         raise BenchError("--routing-trace replaces the fast path's routing, which transformers' generate cannot "
                          "follow: add --no-hf")
+    return device, forced_tau
+
+
+def load_setup(model: str, drafter: str, device: str, prompts: int, max_tokens: int, block_size: int | None,
+               routing_trace: int) -> BenchSetup:
+    """The target, the drafter, the prompts and stops, and the warm-up workload."""
     target, tokenizer, name, max_context = load_target(model, device)
     draft_model, drafter_desc = make_drafter(drafter, target, name, block_size)
     vocab = target.get_input_embeddings().weight.shape[0]
     prompt_ids = make_prompts(tokenizer, prompts, vocab)
     stops = stop_token_ids(tokenizer, getattr(target, "generation_config", None))
-    warm = [prompt_ids[0][:8]]
     # On a GPU every CUDA graph (target and drafter: per block size and attention span) and compile is made on first
     # use: warm up on the whole workload, so the timed run replays and never captures.
-    warm_tokens = max_tokens if torch.device(device).type == "cuda" else 4
-    if torch.device(device).type == "cuda":
-        warm = prompt_ids
-
-    result = {"benchmark": "spec_e2e", "device": device, "command": command or " ".join(sys.argv),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(device),
-              "model": {"spec": model, "name": name, "class": type(target).__name__,
-                        "layers": target.config.get_text_config().num_hidden_layers,
-                        "params_m": round(sum(p.numel() for p in target.parameters()) / 1e6, 2),
-                        "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")},
-              "numerics": numerics(device, next(target.parameters()).dtype),
-              "drafter": {"spec": drafter, "source": drafter_desc},
-              "prompts": prompts, "max_tokens": max_tokens, "runs": {}}
-    runs = result["runs"]
-    tables = None
-
-    def engine_for(**kw) -> Engine:
-        """An engine over the target, routed by the trace when there is one."""
-        nonlocal tables
-        engine = Engine(target, max_context=max_context, **kw)
-        if routing_trace:
-            try:
-                tables = route_engine_by_trace(engine, routing_trace)
-            except ValueError as exc:
-                raise BenchError(f"--routing-trace: {exc}") from None
-        return engine
-    if compare_hf:
-        run_hf_generate(target, warm, 4, stops, device)
-        runs["hf_generate"] = run_hf_generate(target, prompt_ids, max_tokens, stops, device)
-    # the reference speculative output must equal: plain decoding in the speculative engine's numerics (on the CPU
-    # exact mode; on CUDA the fast model's invariant verify path: Engine's defaults with a drafter)
     cuda = torch.device(device).type == "cuda"
-    plain = engine_for(exact=not cuda, invariant_verify=cuda and draft_model is not None)
-    result["engine"] = {"path": "fast" if plain.fast else "transformers",
-                        "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
+    return BenchSetup(target=target, name=name, max_context=max_context,
+                      draft_model=draft_model, drafter_desc=drafter_desc, vocab=vocab, prompt_ids=prompt_ids,
+                      stops=stops, warm=prompt_ids if cuda else [prompt_ids[0][:8]],
+                      warm_tokens=max_tokens if cuda else 4, device=device, max_tokens=max_tokens,
+                      routing_trace=routing_trace)
+
+
+def new_record(setup: BenchSetup, model: str, drafter: str, prompts: int, command: str | None) -> dict:
+    """The record's header (command, date, machine, target, numerics, drafter) with no runs yet."""
+    target, device = setup.target, setup.device
+    return {"benchmark": "spec_e2e", "device": device, "command": command or " ".join(sys.argv),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(device),
+            "model": {"spec": model, "name": setup.name, "class": type(target).__name__,
+                      "layers": target.config.get_text_config().num_hidden_layers,
+                      "params_m": round(sum(p.numel() for p in target.parameters()) / 1e6, 2),
+                      "dtype": str(next(target.parameters()).dtype).removeprefix("torch.")},
+            "numerics": numerics(device, next(target.parameters()).dtype),
+            "drafter": {"spec": drafter, "source": setup.drafter_desc},
+            "prompts": prompts, "max_tokens": setup.max_tokens, "runs": {}}
+
+
+def engine_for(setup: BenchSetup, **kw) -> Engine:
+    """An engine over the target, routed by the trace when there is one (its tables kept in setup.tables)."""
+    engine = Engine(setup.target, max_context=setup.max_context, **kw)
+    if setup.routing_trace:
+        try:
+            setup.tables = route_engine_by_trace(engine, setup.routing_trace)
+        except ValueError as exc:
+            raise BenchError(f"--routing-trace: {exc}") from None
+    return engine
+
+
+def warm_and_time(setup: BenchSetup, engine: Engine) -> dict:
+    """run_engine once on the warm-up workload (untimed: graphs and compiles are made there), then the timed run."""
+    run_engine(engine, setup.warm, setup.warm_tokens, setup.stops)
+    return run_engine(engine, setup.prompt_ids, setup.max_tokens, setup.stops)
+
+
+def describe_engine(plain: Engine) -> dict:
+    """Which path and numerics the plain reference engine took (and for a Llama, its kernels)."""
+    info = {"path": "fast" if plain.fast else "transformers",
+            "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
     fast_model = plain.target.fast.model if plain.fast else None
     if isinstance(fast_model, Llama):
-        result["engine"].update(llama_invariant_path=fast_model.invariant_path,
-                                llama_step_path=fast_model.step_path,
-                                llama_mma_projections=sorted(fast_model.mma_projections))
-    run_engine(plain, warm, warm_tokens, stops)
-    runs["plain"] = run_engine(plain, prompt_ids, max_tokens, stops)
+        info.update(llama_invariant_path=fast_model.invariant_path, llama_step_path=fast_model.step_path,
+                    llama_mma_projections=sorted(fast_model.mma_projections))
+    return info
+
+
+def run_plain(setup: BenchSetup, result: dict, compare_hf: bool) -> dict:
+    """transformers' generate (if asked), plain decoding in the speculative numerics, and plain decoding in the
+    default numerics where those differ; records L_target and L_reference; returns the baseline run (the faster
+    plain run, which speed ratios divide by)."""
+    runs = result["runs"]
+    if compare_hf:
+        run_hf_generate(setup.target, setup.warm, 4, setup.stops, setup.device)
+        runs["hf_generate"] = run_hf_generate(setup.target, setup.prompt_ids, setup.max_tokens, setup.stops,
+                                              setup.device)
+    # the reference speculative output must equal: plain decoding in the speculative engine's numerics (on the CPU
+    # exact mode; on CUDA the fast model's invariant verify path: Engine's defaults with a drafter)
+    cuda = torch.device(setup.device).type == "cuda"
+    plain = engine_for(setup, exact=not cuda, invariant_verify=cuda and setup.draft_model is not None)
+    result["engine"] = describe_engine(plain)
+    runs["plain"] = warm_and_time(setup, plain)
     baseline = runs["plain"]
     if result["engine"]["exact"] or plain.invariant_verify:
         # those numerics cost plain decoding (exact mode pads every step to a 16-token block; the invariant path
         # gives up the one-token kernels); a plain engine without a drafter uses neither, so speed ratios use the
         # faster of the two plain runs
-        default = engine_for(exact=False, invariant_verify=False)
-        run_engine(default, warm, warm_tokens, stops)
-        runs["plain_default"] = run_engine(default, prompt_ids, max_tokens, stops)
+        runs["plain_default"] = warm_and_time(setup, engine_for(setup, exact=False, invariant_verify=False))
         runs["plain_default"]["identical_to_plain"] = runs["plain_default"]["outputs"] == runs["plain"]["outputs"]
         if runs["plain_default"]["decode_tok_s"] > baseline["decode_tok_s"]:
             baseline = runs["plain_default"]
     result["baseline"] = "plain_default" if baseline is not runs["plain"] else "plain"
-    l_target = baseline["decode_s"] / max(baseline["tokens"], 1)
-    result["L_target_ms"] = 1e3 * l_target
+    result["L_target_ms"] = 1e3 * baseline["decode_s"] / max(baseline["tokens"], 1)
     # plain decoding in the speculative engines' numerics (the output they must equal), when that is not the baseline
     result["L_reference_ms"] = 1e3 * runs["plain"]["decode_s"] / max(runs["plain"]["tokens"], 1)
-    if draft_model is not None:
-        result["drafter"].update({"block_size": draft_model.block_size,
-                                  "layers": len(draft_model.layers) if hasattr(draft_model, "layers") else None,
-                                  "block_attention": getattr(getattr(draft_model, "cfg", None), "block_attention",
-                                                             None),
-                                  "target_layer_ids": getattr(draft_model, "target_layer_ids", None)})
-        modes = {"off": [False], "on": [True], "both": [False, True]}[adaptive]
-        counter = ExpertCounter(target)
-        for adaptive_on in modes:
-            key = "speculative_adaptive" if adaptive_on else "speculative"
-            engine = engine_for(drafter=draft_model, adaptive_verify=adaptive_on)
-            counter.watch(engine)
-            run_engine(engine, warm, warm_tokens, stops)
-            costs = engine.measure_verify_costs() if adaptive_on else {}  # the adaptive length's curve, at load
-            counter.by_size.clear()
-            r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops)
-            score(r, costs, runs["plain"], result["L_target_ms"], baseline)
-            if counter.handles:  # exact mode pads every verify to the fast model's max_block
-                padded = engine.fast and engine.target.exact
-                full = engine.target.fast.max_block if padded else draft_model.block_size
-                r["experts_per_layer"] = {"of": counter.num_experts, "verify_block": counter.mean(full),
-                                          "verify_block_tokens": full, "decode_step": None}
-        if counter.handles:  # a plain decode step, for comparison (one token: no exact-mode padding)
-            counter.by_size.clear()
-            single = engine_for(exact=False)
-            counter.watch(single)
-            run_engine(single, prompt_ids[:1], 8, stops)
-            for key in ("speculative", "speculative_adaptive"):
-                if key in runs:
-                    runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
-        counter.close()
-        # the real cycle at a real tau: drafts replaced by plain decoding's own tokens
-        for tau, adaptive_on in itertools.product(forced_tau, modes):
-            engine = engine_for(drafter=draft_model, adaptive_verify=adaptive_on)
-            reference = runs["plain"]["outputs"]
-            force = lambda i, tau=tau: ForcedAcceptance(reference[i], tau, vocab, engine.device, seed=i)  # noqa: E731
-            run_engine(engine, warm, warm_tokens, stops, force)
-            costs = engine.measure_verify_costs() if adaptive_on else {}
-            key = f"forced_tau_{tau:g}" + ("_adaptive" if adaptive_on else "")
-            r = runs[key] = run_engine(engine, prompt_ids, max_tokens, stops, force)
-            r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation "
-                                      "up to a geometric accept length (a forced condition, not a drafter's tau)"}
-            score(r, costs, runs["plain"], result["L_target_ms"], baseline)
-    if tables is not None:
+    return baseline
+
+
+def describe_drafter(draft_model) -> dict:
+    """The drafter's shape, for the record (None where a drafter class lacks the attribute)."""
+    return {"block_size": draft_model.block_size,
+            "layers": len(draft_model.layers) if hasattr(draft_model, "layers") else None,
+            "block_attention": getattr(getattr(draft_model, "cfg", None), "block_attention", None),
+            "target_layer_ids": getattr(draft_model, "target_layer_ids", None)}
+
+
+def run_speculative(setup: BenchSetup, result: dict, modes: list[bool], baseline: dict) -> None:
+    """The speculative runs (fixed and/or adaptive verify length), scored against plain decoding; for MoE targets
+    the distinct experts a verify block and a plain decode step wake per layer."""
+    runs, draft_model = result["runs"], setup.draft_model
+    counter = ExpertCounter(setup.target)
+    for adaptive_on in modes:
+        key = "speculative_adaptive" if adaptive_on else "speculative"
+        engine = engine_for(setup, drafter=draft_model, adaptive_verify=adaptive_on)
+        counter.watch(engine)
+        run_engine(engine, setup.warm, setup.warm_tokens, setup.stops)
+        costs = engine.measure_verify_costs() if adaptive_on else {}  # the adaptive length's curve, at load
+        counter.by_size.clear()  # count the timed run only, after the warm-up and the cost curve
+        r = runs[key] = run_engine(engine, setup.prompt_ids, setup.max_tokens, setup.stops)
+        score(r, costs, runs["plain"], result["L_target_ms"], baseline)
+        if counter.handles:  # exact mode pads every verify to the fast model's max_block
+            padded = engine.fast and engine.target.exact
+            full = engine.target.fast.max_block if padded else draft_model.block_size
+            r["experts_per_layer"] = {"of": counter.num_experts, "verify_block": counter.mean(full),
+                                      "verify_block_tokens": full, "decode_step": None}
+    if counter.handles:  # a plain decode step, for comparison (one token: no exact-mode padding)
+        counter.by_size.clear()
+        single = engine_for(setup, exact=False)
+        counter.watch(single)
+        run_engine(single, setup.prompt_ids[:1], 8, setup.stops)
+        for key in ("speculative", "speculative_adaptive"):
+            if key in runs:
+                runs[key]["experts_per_layer"]["decode_step"] = counter.mean(1)
+    counter.close()
+
+
+def run_forced(setup: BenchSetup, result: dict, forced_tau: tuple[float, ...], modes: list[bool],
+               baseline: dict) -> None:
+    """The real cycle at a real tau: drafts replaced by plain decoding's own tokens (random weights accept nothing,
+    so this is the only way to time the device cycle at a tau a trained drafter reaches)."""
+    runs = result["runs"]
+    reference = runs["plain"]["outputs"]
+    for tau, adaptive_on in itertools.product(forced_tau, modes):
+        engine = engine_for(setup, drafter=setup.draft_model, adaptive_verify=adaptive_on)
+        force = lambda i, tau=tau: ForcedAcceptance(reference[i], tau, setup.vocab, engine.device, seed=i)  # noqa: E731
+        run_engine(engine, setup.warm, setup.warm_tokens, setup.stops, force)
+        costs = engine.measure_verify_costs() if adaptive_on else {}
+        key = f"forced_tau_{tau:g}" + ("_adaptive" if adaptive_on else "")
+        r = runs[key] = run_engine(engine, setup.prompt_ids, setup.max_tokens, setup.stops, force)
+        r["forced_acceptance"] = {"tau": tau, "what": "drafts replaced by the target's plain greedy continuation "
+                                  "up to a geometric accept length (a forced condition, not a drafter's tau)"}
+        score(r, costs, runs["plain"], result["L_target_ms"], baseline)
+
+
+def finish_record(setup: BenchSetup, result: dict, compare_hf: bool, baseline: dict, json_out: Path | None) -> None:
+    """The routing trace's label, the summary, the last identical-output check; then outputs cut to their lengths,
+    the table printed and the JSON written."""
+    runs = result["runs"]
+    if setup.tables is not None:
         result["routing_trace"] = {
             "what": "synthetic (backend/bench/routing.py): per MoE layer, each position takes its top-k among a hot "
-                    f"set of {routing_trace} experts, alike in decode steps and verifies (a forced condition)",
-            "hot_experts": routing_trace, "distinct_experts_per_16_positions": trace_distinct_experts(tables)}
+                    f"set of {setup.routing_trace} experts, alike in decode steps and verifies (a forced condition)",
+            "hot_experts": setup.routing_trace,
+            "distinct_experts_per_16_positions": trace_distinct_experts(setup.tables)}
     result["summary"] = {key: summary(r, result["L_target_ms"], baseline) for key, r in runs.items()
                          if r.get("cycles")}
     if compare_hf:
@@ -406,6 +466,30 @@ def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str 
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {json_out}")
+
+
+def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
+               max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
+               adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
+               command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0) -> dict:
+    """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
+    drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
+    threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
+    forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
+    random weights accept nothing; labelled "forced" in the record). routing_trace: MoE targets, route every fast-path
+    engine by backend/bench/routing.py's synthetic trace over this many hot experts (labelled in the record).
+    (run_bench's llama_invariant: Llama targets, how a speculative engine's steps and verifies run, "glue" or "mma":
+    backend.models.llama.Llama.invariant_path; default: that attribute's value.)"""
+    device, forced_tau = check_options(device, adaptive, forced_tau, compare_hf, routing_trace, threads)
+    setup = load_setup(model, drafter, device, prompts, max_tokens, block_size, routing_trace)
+    result = new_record(setup, model, drafter, prompts, command)
+    baseline = run_plain(setup, result, compare_hf)
+    if setup.draft_model is not None:
+        result["drafter"].update(describe_drafter(setup.draft_model))
+        modes = {"off": [False], "on": [True], "both": [False, True]}[adaptive]
+        run_speculative(setup, result, modes, baseline)
+        run_forced(setup, result, forced_tau, modes, baseline)
+    finish_record(setup, result, compare_hf, baseline, json_out)
     return result
 
 

@@ -3,6 +3,7 @@ and /v1/messages/count_tokens; errors are Anthropic-style bodies (APIError)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 
@@ -66,6 +67,118 @@ def anthropic_tool_choice(body) -> str | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
+@dataclass
+class Reply:
+    """One /v1/messages request once its job has started: what the whole and the streamed reply are built from."""
+
+    state: ServerState
+    generation: Generation
+    parser: chat.OutputParser
+    id: str
+    model: str
+    prompt_tokens: int
+
+
+@dataclass
+class OpenBlocks:
+    """Where a streamed reply is among its content blocks: the last block's index (-1 before the first) and the
+    kind of the block still open (a run of text or reasoning deltas shares one block), None when none is."""
+
+    index: int = -1
+    open_kind: str | None = None
+
+
+def stop_reason(generation: Generation, calls) -> str:
+    if calls:
+        return "tool_use"
+    if generation.stops.matched is not None:
+        return "stop_sequence"
+    return "max_tokens" if generation.finish_reason == "length" else "end_turn"
+
+
+def usage(generation: Generation) -> dict:
+    s = generation.stats
+    return {"input_tokens": s.prompt_tokens, "output_tokens": s.generated_tokens,
+            "cache_read_input_tokens": s.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def sse_event(name: str, data: dict) -> dict:
+    return {"event": name, "data": json.dumps({"type": name, **data})}
+
+
+async def whole_message(request: Request, reply: Reply) -> dict:
+    """The reply as one message (stream false): thinking, text and tool_use blocks."""
+    generation = reply.generation
+    text = await collect(request, generation, reply.state, "messages")
+    reasoning, content, calls = chat.merge_events(reply.parser.push(text) + reply.parser.finish())
+    blocks = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else [])
+    blocks += [{"type": "text", "text": content}] if content or not calls else []
+    blocks += [{"type": "tool_use", "id": new_id("toolu_"), "name": c.name, "input": json.loads(c.arguments)}
+               for c in calls]
+    reply.state.metrics.requests.labels("messages", outcome(generation, calls)).inc()
+    return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": blocks,
+            "stop_reason": stop_reason(generation, calls), "stop_sequence": generation.stops.matched,
+            "usage": usage(generation), "timings": generation.timings()}
+
+
+def block_events(blocks: OpenBlocks, e: chat.Event):
+    """The SSE events for one parser event: a tool call is a whole block of its own; text and reasoning deltas go
+    into the open block of their kind, closing the other kind's first."""
+    if blocks.open_kind is not None and (e.kind == "tool_call" or e.kind != blocks.open_kind):
+        yield sse_event("content_block_stop", {"index": blocks.index})
+        blocks.open_kind = None
+    if e.kind == "tool_call":
+        blocks.index += 1
+        block = {"type": "tool_use", "id": new_id("toolu_"), "name": e.tool_call.name, "input": {}}
+        yield sse_event("content_block_start", {"index": blocks.index, "content_block": block})
+        yield sse_event("content_block_delta", {"index": blocks.index, "delta": {
+            "type": "input_json_delta", "partial_json": e.tool_call.arguments}})
+        yield sse_event("content_block_stop", {"index": blocks.index})
+        return
+    if blocks.open_kind is None:
+        blocks.index, blocks.open_kind = blocks.index + 1, e.kind
+        block = ({"type": "thinking", "thinking": "", "signature": ""} if e.kind == "reasoning"
+                 else {"type": "text", "text": ""})
+        yield sse_event("content_block_start", {"index": blocks.index, "content_block": block})
+    delta = ({"type": "thinking_delta", "thinking": e.text} if e.kind == "reasoning"
+             else {"type": "text_delta", "text": e.text})
+    yield sse_event("content_block_delta", {"index": blocks.index, "delta": delta})
+
+
+async def message_events(reply: Reply):
+    """The reply as Anthropic's named SSE events, message_start ... message_stop; a failure mid-stream is an error
+    event (the status line is already sent)."""
+    generation, parser, blocks = reply.generation, reply.parser, OpenBlocks()
+    yield sse_event("message_start", {"message": {
+        "id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 0}}})
+    try:
+        async for text in generation.deltas():
+            for e in parser.push(text):
+                for item in block_events(blocks, e):
+                    yield item
+        for e in parser.finish():
+            for item in block_events(blocks, e):
+                yield item
+    except Exception as exc:
+        generation.failed = True
+        reply.state.metrics.requests.labels("messages", "error").inc()
+        yield sse_event("error", {"error": {"type": "api_error", "message": f"generation failed: {exc}"}})
+        return
+    if blocks.open_kind is not None:
+        yield sse_event("content_block_stop", {"index": blocks.index})
+    if blocks.index < 0:  # an empty answer is still one (empty) text block, as the API always returns content
+        yield sse_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        yield sse_event("content_block_stop", {"index": 0})
+    reply.state.metrics.requests.labels("messages", outcome(generation, parser.tool_calls)).inc()
+    yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason(generation, parser.tool_calls),
+                                                "stop_sequence": generation.stops.matched},
+                                      "usage": {"output_tokens": generation.stats.generated_tokens},
+                                      "timings": generation.timings()})
+    yield sse_event("message_stop", {})
+
+
 @router.post("/v1/messages", tags=["anthropic"], responses=ERRORS)
 async def messages_endpoint(request: Request, body: MessagesRequest, state: ServerState = Depends(ready_state)):
     check_model(state, body.model)
@@ -78,90 +191,12 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
     params = sampling_params(state, len(prompt_ids), body.max_tokens, body.temperature, body.top_p, None)
     job = await start_job(state, request, prompt_ids, params)
     generation = Generation(job, state.loaded.tokenizer, body.stop_sequences)
-    parser = chat.OutputParser(tools, in_reasoning=chat.starts_in_reasoning(prompt_text))
-    mid, model = new_id("msg_"), state.loaded.name
-
-    def stop_reason(calls) -> str:
-        if calls:
-            return "tool_use"
-        if generation.stops.matched is not None:
-            return "stop_sequence"
-        return "max_tokens" if generation.finish_reason == "length" else "end_turn"
-
-    def usage() -> dict:
-        s = generation.stats
-        return {"input_tokens": s.prompt_tokens, "output_tokens": s.generated_tokens,
-                "cache_read_input_tokens": s.cached_tokens, "cache_creation_input_tokens": 0}
-
+    reply = Reply(state=state, generation=generation,
+                  parser=chat.OutputParser(tools, in_reasoning=chat.starts_in_reasoning(prompt_text)),
+                  id=new_id("msg_"), model=state.loaded.name, prompt_tokens=len(prompt_ids))
     if not body.stream:
-        text = await collect(request, generation, state, "messages")
-        reasoning, content, calls = chat.merge_events(parser.push(text) + parser.finish())
-        blocks = ([{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else [])
-        blocks += [{"type": "text", "text": content}] if content or not calls else []
-        blocks += [{"type": "tool_use", "id": new_id("toolu_"), "name": c.name, "input": json.loads(c.arguments)}
-                   for c in calls]
-        state.metrics.requests.labels("messages", outcome(generation, calls)).inc()
-        return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-                "stop_reason": stop_reason(calls), "stop_sequence": generation.stops.matched, "usage": usage(),
-                "timings": generation.timings()}
-
-    def event(name: str, data: dict) -> dict:
-        return {"event": name, "data": json.dumps({"type": name, **data})}
-
-    async def stream():
-        index, open_kind = -1, None
-        yield event("message_start", {"message": {
-            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-            "stop_sequence": None, "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}})
-
-        def blocks_for(e: chat.Event):
-            nonlocal index, open_kind
-            if open_kind is not None and (e.kind == "tool_call" or e.kind != open_kind):
-                yield event("content_block_stop", {"index": index})
-                open_kind = None
-            if e.kind == "tool_call":
-                index += 1
-                block = {"type": "tool_use", "id": new_id("toolu_"), "name": e.tool_call.name, "input": {}}
-                yield event("content_block_start", {"index": index, "content_block": block})
-                yield event("content_block_delta", {"index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": e.tool_call.arguments}})
-                yield event("content_block_stop", {"index": index})
-                return
-            if open_kind is None:
-                index, open_kind = index + 1, e.kind
-                block = ({"type": "thinking", "thinking": "", "signature": ""} if e.kind == "reasoning"
-                         else {"type": "text", "text": ""})
-                yield event("content_block_start", {"index": index, "content_block": block})
-            delta = ({"type": "thinking_delta", "thinking": e.text} if e.kind == "reasoning"
-                     else {"type": "text_delta", "text": e.text})
-            yield event("content_block_delta", {"index": index, "delta": delta})
-
-        try:
-            async for text in generation.deltas():
-                for e in parser.push(text):
-                    for item in blocks_for(e):
-                        yield item
-            for e in parser.finish():
-                for item in blocks_for(e):
-                    yield item
-        except Exception as exc:
-            generation.failed = True
-            state.metrics.requests.labels("messages", "error").inc()
-            yield event("error", {"error": {"type": "api_error", "message": f"generation failed: {exc}"}})
-            return
-        if open_kind is not None:
-            yield event("content_block_stop", {"index": index})
-        if index < 0:  # an empty answer is still one (empty) text block, as the API always returns content
-            yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-            yield event("content_block_stop", {"index": 0})
-        state.metrics.requests.labels("messages", outcome(generation, parser.tool_calls)).inc()
-        yield event("message_delta", {"delta": {"stop_reason": stop_reason(parser.tool_calls),
-                                                "stop_sequence": generation.stops.matched},
-                                      "usage": {"output_tokens": generation.stats.generated_tokens},
-                                      "timings": generation.timings()})
-        yield event("message_stop", {})
-
-    return event_stream(stream(), generation, state.metrics, "messages", event("error", {"error": {
+        return await whole_message(request, reply)
+    return event_stream(message_events(reply), generation, state.metrics, "messages", sse_event("error", {"error": {
         "type": "overloaded_error", "message": SHUTDOWN_MESSAGE}}))
 
 

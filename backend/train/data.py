@@ -381,6 +381,92 @@ def _generate_missing(model, prompts: list[list[int]], ids: list[str], given: di
     return out, len(missing)
 
 
+@dataclass
+class SplitResponses:
+    """One split's prompts and responses, kept from generation until its features are extracted (after the
+    responses file is written, so a run stopped during extraction loses no generation). Response i answers prompt
+    i % n_prompts: the greedy round first, then each sampled round; prompts holds the kept prompts once per round."""
+
+    split: str
+    prompts: list[list[int]]
+    ids: list[str]
+    categories: list[str]
+    skipped: int
+    n_prompts: int
+    responses: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled responses for training prompts: `samples` rounds at `temperature`, round k seeded seed * 1000 + k."""
+
+    samples: int
+    temperature: float
+    seed: int
+
+
+def render_split(tokenizer, records: list[PromptRecord], split: str, max_prompt_tokens: int) -> SplitResponses:
+    """The split's prompts as token ids, those longer than max_prompt_tokens left out (counted in skipped)."""
+    prompts, kept, skipped = [], [], 0
+    for r in records:
+        if r.split != split:
+            continue
+        ids = render(tokenizer, r)
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(ids)
+        kept.append(r)
+    return SplitResponses(split=split, prompts=prompts, ids=[r.id for r in kept],
+                          categories=[r.category for r in kept], skipped=skipped, n_prompts=len(prompts))
+
+
+def respond_split(model, data: SplitResponses, gen: dict, sampling: Sampling, rounds: int,
+                  given: dict[str, list[int]], log) -> SplitResponses:
+    """Fill data with the greedy responses and `rounds` sampled rounds (taken from `given` where it has them)."""
+    split, n_prompts = data.split, data.n_prompts
+    base_ids, base_categories, base_prompts = list(data.ids), list(data.categories), list(data.prompts)
+    data.responses, made = _generate_missing(model, base_prompts, base_ids, given, log, **gen)
+    if made < n_prompts:
+        log(f"data[{split}]: {n_prompts - made} greedy responses taken from earlier runs")
+    for k in range(rounds):
+        log(f"data[{split}]: sampled responses, round {k + 1}/{sampling.samples} (temperature {sampling.temperature})")
+        round_ids = [f"{rid}~{k + 1}" for rid in base_ids]
+        more, made = _generate_missing(model, base_prompts, round_ids, given, log, **gen,
+                                       temperature=sampling.temperature, seed=sampling.seed * 1000 + k)
+        if made < n_prompts:
+            log(f"data[{split}]: {n_prompts - made} of them taken from earlier runs")
+        data.responses += more
+        data.ids += round_ids
+        data.categories += base_categories
+    data.prompts = base_prompts * (len(data.responses) // n_prompts)
+    return data
+
+
+def responses_summary(path: Path, all_responses: dict[str, list[int]], t0: float, log) -> dict:
+    """What a responses-only run returns (and logs): the file, how many responses and tokens, how long it took."""
+    summary = {"responses_file": str(path), "responses": len(all_responses),
+               "response_tokens": sum(map(len, all_responses.values())),
+               "seconds": round(time.perf_counter() - t0, 1)}
+    log(f"data: {summary['responses']} responses ({summary['response_tokens']} tokens) in "
+        f"{summary['responses_file']}")
+    return summary
+
+
+def extract_split(model, data: SplitResponses, layer_ids: list[int], data_dir: Path, batch_tokens: int,
+                  log) -> dict:
+    """The split's features written as shards under data_dir/<split>; returns its manifest entry."""
+    prompts, responses = data.prompts, data.responses
+    sequences = [p + r for p, r in zip(prompts, responses)]
+    # sequence i answers prompt i % n_prompts (the greedy round, then each sampled round)
+    shards = extract_features(model, sequences, [len(p) for p in prompts], layer_ids, data_dir / data.split,
+                              prompt_keys=[i % data.n_prompts for i in range(len(sequences))],
+                              batch_tokens=batch_tokens, log=log)
+    return {"shards": shards, "records": data.ids, "categories": data.categories,
+            "skipped_long": data.skipped, "prompt_tokens": sum(map(len, prompts)),
+            "response_tokens": sum(map(len, responses))}
+
+
 def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, *, target_name: str,
                  layer_ids: list[int], max_new_tokens: int, max_prompt_tokens: int, gen_batch: int,
                  gen_tokens: int = 1 << 18, batch_tokens: int = 16384, samples: int = 0, temperature: float = 0.8,
@@ -404,64 +490,27 @@ def prepare_data(model, tokenizer, records: list[PromptRecord], data_dir: Path, 
                 "max_prompt_tokens": max_prompt_tokens, "stop_ids": list(stops), "splits": {},
                 "samples_per_prompt": samples, "sample_temperature": temperature if samples else None}
     gen = dict(max_new_tokens=max_new_tokens, stops=stops, batch_size=gen_batch, batch_tokens=gen_tokens)
-    all_responses: dict[str, list[int]] = {}
-    pending = []  # (split, prompts, ids, categories, responses, skipped, n_prompts) until the responses file is written
+    sampling = Sampling(samples=samples, temperature=temperature, seed=seed)
+    pending: list[SplitResponses] = []  # until the responses file is written
     t0 = time.perf_counter()
     for split in ("train", "heldout"):
-        chosen = [r for r in records if r.split == split]
-        prompts, kept, skipped = [], [], 0
-        for r in chosen:
-            ids = render(tokenizer, r)
-            if len(ids) > max_prompt_tokens:
-                skipped += 1
-                continue
-            prompts.append(ids)
-            kept.append(r)
-        if not prompts:
-            manifest["splits"][split] = {"shards": [], "records": [], "skipped_long": skipped}
+        data = render_split(tokenizer, records, split, max_prompt_tokens)
+        if not data.prompts:
+            manifest["splits"][split] = {"shards": [], "records": [], "skipped_long": data.skipped}
             continue
-        log(f"data[{split}]: {len(prompts)} prompts ({skipped} longer than {max_prompt_tokens} tokens skipped), "
-            f"generating up to {max_new_tokens} tokens each")
-        ids, categories = [r.id for r in kept], [r.category for r in kept]
-        responses, made = _generate_missing(model, prompts, ids, given, log, **gen)
-        if made < len(prompts):
-            log(f"data[{split}]: {len(prompts) - made} greedy responses taken from earlier runs")
-        n_prompts = len(prompts)
-        for k in range(samples if split == "train" else 0):
-            log(f"data[{split}]: sampled responses, round {k + 1}/{samples} (temperature {temperature})")
-            round_ids = [f"{r.id}~{k + 1}" for r in kept]
-            more, made = _generate_missing(model, prompts[:n_prompts], round_ids, given, log, **gen,
-                                           temperature=temperature, seed=seed * 1000 + k)
-            if made < n_prompts:
-                log(f"data[{split}]: {n_prompts - made} of them taken from earlier runs")
-            responses += more
-            ids += round_ids
-            categories += [r.category for r in kept]
-        all_responses.update(zip(ids, responses))
-        pending.append((split, prompts * (len(responses) // n_prompts), ids, categories, responses, skipped,
-                        n_prompts))
+        log(f"data[{split}]: {data.n_prompts} prompts ({data.skipped} longer than {max_prompt_tokens} tokens "
+            f"skipped), generating up to {max_new_tokens} tokens each")
+        rounds = samples if split == "train" else 0  # held-out prompts: the greedy response only
+        pending.append(respond_split(model, data, gen, sampling, rounds, given, log))
+    all_responses = {rid: tokens for data in pending for rid, tokens in zip(data.ids, data.responses)}
     save_responses(data_dir / RESPONSES, target_name, all_responses,
                    {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
                     "samples_per_prompt": samples, "sample_temperature": temperature if samples else None,
                     "seed": seed, "dtype": str(next(model.parameters()).dtype)})
     if responses_only:
-        summary = {"responses_file": str(data_dir / RESPONSES), "responses": len(all_responses),
-                   "response_tokens": sum(map(len, all_responses.values())),
-                   "seconds": round(time.perf_counter() - t0, 1)}
-        log(f"data: {summary['responses']} responses ({summary['response_tokens']} tokens) in "
-            f"{summary['responses_file']}")
-        return summary
-    for split, prompts, ids, categories, responses, skipped, n_prompts in pending:
-        sequences = [p + r for p, r in zip(prompts, responses)]
-        # sequence i answers prompt i % n_prompts (the greedy round, then each sampled round)
-        shards = extract_features(model, sequences, [len(p) for p in prompts], layer_ids, data_dir / split,
-                                  prompt_keys=[i % n_prompts for i in range(len(sequences))],
-                                  batch_tokens=batch_tokens, log=log)
-        manifest["splits"][split] = {
-            "shards": shards, "records": ids, "categories": categories,
-            "skipped_long": skipped, "prompt_tokens": sum(map(len, prompts)),
-            "response_tokens": sum(map(len, responses)),
-        }
+        return responses_summary(data_dir / RESPONSES, all_responses, t0, log)
+    for data in pending:
+        manifest["splits"][data.split] = extract_split(model, data, layer_ids, data_dir, batch_tokens, log)
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
     data_dir.mkdir(parents=True, exist_ok=True)
     write_manifest(data_dir, manifest)

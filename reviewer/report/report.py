@@ -59,8 +59,19 @@ def measurement_samples(m: Measurement) -> list[float]:
     return [float(m.value)]
 
 
-def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
-    repo = s.get(Repository, run.repository_id)
+@dataclass
+class RunRows:
+    """One run's stored rows, oldest first. findings: without the near-duplicates merged into another; merged: how
+    many each kept finding absorbed (by finding id)."""
+
+    personas: list[PersonaRun]
+    findings: list[Finding]
+    measurements: list[Measurement]
+    events: list[db.SandboxEvent]
+    merged: dict[int, int]
+
+
+def load_run_rows(s, run: ReviewRun) -> RunRows:
     personas = s.exec(select(PersonaRun).where(PersonaRun.run_id == run.id).order_by(PersonaRun.id)).all()
     all_findings = s.exec(select(Finding).where(Finding.run_id == run.id).order_by(Finding.id)).all()
     measurements = s.exec(select(Measurement).where(Measurement.run_id == run.id).order_by(Measurement.id)).all()
@@ -71,6 +82,12 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
         if f.duplicate_of is not None:
             merged[f.duplicate_of] = merged.get(f.duplicate_of, 0) + 1
     findings = [f for f in all_findings if f.duplicate_of is None]
+    return RunRows(list(personas), findings, list(measurements), list(events), merged)
+
+
+def filter_rows(rows: RunRows, flt: ReportFilter) -> RunRows:
+    """The rows the filter keeps: --persona narrows every kind of row; severity, state and verified only findings."""
+    personas, findings, measurements, events = rows.personas, rows.findings, rows.measurements, rows.events
     if flt.persona:
         personas = [p for p in personas if p.persona == flt.persona]
         findings = [f for f in findings if f.persona == flt.persona]
@@ -83,6 +100,66 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
         findings = [f for f in findings if f.state == flt.state]
     if flt.verified_only:
         findings = [f for f in findings if f.verified]
+    return RunRows(personas, findings, measurements, events, rows.merged)
+
+
+def event_to_dict(e: db.SandboxEvent) -> dict:
+    return {"persona": e.persona, "kind": e.kind, "detail": e.detail, "command": e.command, "inferred": e.inferred,
+            "at": db.iso(e.created_at)}
+
+
+def persona_to_dict(p: PersonaRun) -> dict:
+    return {
+        "name": p.persona,
+        "status": p.status,
+        "steps": p.steps,
+        "prompt_tokens": p.prompt_tokens,
+        "completion_tokens": p.completion_tokens,
+        # true: the server reported no usage and the counts are estimates; null: not recorded (before v4)
+        "tokens_estimated": p.tokens_estimated,
+        "llm_seconds": round(p.llm_seconds, 3),
+        "summary": p.summary,
+        "error": p.error,
+    }
+
+
+def finding_to_dict(f: Finding, duplicates: int) -> dict:
+    return {
+        "id": f.id,
+        "persona": f.persona,
+        "title": f.title,
+        "severity": f.severity,
+        "category": f.category,
+        "details": f.details,
+        "evidence": f.evidence,
+        "repro_command": f.repro_command,
+        "file": f.file,
+        "line": f.line,
+        "fingerprint": f.fingerprint,
+        "state": f.state,
+        "verified": f.verified,
+        "verification": f.verification,
+        "duplicates": duplicates,
+    }
+
+
+def measurement_to_dict(m: Measurement) -> dict:
+    return {
+        "persona": m.persona,
+        "name": m.name,
+        "value": m.value,
+        "unit": m.unit,
+        "command": m.command,
+        "repeats": m.repeats,
+        "spread": m.spread,
+        "samples": measurement_samples(m),
+    }
+
+
+def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
+    """One run as the JSON report contract has it, its rows narrowed by the filter."""
+    repo = s.get(Repository, run.repository_id)
+    rows = filter_rows(load_run_rows(s, run), flt)
     return {
         "id": run.id,
         "repo": repo.url if repo else None,
@@ -97,59 +174,10 @@ def run_to_dict(s, run: ReviewRun, flt: ReportFilter) -> dict:
         "worker": run.worker,  # the `reviewer loop` worker that ran it (None for `reviewer run`)
         "error": run.error,
         # What the sandbox blocked or contained (docs/sandbox.md); `inferred`: read from the command's output.
-        "sandbox_events": [
-            {"persona": e.persona, "kind": e.kind, "detail": e.detail, "command": e.command, "inferred": e.inferred,
-             "at": db.iso(e.created_at)}
-            for e in events
-        ],
-        "personas": [
-            {
-                "name": p.persona,
-                "status": p.status,
-                "steps": p.steps,
-                "prompt_tokens": p.prompt_tokens,
-                "completion_tokens": p.completion_tokens,
-                # true: the server reported no usage and the counts are estimates; null: not recorded (before v4)
-                "tokens_estimated": p.tokens_estimated,
-                "llm_seconds": round(p.llm_seconds, 3),
-                "summary": p.summary,
-                "error": p.error,
-            }
-            for p in personas
-        ],
-        "findings": [
-            {
-                "id": f.id,
-                "persona": f.persona,
-                "title": f.title,
-                "severity": f.severity,
-                "category": f.category,
-                "details": f.details,
-                "evidence": f.evidence,
-                "repro_command": f.repro_command,
-                "file": f.file,
-                "line": f.line,
-                "fingerprint": f.fingerprint,
-                "state": f.state,
-                "verified": f.verified,
-                "verification": f.verification,
-                "duplicates": merged.get(f.id, 0),
-            }
-            for f in findings
-        ],
-        "measurements": [
-            {
-                "persona": m.persona,
-                "name": m.name,
-                "value": m.value,
-                "unit": m.unit,
-                "command": m.command,
-                "repeats": m.repeats,
-                "spread": m.spread,
-                "samples": measurement_samples(m),
-            }
-            for m in measurements
-        ],
+        "sandbox_events": [event_to_dict(e) for e in rows.events],
+        "personas": [persona_to_dict(p) for p in rows.personas],
+        "findings": [finding_to_dict(f, rows.merged.get(f.id, 0)) for f in rows.findings],
+        "measurements": [measurement_to_dict(m) for m in rows.measurements],
     }
 
 

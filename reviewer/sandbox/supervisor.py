@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from reviewer.sandbox import diskcap
@@ -246,17 +247,30 @@ def kill_tree(proc: subprocess.Popen, cgroup: Cgroup | None) -> int:
     return cgroup.kill_all() if cgroup is not None else 0
 
 
-def run_supervised(argv: list[str], *, cwd: Path, env: dict[str, str], limits: Limits, watch: list[Path],
-                   cgroup: Cgroup | None = None, report_fd: int | None = None,
-                   pass_fds: tuple[int, ...] = (), count_leftovers: bool = True) -> Outcome:
-    """Run argv (already wrapped in bwrap and the cgroup shim), enforce the supervisor's limits, collect events.
-    `report_fd` is the read end of the pipe init.py writes its JSON lines to; this function closes it and
-    `pass_fds` (the write end) in every case. `count_leftovers`: report processes found in the cgroup after the
-    command as killed leftovers (for --isolation none; under bwrap init.py does that, exactly)."""
-    start = time.monotonic()
-    events: list[Event] = []
+@dataclass
+class Supervision:
+    """One supervised command while it runs: the process and its pipes, what it printed and reported, and why the
+    supervisor stopped it (None while it has not). drain_until: once the command ended or was killed, how long the
+    pipes are still read (what is left in them, but not forever)."""
+
+    proc: subprocess.Popen
+    cgroup: Cgroup | None
+    limits: Limits
+    deadline: float
+    out: OutputBuffer
+    disk: DiskWatch
+    sel: selectors.BaseSelector
+    report: bytearray = field(default_factory=bytearray)
+    events: list[Event] = field(default_factory=list)
+    stopped: str | None = None
+    drain_until: float | None = None
+
+
+def start_command(argv: list[str], cwd: Path, env: dict[str, str], report_fd: int | None,
+                  pass_fds: tuple[int, ...]) -> subprocess.Popen:
+    """The command in a new session, stdout and stderr on one pipe; closes pass_fds (and report_fd if it fails)."""
     try:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
     except BaseException:
         if report_fd is not None:
@@ -265,9 +279,10 @@ def run_supervised(argv: list[str], *, cwd: Path, env: dict[str, str], limits: L
     finally:
         for fd in pass_fds:
             os.close(fd)  # the child has its copy; ours would keep the report pipe from ever reaching EOF
-    out = OutputBuffer(limits.keep_output * 2)
-    report = bytearray()
-    disk = DiskWatch(watch, limits, pause=lambda: paused(proc, cgroup))
+
+
+def watch_pipes(proc: subprocess.Popen, report_fd: int | None) -> selectors.BaseSelector:
+    """A selector over the command's output ("out") and init.py's report pipe ("report"), both non-blocking."""
     sel = selectors.DefaultSelector()
     stdout_fd = proc.stdout.fileno()
     os.set_blocking(stdout_fd, False)
@@ -275,92 +290,135 @@ def run_supervised(argv: list[str], *, cwd: Path, env: dict[str, str], limits: L
     if report_fd is not None:
         os.set_blocking(report_fd, False)
         sel.register(report_fd, selectors.EVENT_READ, "report")
-    deadline = start + limits.timeout
-    stopped: str | None = None  # why the supervisor killed it
-    drain_until: float | None = None
+    return sel
+
+
+def victims(proc: subprocess.Popen, cgroup: Cgroup | None) -> str:
+    """'; killed N process(es): ...' for the command's processes, stopped and named just before they are killed."""
+    return killed_summary(stop_and_name(sorted(cgroup.pids()) if cgroup else descendant_pids(proc.pid)))
+
+
+def check_limits(s: Supervision, now: float) -> None:
+    """Kill the command at the first limit it passes (timeout, output, disk) and record why; once it is killed or
+    has finished, start draining its pipes."""
+    reason = None
+    if now >= s.deadline:
+        s.stopped, reason = "timeout", f"ran past its {s.limits.timeout:g} s timeout"
+    elif s.out.total > s.limits.max_output_bytes:
+        s.stopped, reason = "output_limit", (f"printed over {s.limits.max_output_bytes // MiB} MiB of output; "
+                                             f"stopped reading")
+    else:
+        reason = s.disk.check(now)
+        if reason:
+            s.stopped = "disk_limit"
+    if s.stopped:
+        s.events.append(Event(s.stopped, f"command killed: {reason}{victims(s.proc, s.cgroup)}"))
+        kill_tree(s.proc, s.cgroup)
+        s.drain_until = now + 1.0
+    elif s.proc.poll() is not None:
+        s.drain_until = now + 1.0  # finished: read what is left, but not forever
+
+
+def read_ready(s: Supervision) -> None:
+    """Read what the pipes hold within 0.1 s; a pipe at EOF is dropped. Output past the output limit is not kept."""
+    for key, _ in s.sel.select(0.1):
+        try:
+            chunk = os.read(key.fd, 65536)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            s.sel.unregister(key.fd)
+        elif key.data == "out":
+            if s.stopped != "output_limit":
+                s.out.add(chunk)
+        else:
+            s.report += chunk
+
+
+def pump(s: Supervision) -> None:
+    """Read the pipes until both close or the drain ends, checking the limits between reads."""
+    while s.sel.get_map():
+        now = time.monotonic()
+        if s.drain_until is None:
+            check_limits(s, now)
+        if s.drain_until is not None and now >= s.drain_until:
+            break
+        read_ready(s)
+
+
+def wait_within_timeout(s: Supervision) -> None:
+    """The output can end before the command does (bare bash whose command closed its stdout and went on; under
+    init.py the pipe stays open to the end): the timeout still holds."""
     try:
-        while sel.get_map():
-            now = time.monotonic()
-            if drain_until is None:
-                reason = None
-                if now >= deadline:
-                    stopped, reason = "timeout", f"ran past its {limits.timeout:g} s timeout"
-                elif out.total > limits.max_output_bytes:
-                    stopped, reason = "output_limit", (f"printed over {limits.max_output_bytes // MiB} MiB of output; "
-                                                       f"stopped reading")
-                else:
-                    reason = disk.check(now)
-                    if reason:
-                        stopped = "disk_limit"
-                if stopped:
-                    victims = killed_summary(stop_and_name(sorted(cgroup.pids()) if cgroup else
-                                                           descendant_pids(proc.pid)))
-                    events.append(Event(stopped, f"command killed: {reason}{victims}"))
-                    kill_tree(proc, cgroup)
-                    drain_until = now + 1.0
-                elif proc.poll() is not None:
-                    drain_until = now + 1.0  # finished: read what is left, but not forever
-            if drain_until is not None and now >= drain_until:
-                break
-            for key, _ in sel.select(0.1):
-                try:
-                    chunk = os.read(key.fd, 65536)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    sel.unregister(key.fd)
-                elif key.data == "out":
-                    if stopped != "output_limit":
-                        out.add(chunk)
-                else:
-                    report += chunk
+        s.proc.wait(timeout=max(s.deadline - time.monotonic(), 0.0))
+    except subprocess.TimeoutExpired:
+        s.stopped = "timeout"
+        s.events.append(Event(s.stopped, f"command killed: ran past its {s.limits.timeout:g} s timeout"
+                                         f"{victims(s.proc, s.cgroup)}"))
+        kill_tree(s.proc, s.cgroup)
+    except BaseException:  # Ctrl-C while waiting: never leave the command running behind us
+        kill_tree(s.proc, s.cgroup)
+        s.proc.wait()
+        raise
+
+
+def outcome(s: Supervision, seconds: float) -> Outcome:
+    """The Outcome of a finished command: its output with a note on why it was killed, and every event (the
+    supervisor's, the cgroup's, and init.py's reports)."""
+    output, truncated = s.out.text(s.limits.keep_output)
+    if s.stopped == "timeout":
+        output += f"\n[killed: the command ran past its {s.limits.timeout:g} s timeout]"
+    elif s.stopped == "output_limit":
+        output += f"\n[killed: the command printed over {s.limits.max_output_bytes // MiB} MiB]"
+        truncated = True
+    elif s.stopped == "disk_limit":
+        output += f"\n[killed: {s.events[-1].detail.removeprefix('command killed: ').split('; killed ')[0]}]"
+    events = list(s.events)
+    if s.cgroup is not None:
+        events += s.cgroup.events(s.limits)
+    reports = parse_reports(s.report)
+    events += events_from_reports(reports, s.limits)
+    code = None if s.stopped else s.proc.returncode
+    return Outcome(code, output, seconds, s.stopped == "timeout", truncated, events, reports)
+
+
+def run_supervised(argv: list[str], *, cwd: Path, env: dict[str, str], limits: Limits, watch: list[Path],
+                   cgroup: Cgroup | None = None, report_fd: int | None = None,
+                   pass_fds: tuple[int, ...] = (), count_leftovers: bool = True) -> Outcome:
+    """Run argv (already wrapped in bwrap and the cgroup shim), enforce the supervisor's limits, collect events.
+    `report_fd` is the read end of the pipe init.py writes its JSON lines to; this function closes it and
+    `pass_fds` (the write end) in every case. `count_leftovers`: report processes found in the cgroup after the
+    command as killed leftovers (for --isolation none; under bwrap init.py does that, exactly)."""
+    start = time.monotonic()
+    proc = start_command(argv, cwd, env, report_fd, pass_fds)
+    s = Supervision(proc=proc, cgroup=cgroup, limits=limits, deadline=start + limits.timeout,
+                    out=OutputBuffer(limits.keep_output * 2),
+                    disk=DiskWatch(watch, limits, pause=lambda: paused(proc, cgroup)),
+                    sel=watch_pipes(proc, report_fd))
+    try:
+        pump(s)
     except BaseException:  # Ctrl-C or a bug here: never leave the command running behind us
         kill_tree(proc, cgroup)
         proc.wait()
         raise
     finally:
-        sel.close()
+        s.sel.close()
         proc.stdout.close()
         if report_fd is not None:
             os.close(report_fd)
-    if not stopped:
-        # The output can end before the command does (bare bash whose command closed its stdout and went on; under
-        # init.py the pipe stays open to the end): the timeout still holds.
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            stopped = "timeout"
-            victims = killed_summary(stop_and_name(sorted(cgroup.pids()) if cgroup else descendant_pids(proc.pid)))
-            events.append(Event(stopped, f"command killed: ran past its {limits.timeout:g} s timeout{victims}"))
-            kill_tree(proc, cgroup)
-        except BaseException:  # Ctrl-C while waiting: never leave the command running behind us
-            kill_tree(proc, cgroup)
-            proc.wait()
-            raise
+    if not s.stopped:
+        wait_within_timeout(s)
     proc.wait()
     left = kill_tree(proc, cgroup)
     # Under bwrap, init.py names what was left (and the namespace's last processes may still be dying here).
-    if left and not stopped and count_leftovers:
-        events.append(Event("process_killed", f"{left} process(es) left running in the command's cgroup were killed"))
+    if left and not s.stopped and count_leftovers:
+        s.events.append(Event("process_killed", f"{left} process(es) left running in the command's cgroup were killed"))
     seconds = time.monotonic() - start
-    if not stopped:
-        reason = disk.final_check()
+    if not s.stopped:
+        reason = s.disk.final_check()
         if reason:
-            events.append(Event("disk_limit", f"after the command: {reason}"))
-    output, truncated = out.text(limits.keep_output)
-    if stopped == "timeout":
-        output += f"\n[killed: the command ran past its {limits.timeout:g} s timeout]"
-    elif stopped == "output_limit":
-        output += f"\n[killed: the command printed over {limits.max_output_bytes // MiB} MiB]"
-        truncated = True
-    elif stopped == "disk_limit":
-        output += f"\n[killed: {events[-1].detail.removeprefix('command killed: ').split('; killed ')[0]}]"
-    if cgroup is not None:
-        events += cgroup.events(limits)
-    reports = parse_reports(report)
-    events += events_from_reports(reports, limits)
-    code = None if stopped else proc.returncode
-    return Outcome(code, output, seconds, stopped == "timeout", truncated, events, reports)
+            s.events.append(Event("disk_limit", f"after the command: {reason}"))
+    return outcome(s, seconds)
 
 
 def parse_reports(raw: bytes) -> list[dict]:
