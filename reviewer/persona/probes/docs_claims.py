@@ -255,7 +255,7 @@ def session_finding(probe: Probe, session: doctext.Session, steps: list[dict], p
 
 
 def check_syntax(probe: Probe, blocks: list[doctext.Block]) -> None:
-    """Every Python block of the docs must parse (sandboxed/examples.py's syntax_errors says what is a deliberate fragment)."""
+    """Every Python block of the docs must parse (sandboxed/syntax.py says what is a deliberate fragment)."""
     data_ = [block_data(b) for b in blocks if b.is_python]
     if not data_:
         return

@@ -17,4 +17,4 @@ def examples_script(blocks: list[dict], package: str, only: int | None = None) -
 
 def syntax_script(blocks: list[dict]) -> str:
     """The check that the blocks parse."""
-    return script("examples", "check_syntax", {"blocks": data(blocks)})
+    return script("syntax", "check_syntax", {"blocks": data(blocks)})

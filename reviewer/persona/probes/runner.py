@@ -120,7 +120,8 @@ def script(module: str, function: str, args: dict[str, str], names: tuple[str, .
         parts.append(f"from {SANDBOXED_NAME}.prelude import {', '.join(names)}")
     call = "".join(f"    {key}={value},\n" for key, value in args.items())
     parts.append(f"from {SANDBOXED_NAME}.{module} import {function}\n\nsys.exit({function}(\n{call}))")
-    return "# a reviewer probe's check (reviewer/persona/probes/sandboxed/" + f"{module}.py)\n" + "\n\n".join(parts) + "\n"
+    head = f"# a reviewer probe's check (reviewer/persona/probes/sandboxed/{module}.py)\n"
+    return head + "\n\n".join(parts) + "\n"
 
 
 def command(code: str, env: str = "") -> str:

@@ -65,7 +65,8 @@ def scaling_script(site: CallSite, variants: list[tuple[str, int, str]], excess:
     cfg = dict(start=SCALING_START, max=SCALING_MAX, enough=SCALING_ENOUGH_S, call_limit=SCALING_CALL_LIMIT_S,
                points=SCALING_POINTS, repeats=SCALING_REPEATS, batch=SCALING_BATCH_S, cap=OUTPUT_CAP,
                budget=budget, excess=excess)
-    built = "[\n" + "".join(f"        ({label!r}, {ref}, lambda f: ({src})),\n" for label, ref, src in variants) + "    ]"
+    built = "".join(f"        ({label!r}, {ref}, lambda f: ({src})),\n" for label, ref, src in variants)
+    built = "[\n" + built + "    ]"
     return script("scaling", "check", {"target": repr(site.target), "doc_named": repr(doc_named), "cfg": repr(cfg),
                                        "variants": built}, names=("grow", "scale"))
 

@@ -953,7 +953,7 @@ def test_docs_that_do_not_parse_are_findings_and_fragments_are_not(tmp_path):
     finding with its line, a deliberate fragment is not, and a block doctest cannot parse is read paragraph by
     paragraph (its other examples still run)."""
     from reviewer.persona.probes.docs_examples import syntax_script
-    from reviewer.persona.probes.sandboxed.examples import doctest_examples
+    from reviewer.persona.probes.sandboxed.doctests import doctest_examples
 
     (tmp_path / "README.md").write_text("""# pkg
 
@@ -1281,7 +1281,7 @@ def test_what_a_round_on_real_projects_showed_the_docs_and_model_probes(tmp_path
     SyntaxError; docs/index.md that is the README again is read once (each finding had come twice); "raising an
     IndexError if ..." is a promise; and a class with many methods still gets sequences that grow it (with adds one
     operation in a dozen, the collection seldom held the two elements a stale index needs)."""
-    from reviewer.persona.probes.sandboxed.examples import syntax_errors
+    from reviewer.persona.probes.sandboxed.syntax import syntax_errors
     from reviewer.persona.probes.sandboxed.models import promised, random_ops
 
     magic = {"file": "README.md", "line": 1, "doctest": False, "lang": "python",
@@ -1305,7 +1305,7 @@ def test_slips_of_the_prompts_are_not_syntax_errors(tmp_path):
     """Seen on addict and simpleeval: continuation lines written with `>>>` (a class body), a call's second line
     without `...` (doctest takes it for output), two spaces after `>>>`. The code is right as a reader copies it, and
     "Python cannot run it" was false; an extra `)` beside them still is a finding."""
-    from reviewer.persona.probes.sandboxed.examples import syntax_errors
+    from reviewer.persona.probes.sandboxed.syntax import syntax_errors
 
     rst = """.. code-block:: pycon
 
