@@ -96,6 +96,24 @@ def imports_of(module: str, path: Path, modules: dict[str, Path], *, type_checki
     return [i for i in found if i.target != module and not module.startswith(i.target + ".")]
 
 
+def all_imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """Every module the file imports, inside the package or not, as (absolute dotted name, line): relative imports
+    resolved against `module`, `from a import b` as `a` (and as `a.b`, which may be a module). For a rule about
+    what a part may import from outside (a stdlib-only part), where import_graph sees only the package's own."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            up = base[: len(base) - (node.level - 1)] if node.level else []
+            name = ".".join(up + ([node.module] if node.module else []))
+            found.append((name, node.lineno))
+            found += [(f"{name}.{alias.name}", node.lineno) for alias in node.names if alias.name != "*"]
+    return found
+
+
 def import_graph(package: str, root: Path | None = None, *, type_checking: bool = True) -> list[Import]:
     """Every import between the package's modules. `type_checking=False` leaves out those under `if TYPE_CHECKING:`
     (annotations only: no circle at run time, though the two modules still know each other)."""

@@ -303,23 +303,18 @@ def own_test_command_run(smoke: Smoke, why: str) -> bool:
     return False
 
 
-def python_tests(smoke: Smoke) -> None:
-    root = smoke.workspace.root
-    if not has_tests(root):
-        smoke.finding(title="No tests found", severity="medium", category="tests",
-                      details="The repository has no tests/ or test/ folder and no test_*.py or *_test.py files, so a "
-                              "user cannot check that an install works.")
-        smoke.notes.append("no tests found")
-        return
+def run_pytest(smoke: Smoke, root: Path, command: str) -> CommandResult | None:
+    """The tests run with pytest: installed when the project does not install it, the tests' environment installed,
+    run again with the plugins its config names and the modules they import that nothing installs; None when pytest
+    cannot be installed."""
     if smoke.sh("is pytest installed?", "python -c 'import pytest'").exit_code != 0:
         got = smoke.sh("install pytest (the project does not install it)", "python -m pip install pytest")
         if got.exit_code != 0:
             smoke.notes.append(f"pytest could not be installed: {pip_error(got.output)}")
-            return
+            return None
         smoke.notes.append("pytest was not installed by the project's test extras; installed it")
     install_test_environment(smoke, root)
     smoke.checkout_under_test("after installing what the tests need")
-    command = "python -m pytest -q -rfE --color=no"
     result = smoke.sh("run the tests", command)
     plugins = plugins_for_options(result.output) if result.exit_code == 4 else []
     if plugins:  # the project's pytest config names plugins its install does not bring: install them, run again
@@ -330,7 +325,39 @@ def python_tests(smoke: Smoke) -> None:
                                "installed")
             smoke.checkout_under_test(f"after installing {', '.join(plugins)}")
             result = smoke.sh("run the tests", command)
-    result = install_missing_imports(smoke, root, result, command)
+    return install_missing_imports(smoke, root, result, command)
+
+
+def set_aside_machine_lacks(smoke: Smoke, sections: dict[str, str], problems: list) -> tuple[list, int]:
+    """Tests that fail for want of something the review machine lacks (a GPU, a display...): one info finding per
+    want, and (the other problems, how many tests were set aside)."""
+    set_aside = 0
+    for what, lacking in machine_lacks(sections, problems).items():
+        smoke.finding(title=f"Not tested: {len(lacking)} tests need a {what} this machine does not have",
+                      severity="info", category="environment",
+                      details=f"These tests fail on the review machine for want of a {what} it does not have, which "
+                              f"says nothing about the project: " + ", ".join(lacking[:20])
+                              + (f" and {len(lacking) - 20} more" if len(lacking) > 20 else ""),
+                      evidence=tail(next((b for b in sections.values() if MACHINE_LACKS[what].search(b)), ""),
+                                    EVIDENCE_CHARS))
+        smoke.notes.append(f"{len(lacking)} tests need a {what} the machine lacks")
+        problems = [p for p in problems if p[1] not in lacking]
+        set_aside += len(lacking)
+    return problems, set_aside
+
+
+def python_tests(smoke: Smoke) -> None:
+    root = smoke.workspace.root
+    if not has_tests(root):
+        smoke.finding(title="No tests found", severity="medium", category="tests",
+                      details="The repository has no tests/ or test/ folder and no test_*.py or *_test.py files, so a "
+                              "user cannot check that an install works.")
+        smoke.notes.append("no tests found")
+        return
+    command = "python -m pytest -q -rfE --color=no"
+    result = run_pytest(smoke, root, command)
+    if result is None:
+        return
     if result.exit_code in (0, 1) or result.timed_out:  # a suite that ran (not a usage or collection error)
         smoke.measure(name="test suite time", value=round(result.seconds, 3), unit="s", command=command)
     if result.timed_out:
@@ -356,17 +383,8 @@ def python_tests(smoke: Smoke) -> None:
     bad = counts.get("failed", 0) + counts.get("errors", 0)
     total = bad + counts.get("passed", 0)
     sections = failure_sections(result.output)
-    for what, lacking in machine_lacks(sections, problems).items():
-        smoke.finding(title=f"Not tested: {len(lacking)} tests need a {what} this machine does not have",
-                      severity="info", category="environment",
-                      details=f"These tests fail on the review machine for want of a {what} it does not have, which "
-                              f"says nothing about the project: " + ", ".join(lacking[:20])
-                              + (f" and {len(lacking) - 20} more" if len(lacking) > 20 else ""),
-                      evidence=tail(next((b for b in sections.values() if MACHINE_LACKS[what].search(b)), ""),
-                                    EVIDENCE_CHARS))
-        smoke.notes.append(f"{len(lacking)} tests need a {what} the machine lacks")
-        problems = [p for p in problems if p[1] not in lacking]
-        bad, total = bad - len(lacking), total - len(lacking)  # what could run here
+    problems, lacking = set_aside_machine_lacks(smoke, sections, problems)
+    bad, total = bad - lacking, total - lacking  # what could run here
     if counts and bad <= 0 and not problems:
         smoke.notes.append(f"the other tests pass ({counted}, {result.seconds:.1f} s)")
         return

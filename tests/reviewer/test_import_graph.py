@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.import_graph import Import, circles, import_graph
+from tests.import_graph import Import, all_imports, circles, import_graph, package_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,6 +91,53 @@ def test_a_part_without_a_rule_is_caught(tmp_path):
     (pkg / "text.py").write_text("")
     (pkg / "newpart" / "a.py").write_text("from reviewer import text\n")
     assert upward_imports(import_graph("reviewer", root=pkg)) == ["reviewer.newpart.a is in no line of MAY_IMPORT"]
+
+
+# Runs inside the sandbox with the project's own Python, where reviewer is not installed: the standard library and its
+# own package only (reviewer/persona/probes/sandboxed/__init__.py).
+SANDBOXED = "reviewer.persona.probes.sandboxed"
+
+
+def sandbox_side_imports(modules: dict[str, Path]) -> list[str]:
+    """The imports of the sandboxed package's modules that are neither the standard library nor that package (a
+    `from . import x` that climbs out of it counts as what it reaches)."""
+    wrong = []
+    for module, path in sorted(modules.items()):
+        if module != SANDBOXED and not module.startswith(SANDBOXED + "."):
+            continue
+        for name, line in all_imports(module, path):
+            top = name.split(".")[0]
+            inside = name == SANDBOXED or name.startswith(SANDBOXED + ".")
+            # `from .prelude import emit` also gives `...sandboxed.prelude.emit`: a name, inside all the same
+            if not inside and (top == "reviewer" or top not in sys.stdlib_module_names):
+                wrong.append(f"{module}:{line} imports {name}")
+    return list(dict.fromkeys(wrong))
+
+
+def test_the_sandboxed_probe_modules_import_only_the_standard_library_and_each_other():
+    modules = package_modules("reviewer")
+    assert sum(m.startswith(SANDBOXED + ".") for m in modules) >= 5  # the rule has something to check
+    assert sandbox_side_imports(modules) == []
+
+
+def test_a_sandboxed_module_importing_reviewer_or_a_third_party_module_is_caught(tmp_path):
+    pkg = tmp_path / "reviewer"
+    side = pkg / "persona" / "probes" / "sandboxed"
+    side.mkdir(parents=True)
+    for init in (pkg, pkg / "persona", pkg / "persona" / "probes", side):
+        (init / "__init__.py").write_text("")
+    (pkg / "text.py").write_text("")
+    (pkg / "persona" / "probes" / "runner.py").write_text("")
+    (side / "prelude.py").write_text("import json, os\nfrom collections.abc import Mapping\n")
+    (side / "check.py").write_text("from __future__ import annotations\nimport re\nfrom .prelude import emit\n"
+                                   "from reviewer import text\nfrom .. import runner\n"
+                                   "def f():\n    import requests\n    return requests\n")
+    assert sandbox_side_imports(package_modules("reviewer", pkg)) == [
+        "reviewer.persona.probes.sandboxed.check:4 imports reviewer",
+        "reviewer.persona.probes.sandboxed.check:4 imports reviewer.text",
+        "reviewer.persona.probes.sandboxed.check:5 imports reviewer.persona.probes",
+        "reviewer.persona.probes.sandboxed.check:5 imports reviewer.persona.probes.runner",
+        "reviewer.persona.probes.sandboxed.check:7 imports requests"]
 
 
 def test_imports_inside_functions_only_keep_heavy_modules_out():

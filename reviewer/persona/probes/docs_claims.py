@@ -6,11 +6,11 @@
   raises from the project's own code or imports a name the project does not have. What the docs leave to the reader
   is not: undefined names, missing files, the network, modules the project does not install. Each file runs twice
   with different hash seeds; only failures that agree are kept (set order, ids, randomness). The running itself is
-  docs_examples.py.
+  sandboxed/examples.py, its script docs_examples.py.
 - Console scripts: `--help` must work. A documented command line of a console script is checked for a subcommand
   the CLI rejects and for a flag its help does not list and its parser rejects; when it needs nothing the reader must
   supply (no placeholders, its files exist) it is run, and a traceback, a failure or output other than the docs show
-  is a finding.
+  is a finding. They run in sandboxed/commands.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import re
 import unicodedata
 from pathlib import Path
 
-from reviewer.persona.probes import doc_sessions, doctext, prelude
+from reviewer.persona.probes import doc_sessions, doctext
 from reviewer.persona.probes.docs_examples import examples_script, syntax_script
 from reviewer.persona.probes.runner import Probe, command, data, run, script
 from reviewer.persona.probes.thresholds import DOC_COMMAND_TIMEOUT_S, DOCS_SCRIPT_TIMEOUT
@@ -32,88 +32,6 @@ PATHLIKE = re.compile(r"/|\.(txt|csv|tsv|json|jsonl|ya?ml|toml|ini|cfg|xml|html?
 # wider than PATHLIKE, which picks the argument the edge-input probe swaps for an empty file
 FILE_NAME = re.compile(r"^[\w.~-]+\.[A-Za-z][A-Za-z0-9]{0,7}$")
 
-
-# --- runs inside the sandbox (copied into the check scripts) --------------------------------------------------------
-
-def run_cli(args, timeout, shell=False):
-    """(exit code or None on timeout, stdout, stderr) of a command, stdin closed."""
-    import subprocess
-
-    try:
-        p = subprocess.run(args, shell=shell, executable="/bin/bash" if shell else None, capture_output=True,
-                           text=True, errors="replace", timeout=timeout, stdin=subprocess.DEVNULL)
-        return p.returncode, p.stdout, p.stderr
-    except subprocess.TimeoutExpired as e:
-        return None, str(e.stdout or ""), str(e.stderr or "")
-    except OSError as e:
-        return 127, "", str(e)
-
-
-def check_command(cmd, checks, timeout):
-    """The problems of one documented command line: a rejected subcommand, a rejected flag, and (when it can run as
-    written) a traceback, a failure or output other than the docs show."""
-    import doctest
-
-    argv, k = cmd["argv"], cmd["prefix"]
-    problems = []
-    helps = [run_cli(argv[:k] + ["--help"], timeout)[1]]
-    word = argv[k] if len(argv) > k and not argv[k].startswith("-") else None
-    if word and "subcommand" in checks:
-        code, out, err = run_cli(argv[:k + 1] + ["--help"], timeout)
-        pattern = r"(no such command|invalid choice|unknown command|unrecognized command)[^\n]*" + re.escape(word)
-        if code not in (0, None) and re.search(pattern, out + err, re.I):
-            problems.append({"check": "subcommand", "word": word, "output": (out + err)[-1500:]})
-        elif code == 0:
-            helps.append(out)
-    for token in argv[k:] if "flags" in checks else []:
-        flag = token.split("=")[0]
-        if not flag.startswith("--") or flag == "--" or any(
-                re.search(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])", h) for h in helps):
-            continue
-        code, out, err = run_cli(argv, timeout)
-        unknown = r"(unrecognized arguments?|no such option|unknown option|invalid option|unexpected argument)"
-        if code not in (0, None) and re.search(unknown + r"[^\n]*" + re.escape(flag), out + err, re.I):
-            problems.append({"check": "flags", "flag": flag, "output": (out + err)[-1500:]})
-    if "run" in checks:
-        code, out, err = run_cli(cmd["text"], timeout, shell=True)
-        offline = re.search(r"Name or service not known|Temporary failure in name resolution|Network is unreachable|"
-                            r"Connection refused|Could not resolve host|Max retries exceeded|ProxyError|SSLError",
-                            out + err)
-        flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-        shown = cmd.get("expected")
-        if shown and any(doctest.OutputChecker().check_output(shown + "\n", text, flags) for text in (out, err, out + err)):
-            return problems  # what the docs show, an error message and a failing exit code included
-        if "Traceback (most recent call last)" in out + err:
-            problems.append({"check": "run", "what": "traceback", "output": (out + err)[-1500:]})
-        elif code is None or offline:
-            pass  # too slow to judge, or it needs the network the sandbox does not give
-        elif code != 0:
-            problems.append({"check": "run", "what": f"exit code {code}", "output": (out + err)[-1500:]})
-        elif shown:
-            again = run_cli(cmd["text"], timeout, shell=True)[1]
-            if again == out:  # the same both times: not a clock, a random value or an id
-                problems.append({"check": "run", "what": "output", "output": out[-1500:]})
-    return problems
-
-
-COMMAND_BODY = """
-problems = check_command(CMD, CHECKS, TIMEOUT)
-emit({"problems": problems})
-sys.exit(1 if problems else 0)
-"""
-
-HELP_BODY = """
-problems = []
-for name in SCRIPTS:
-    code, out, err = run_cli([name, "--help"], TIMEOUT)
-    if code is None or "Traceback (most recent call last)" in out + err or (code != 0 and "usage" not in (out + err).lower()):
-        problems.append({"script": name, "code": code, "output": (out + err)[-1500:]})
-emit({"problems": problems})
-sys.exit(1 if problems else 0)
-"""
-
-
-# --- the host side ----------------------------------------------------------------------------------------------------
 
 def block_data(b: doctext.Block) -> dict:
     """A Python block as run_examples takes it (plain data, copied into the check script)."""
@@ -219,13 +137,12 @@ def example_finding(probe: Probe, file_blocks: list[dict], o: dict, also: list[i
 
 
 def command_script(cmd: dict, checks: list[str]) -> str:
-    head = f"CMD = {data(cmd)}\nCHECKS = {data(checks)}\nTIMEOUT = {DOC_COMMAND_TIMEOUT_S!r}\n"
-    return script(head + COMMAND_BODY, prelude.emit, run_cli, check_command, imports=("re",))
+    return script("commands", "check", {"cmd": data(cmd), "checks": data(checks),
+                                        "timeout": repr(DOC_COMMAND_TIMEOUT_S)})
 
 
 def help_script(scripts: list[str]) -> str:
-    head = f"SCRIPTS = {data(scripts)}\nTIMEOUT = {DOC_COMMAND_TIMEOUT_S!r}\n"
-    return script(head + HELP_BODY, prelude.emit, run_cli, imports=("re",))
+    return script("commands", "check_help", {"scripts": data(scripts), "timeout": repr(DOC_COMMAND_TIMEOUT_S)})
 
 
 def check_help(probe: Probe) -> None:
@@ -338,7 +255,7 @@ def session_finding(probe: Probe, session: doctext.Session, steps: list[dict], p
 
 
 def check_syntax(probe: Probe, blocks: list[doctext.Block]) -> None:
-    """Every Python block of the docs must parse (docs_examples.syntax_errors says what is a deliberate fragment)."""
+    """Every Python block of the docs must parse (sandboxed/syntax.py says what is a deliberate fragment)."""
     data_ = [block_data(b) for b in blocks if b.is_python]
     if not data_:
         return

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import re
 
-from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes import doctext
 from reviewer.persona.probes.callsites import Arg, CallSite
-from reviewer.persona.probes.docs_claims import PATHLIKE, run_cli, short
+from reviewer.persona.probes.docs_claims import PATHLIKE, short
 from reviewer.persona.probes.runner import Probe, command, data, run, script
 from reviewer.persona.probes.thresholds import (CLI_EDGE_TIMEOUT_S, CRASHES, DIVISION_CONTRACT, EDGE_CALL_LIMIT_S,
                                                 EDGE_MAX_FUNCTIONS, EDGE_SCRIPT_TIMEOUT, ELEMENT_CONTRACT, FIT_CONTRACT,
@@ -83,76 +83,6 @@ def call_source(site: CallSite, swaps: list[tuple[int, str, str]] = ()) -> tuple
     return f"{args}, {kwargs}", f"{site.name}({', '.join(shown)})"
 
 
-# --- runs inside the sandbox ---------------------------------------------------------------------------------------
-
-EDGE_BODY = """
-import builtins, inspect, traceback
-func = resolve(TARGET)
-if held_builtin(func):
-    emit({"crashes": [], "skipped": "a method of a built-in object, not the project's code"})
-    sys.exit(0)
-if internal(func, TARGET, DOC_NAMED):
-    emit({"crashes": [], "skipped": "the project's internals: not exported, not in the docs"})
-    sys.exit(0)
-doc = (inspect.getdoc(func) or "") + "\\n" + DOC_TEXT
-crash_types = tuple(getattr(builtins, n) for n in CRASHES)
-try:
-    where = [os.path.relpath(inspect.getsourcefile(func)), inspect.getsourcelines(func)[1]]
-except Exception:
-    where = [None, None]
-try:
-    with quiet(), limit(LIMIT):
-        consume(func(*BASE[0], **BASE[1]), 10000)
-except BaseException as e:
-    if isinstance(e, KeyboardInterrupt):
-        raise
-    emit({"baseline": exception_line(e)})  # our copy of the documented call fails: judge nothing
-    sys.exit(0)
-crashes = []
-for label, kind, build in CASES:
-    try:
-        a, k = build()
-        with quiet(), limit(LIMIT):
-            consume(func(*a, **k), 10000)
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        name = type(e).__name__
-        if type(e) not in crash_types or name in EXPECTED or re.search(r"\\b%s\\b" % name, doc):
-            continue
-        if (kind == "empty" and (re.search(NON_EMPTY, doc) or (FIT and re.search(FIT, doc)))) or (
-                kind in ("zero", "negative") and re.search(POSITIVE, doc)):
-            continue
-        if kind == "empty" and isinstance(e, IndexError) and re.search(ELEMENT, doc):
-            continue  # it returns an element, and an empty sequence has none
-        if kind == "zero" and isinstance(e, ZeroDivisionError) and re.search(DIVISION, doc):
-            continue  # it divides, by the zero we passed: Python's contract for `/`
-        if isinstance(e, KeyError) and e.args and e.args[0] in ("", NON_ASCII):
-            continue  # it looked up the key we passed (`key=''`), which is not there: a lookup, not a crash
-        lines = traceback.format_exception(type(e), e, e.__traceback__)
-        crashes.append({"case": label, "kind": kind, "error": exception_line(e), "traceback": "".join(lines[-6:])[-2000:]})
-emit({"crashes": crashes, "where": where})
-sys.exit(1 if crashes else 0)
-"""
-
-CLI_EDGE_BODY = """
-import tempfile
-tmp = tempfile.mkdtemp()
-crashes = []
-for label, content in CASES:
-    path = os.path.join(tmp, "input" + EXT)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(content)
-    argv = [path if i == INDEX else a for i, a in enumerate(ARGV)]
-    code, out, err = run_cli(argv, TIMEOUT)
-    if "Traceback (most recent call last)" in out + err:
-        last = [ln for ln in (out + err).strip().splitlines() if ln.strip()][-1]
-        crashes.append({"case": label, "error": last[:300], "output": (out + err)[-1500:]})
-emit({"crashes": crashes})
-sys.exit(1 if crashes else 0)
-"""
-
-
 def inline(pattern: re.Pattern) -> str:
     """A compiled pattern as text for a probe script, its IGNORECASE kept ("Divide two numbers." must match `divide`;
     passed as `.pattern` alone, the contracts were matched case-sensitively)."""
@@ -163,26 +93,19 @@ def edge_script(site: CallSite, cases: list[tuple[str, str, str]], expected: set
                 doc_named: bool = True) -> str:
     base, _ = call_source(site)
     multi = len([a for _, a in site.all_args() if a.kind in ("seq", "range", "listrange", "iter", "bytes")]) > 1
-    lines = [f"TARGET = {site.target!r}", f"DOC_NAMED = {doc_named!r}", f"BASE = ({base})",
-             f"CRASHES = {data(list(CRASHES))}",
-             f"FIT = {(inline(FIT_CONTRACT) if multi else None)!r}",
-             f"EXPECTED = {data(sorted(expected))}", f"DOC_TEXT = {data(doc_text)}", f"LIMIT = {EDGE_CALL_LIMIT_S!r}",
-             f"NON_EMPTY = {inline(NON_EMPTY_CONTRACT)!r}", f"POSITIVE = {inline(POSITIVE_CONTRACT)!r}",
-             f"ELEMENT = {inline(ELEMENT_CONTRACT)!r}", f"DIVISION = {inline(DIVISION_CONTRACT)!r}",
-             f"NON_ASCII = {NON_ASCII!r}", "CASES = ["]
-    lines += [f"    ({label!r}, {kind!r}, lambda: ({src}))," for label, kind, src in cases] + ["]"]
-    return script("\n".join(lines) + "\n" + EDGE_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
-                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume,
-                  prelude.exception_line, imports=("re",))
+    rules = {"crashes": list(CRASHES), "expected": sorted(expected), "fit": inline(FIT_CONTRACT) if multi else None,
+             "non_empty": inline(NON_EMPTY_CONTRACT), "positive": inline(POSITIVE_CONTRACT),
+             "element": inline(ELEMENT_CONTRACT), "division": inline(DIVISION_CONTRACT), "non_ascii": NON_ASCII}
+    built = "[\n" + "".join(f"        ({label!r}, {kind!r}, lambda: ({src})),\n" for label, kind, src in cases) + "    ]"
+    return script("edges", "check", {"target": repr(site.target), "doc_named": repr(doc_named), "base": f"({base})",
+                                     "cases": built, "doc_text": data(doc_text), "limit_s": repr(EDGE_CALL_LIMIT_S),
+                                     "rules": data(rules)})
 
 
 def cli_edge_script(argv: list[str], index: int, ext: str, cases: list[tuple[str, str]]) -> str:
-    head = (f"ARGV = {data(argv)}\nINDEX = {index}\nEXT = {ext!r}\nCASES = {data(cases)}\n"
-            f"TIMEOUT = {CLI_EDGE_TIMEOUT_S!r}\n")
-    return script(head + CLI_EDGE_BODY, prelude.emit, run_cli, imports=("re",))
+    return script("edges", "check_files", {"argv": data(argv), "index": repr(index), "ext": repr(ext),
+                                           "cases": data(cases), "timeout": repr(CLI_EDGE_TIMEOUT_S)})
 
-
-# --- the host side ----------------------------------------------------------------------------------------------------
 
 def probe_edges(probe: Probe, cli: bool = True) -> None:
     if probe.package:

@@ -1,6 +1,6 @@
 """Running the probes: the context they share, the check scripts they send into the sandbox, and the order.
 
-Every probe works the same way. It writes a small Python script (the helpers it needs from prelude.py copied in),
+Every probe works the same way. It writes a small Python script (carrying the modules of sandboxed/ it calls),
 runs it in the sandbox with the project's virtual environment, reads the result line the script prints, and records
 a finding when the script found the problem. The script exits 1 exactly when it found the problem, so the finding's
 repro command is the script itself, given only the failing case: reviewer/run/verify.py re-runs it in a fresh clone and
@@ -9,15 +9,15 @@ sees the same exit code.
 
 from __future__ import annotations
 
-import inspect
+import ast
 import json
-import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from reviewer.persona.probes import callsites, doctext, prelude
-from reviewer.persona.probes.thresholds import RESULT_MARK
+from reviewer.persona.probes import callsites, doctext
+from reviewer.persona.probes.sandboxed.prelude import RESULT_MARK
 from reviewer.sandbox.command import CommandResult
 
 DELIMITER = "REVIEWER_PROBE"
@@ -73,15 +73,55 @@ class Probe:
         return self._cache["sites"]
 
 
-def script(body: str, *helpers, imports: tuple[str, ...] = ()) -> str:
-    """A standalone check script: the prelude's imports (and `imports`), the source of `helpers` (functions or
-    classes that use only the standard library and each other: prelude.py's, reviewer.stats.median, the sandbox
-    halves of the probes), then `body`."""
-    parts = ["from __future__ import annotations  # the helpers' annotations name types the script never imports",
-             "import " + ", ".join(dict.fromkeys(prelude.IMPORTS + tuple(imports)))]
-    parts += [textwrap.dedent(inspect.getsource(h)).strip() for h in helpers]
-    parts.append(textwrap.dedent(body).strip())
-    return "\n\n".join(parts) + "\n"
+SANDBOXED = Path(__file__).with_name("sandboxed")  # the modules the checks run inside the sandbox
+SANDBOXED_NAME = "reviewer_probes_sandboxed"  # their package's name there: one no project has, so it shadows nothing
+
+# A check script's first lines: the sandboxed modules it carries (SANDBOXED_FILES, written above this) go to a fresh
+# temporary folder outside the clone, which is appended to sys.path and removed when the script exits.
+BOOTSTRAP = """
+_home = tempfile.mkdtemp(prefix="reviewer-probe-")
+atexit.register(shutil.rmtree, _home, True)
+for _name, _text in SANDBOXED_FILES.items():
+    _path = os.path.join(_home, *_name.split("/"))
+    os.makedirs(os.path.dirname(_path), exist_ok=True)
+    with open(_path, "w", encoding="utf-8") as _file:
+        _file.write(_text)
+sys.path.append(_home)
+"""
+
+
+def sandboxed_modules(module: str) -> list[str]:
+    """`module` of the sandboxed package and every module of it that it imports (relative imports, read by ast),
+    in a stable order."""
+    found, todo = [], [module]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.append(name)
+        tree = ast.parse((SANDBOXED / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                todo += [node.module] if node.module else [a.name for a in node.names]
+    return sorted(found)
+
+
+def script(module: str, function: str, args: dict[str, str], names: tuple[str, ...] = ()) -> str:
+    """A standalone check script: it carries the sandboxed `module` (and what that imports), then calls
+    `function(**args)` there and exits with what it returns. `args` maps each keyword to the Python source of its
+    value (`data(...)` for plain data, or lambdas over `names`, helpers imported from the sandboxed prelude: the
+    generated calls of scaling.py and edge_inputs.py)."""
+    files = {f"{SANDBOXED_NAME}/__init__.py": (SANDBOXED / "__init__.py").read_text()}
+    files.update((f"{SANDBOXED_NAME}/{m}.py", (SANDBOXED / f"{m}.py").read_text()) for m in sandboxed_modules(module))
+    parts = ["import atexit, json, os, shutil, sys, tempfile",
+             "SANDBOXED_FILES = {\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in files.items()) + "}",
+             BOOTSTRAP.strip()]
+    if names:
+        parts.append(f"from {SANDBOXED_NAME}.prelude import {', '.join(names)}")
+    call = "".join(f"    {key}={value},\n" for key, value in args.items())
+    parts.append(f"from {SANDBOXED_NAME}.{module} import {function}\n\nsys.exit({function}(\n{call}))")
+    head = f"# a reviewer probe's check (reviewer/persona/probes/sandboxed/{module}.py)\n"
+    return head + "\n\n".join(parts) + "\n"
 
 
 def command(code: str, env: str = "") -> str:
@@ -122,33 +162,11 @@ def run(probe: Probe, label: str, code: str, timeout: float, env: str = "") -> t
     return got, res, cmd
 
 
-INFO = """
-from importlib import metadata
-here = os.path.realpath(os.getcwd())
-for dist in metadata.distributions():
-    try:
-        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
-    except ValueError:
-        continue
-    if url.startswith("file://") and os.path.realpath(url[7:]) == here:
-        scripts = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
-        break
-else:
-    scripts = {}
-try:
-    importlib.import_module(PACKAGE) if PACKAGE else None
-    error = None
-except BaseException as e:
-    error = repr(e)[:300]
-emit({"scripts": scripts, "import_error": error})
-"""
-
-
 def installed(probe: Probe) -> None:
     """Console scripts of the distribution installed from this clone (pyproject, setup.cfg or setup.py alike), and
     whether the package imports at all (if not, smoke has said so, and the probes of its functions have nothing to
     call)."""
-    code = script(f"PACKAGE = {probe.package!r}\n" + INFO, prelude.emit)
+    code = script("installed", "check", {"package": repr(probe.package)})
     got, res, _ = run(probe, "probe: console scripts and import of the installed project", code, 60)
     probe.scripts.update((got or {}).get("scripts") or {})
     if got is None or got.get("import_error"):

@@ -14,8 +14,7 @@ by EXCESS_UNCLAIMED otherwise.
 
 from __future__ import annotations
 
-from reviewer import stats
-from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes import doctext
 from reviewer.persona.probes.callsites import CallSite
 from reviewer.persona.probes.runner import Probe, command, run, script
 from reviewer.persona.probes.thresholds import (EXCESS_CLAIMED, EXCESS_UNCLAIMED, LINEAR_CLAIM, OUTPUT_CAP,
@@ -61,96 +60,15 @@ def grown(site: CallSite, which: int, with_ints: bool) -> tuple[str, int, str] |
     return source, ref, " and ".join(what)
 
 
-# --- runs inside the sandbox -------------------------------------------------------------------------------------------
-
-def measure(func, build, ref, cfg):
-    """Time func at doubling sizes; the points and the fitted exponents."""
-    import gc
-
-    points, note, started = [], None, time.perf_counter()
-    f = cfg["start"] / ref
-    while True:
-        n = round(ref * f)
-        try:
-            a, k = build(f)
-            with quiet(), limit(cfg["call_limit"]):
-                t = time.perf_counter()
-                out, capped = consume(func(*a, **k), cfg["cap"])
-                first = time.perf_counter() - t
-            if capped:
-                note = f"at n={n} the output passed {cfg['cap']} items"
-                break
-            number = 1  # calls per timed run: enough to outlast the timer's noise, few enough to build their inputs
-            while first * number < cfg["batch"] and number < 1000 and (number * 2) * n <= 2**20:
-                number *= 2
-            times = []
-            for _ in range(cfg["repeats"]):
-                sets = [build(f) for _ in range(number)]
-                gc.collect()
-                gc.disable()
-                try:
-                    with quiet(), limit(cfg["call_limit"] * number + 1):
-                        t = time.perf_counter()
-                        for a, k in sets:
-                            consume(func(*a, **k), cfg["cap"])
-                        times.append((time.perf_counter() - t) / number)
-                finally:
-                    gc.enable()
-        except Overtime:
-            note = f"a call at n={n} took over {cfg['call_limit']} s"
-            break
-        except Exception as e:  # noqa: BLE001 - a size the function refuses ends the growth
-            note = f"at n={n}: {exception_line(e)}"
-            break
-        points.append({"n": n, "median": median(times), "min": min(times), "max": max(times), "out": out})
-        if points[-1]["median"] >= cfg["enough"] or n * 2 > cfg["max"] or time.perf_counter() - started > cfg["budget"]:
-            break
-        if n >= 2**14 and points[-1]["median"] < 2e-5:
-            break  # under 20 us for 16k elements: it does not even read its input, nothing grows here
-        f *= 2
-    result = {"points": points, "note": note, "flagged": False}
-    fit = points[-cfg["points"]:]
-    if len(fit) == cfg["points"]:
-        xs = [p["n"] for p in fit]
-        b, bmin = slope(xs, [p["median"] for p in fit]), slope(xs, [p["min"] for p in fit])
-        bout = slope(xs, [max(p["out"], 1) for p in fit])
-        excess = min(b, bmin) - max(1.0, bout)
-        result.update(exponent=b, exponent_min=bmin, output_exponent=bout, excess=excess,
-                      flagged=excess >= cfg["excess"])
-    return result
-
-
-SCALING_BODY = """
-import inspect
-func = resolve(TARGET)
-if held_builtin(func):
-    emit({"variants": [], "skipped": "a method of a built-in object, not the project's code"})
-    sys.exit(0)
-if internal(func, TARGET, DOC_NAMED):
-    emit({"variants": [], "skipped": "the project's internals: not exported, not in the docs"})
-    sys.exit(0)
-try:
-    where = [os.path.relpath(inspect.getsourcefile(func)), inspect.getsourcelines(func)[1]]
-except Exception:
-    where = [None, None]
-results = []
-for label, ref, build in VARIANTS:
-    results.append(dict(measure(func, build, ref, CFG), variant=label))
-emit({"variants": results, "where": where})
-sys.exit(1 if any(r["flagged"] for r in results) else 0)
-"""
-
-
 def scaling_script(site: CallSite, variants: list[tuple[str, int, str]], excess: float, budget: float,
                    doc_named: bool = True) -> str:
     cfg = dict(start=SCALING_START, max=SCALING_MAX, enough=SCALING_ENOUGH_S, call_limit=SCALING_CALL_LIMIT_S,
                points=SCALING_POINTS, repeats=SCALING_REPEATS, batch=SCALING_BATCH_S, cap=OUTPUT_CAP,
                budget=budget, excess=excess)
-    lines = [f"TARGET = {site.target!r}", f"DOC_NAMED = {doc_named!r}", f"CFG = {cfg!r}", "VARIANTS = ["]
-    lines += [f"    ({label!r}, {ref}, lambda f: ({src}))," for label, ref, src in variants] + ["]"]
-    return script("\n".join(lines) + "\n" + SCALING_BODY, prelude.emit, prelude.resolve, prelude.held_builtin,
-                  prelude.internal, prelude.Overtime, prelude.limit, prelude.quiet, prelude.consume, prelude.grow,
-                  prelude.scale, prelude.slope, prelude.exception_line, stats.median, measure)
+    built = "".join(f"        ({label!r}, {ref}, lambda f: ({src})),\n" for label, ref, src in variants)
+    built = "[\n" + built + "    ]"
+    return script("scaling", "check", {"target": repr(site.target), "doc_named": repr(doc_named), "cfg": repr(cfg),
+                                       "variants": built}, names=("grow", "scale"))
 
 
 def choose(probe: Probe) -> list[tuple[CallSite, list[str]]]:

@@ -10,8 +10,6 @@ import re
 # The probes run inside the smoke persona's time; this is the most they may take of it, whatever the project's size,
 # so a review never waits on them (each script also has its own timeout below).
 PROBES_BUDGET_S = 240.0
-# A script's result line: what the sandboxed script prints for the probe to read (the output's tail is always kept).
-RESULT_MARK = "@@reviewer-probe@@"
 
 # --- claims against measurements (timing_claims.py) -----------------------------------------------------------------
 # `import pkg` over half a second: every script, CLI call and test run pays it. A pure-Python library imports in

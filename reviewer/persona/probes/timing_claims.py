@@ -1,62 +1,26 @@
 """Claims against measurements: `import PACKAGE` and each console script's `--help`, timed in fresh interpreters
-(median of repeats), against the thresholds in thresholds.py. A slow import is worse when the docs call the package
-light, fast or instant: the finding quotes where."""
+(median of repeats, sandboxed/timing.py), against the thresholds in thresholds.py. A slow import is worse when the
+docs call the package light, fast or instant: the finding quotes where."""
 
 from __future__ import annotations
 
 from reviewer import stats
-from reviewer.persona.probes import doctext, prelude
+from reviewer.persona.probes import doctext
 from reviewer.persona.probes.runner import Probe, command, data, run, script
 from reviewer.persona.probes.thresholds import (CLI_REPEATS, CLI_START_SLOW_S, IMPORT_REPEATS, IMPORT_SLOW_MS,
                                                 SPEED_CLAIM)
 from reviewer.persona.project import EVIDENCE_CHARS
 from reviewer.text import tail
 
-# Each figure is the wall time of one fresh interpreter doing it, after one warm-up run that writes the .pyc files.
-IMPORT_BODY = """
-import subprocess
-code = "import time; t = time.perf_counter(); import " + PACKAGE + "; print(time.perf_counter() - t)"
-samples = []
-for i in range(REPEATS + 1):
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if p.returncode != 0:
-        emit({"error": (p.stdout + p.stderr)[-1500:]})
-        sys.exit(2)
-    if i:
-        samples.append(float(p.stdout.strip().splitlines()[-1]) * 1000)
-ms = median(samples)
-emit({"ms": ms, "samples": samples})
-sys.exit(1 if ms > LIMIT_MS else 0)
-"""
-
-CLI_BODY = """
-import subprocess
-results = {}
-for name in SCRIPTS:
-    samples = []
-    for i in range(REPEATS + 1):
-        t = time.perf_counter()
-        try:
-            subprocess.run([name, "--help"], capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            break
-        if i:
-            samples.append(time.perf_counter() - t)
-    if samples:
-        results[name] = {"s": median(samples), "samples": samples}
-emit({"scripts": results})
-sys.exit(1 if any(r["s"] > LIMIT_S for r in results.values()) else 0)
-"""
-
 
 def import_script(package: str) -> str:
-    head = f"PACKAGE = {package!r}\nREPEATS = {IMPORT_REPEATS}\nLIMIT_MS = {IMPORT_SLOW_MS!r}\n"
-    return script(head + IMPORT_BODY, prelude.emit, stats.median)
+    return script("timing", "import_time", {"package": repr(package), "repeats": repr(IMPORT_REPEATS),
+                                            "limit_ms": repr(IMPORT_SLOW_MS)})
 
 
 def cli_script(names: list[str]) -> str:
-    head = f"SCRIPTS = {data(names)}\nREPEATS = {CLI_REPEATS}\nLIMIT_S = {CLI_START_SLOW_S!r}\n"
-    return script(head + CLI_BODY, prelude.emit, stats.median)
+    return script("timing", "cli_start", {"scripts": data(names), "repeats": repr(CLI_REPEATS),
+                                          "limit_s": repr(CLI_START_SLOW_S)})
 
 
 def speed_claims(probe: Probe) -> list[str]:

@@ -4,6 +4,7 @@ finding. Real installs in the real sandbox, real subprocesses; each finding's re
 fail on the defective project and pass on the fixed one. No timing is asserted (speed figures: bench/probes.py)."""
 
 import ast
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -626,11 +627,13 @@ b
 def test_a_documented_command_that_fails_as_the_docs_show_is_not_a_finding():
     fails = "sh -c 'echo ERROR 1.5 is not valid >&2; exit 2'"
     spec = {"text": fails, "argv": ["sh", "-c", "x"], "prefix": 1, "expected": "ERROR 1.5 is not valid"}
-    assert docs_claims.check_command(spec, ["run"], 10) == []
+    from reviewer.persona.probes.sandboxed.commands import check_command
+
+    assert check_command(spec, ["run"], 10) == []
     other = dict(spec, expected="2.0.0")
-    assert [p["what"] for p in docs_claims.check_command(other, ["run"], 10)] == ["exit code 2"]
+    assert [p["what"] for p in check_command(other, ["run"], 10)] == ["exit code 2"]
     silent = dict(spec, expected=None)
-    assert [p["what"] for p in docs_claims.check_command(silent, ["run"], 10)] == ["exit code 2"]
+    assert [p["what"] for p in check_command(silent, ["run"], 10)] == ["exit code 2"]
 
 
 def test_documented_commands_are_the_lines_that_run_the_project(tmp_path):
@@ -949,7 +952,8 @@ def test_docs_that_do_not_parse_are_findings_and_fragments_are_not(tmp_path):
     left, although the file holds an example with an extra `)`. Every Python block now compiles; a SyntaxError is a
     finding with its line, a deliberate fragment is not, and a block doctest cannot parse is read paragraph by
     paragraph (its other examples still run)."""
-    from reviewer.persona.probes.docs_examples import doctest_examples, syntax_script
+    from reviewer.persona.probes.docs_examples import syntax_script
+    from reviewer.persona.probes.sandboxed.doctests import doctest_examples
 
     (tmp_path / "README.md").write_text("""# pkg
 
@@ -1131,9 +1135,7 @@ def model_results(tmp_path: Path, core: str) -> list[dict]:
     (tmp_path / "pkg").mkdir(exist_ok=True)
     (tmp_path / "pkg" / "__init__.py").write_text("from pkg.core import *\n")
     (tmp_path / "pkg" / "core.py").write_text(core)
-    discover = models.script(models.constants() + "PACKAGE = 'pkg'\nDOC_KINDS = {}\n" + models.DISCOVER_BODY,
-                             *models.HELPERS, imports=("random", "re"))
-    classes = run_probe_script(discover, tmp_path)["classes"]
+    classes = run_probe_script(models.discover_script("pkg", {}), tmp_path)["classes"]
     assert all(why.startswith("is a collections.abc.Mutable") for _, _, why in classes), classes
     return [(t, kind, run_probe_script(models.drive_script(t, kind), tmp_path)) for t, kind, _ in classes]
 
@@ -1279,8 +1281,8 @@ def test_what_a_round_on_real_projects_showed_the_docs_and_model_probes(tmp_path
     SyntaxError; docs/index.md that is the README again is read once (each finding had come twice); "raising an
     IndexError if ..." is a promise; and a class with many methods still gets sequences that grow it (with adds one
     operation in a dozen, the collection seldom held the two elements a stale index needs)."""
-    from reviewer.persona.probes import models
-    from reviewer.persona.probes.docs_examples import syntax_errors
+    from reviewer.persona.probes.sandboxed.syntax import syntax_errors
+    from reviewer.persona.probes.sandboxed.models import promised, random_ops
 
     magic = {"file": "README.md", "line": 1, "doctest": False, "lang": "python",
              "text": "%load_ext dotenv\n%dotenv -o\n"}
@@ -1291,21 +1293,19 @@ def test_what_a_round_on_real_projects_showed_the_docs_and_model_probes(tmp_path
     (tmp_path / "docs" / "index.md").write_text("# pkg\n\n```python\nprint(1)\n```\n")
     (tmp_path / "docs" / "usage.md").write_text("# usage\n")
     assert [p.relative_to(tmp_path).as_posix() for p in doctext.doc_files(tmp_path)] == ["README.md", "docs/usage.md"]
-    assert models.promised("Get the index of a given entry, raising an IndexError if it's not present.") == {
+    assert promised("Get the index of a given entry, raising an IndexError if it's not present.") == {
         "IndexError"}
     names = ["add", "discard", "remove", "pop", "pop_at", "index", "__contains__", "clear", "__getitem__", "copy"]
-    body = (f"ops = random_ops('orderedset', {names!r}, [0, 1, 2], random.Random(1), 3000)\n"
-            "emit({'adds': sum(name == 'add' for name, _ in ops) / len(ops)})\n")
-    got = run_probe_script(models.script(models.constants() + body, *models.HELPERS, imports=("random", "re")),
-                           tmp_path)
-    assert got["adds"] > 0.3, got
+    ops = random_ops("orderedset", names, [0, 1, 2], random.Random(1), 3000)
+    adds = sum(name == "add" for name, _ in ops) / len(ops)
+    assert adds > 0.3, adds
 
 
 def test_slips_of_the_prompts_are_not_syntax_errors(tmp_path):
     """Seen on addict and simpleeval: continuation lines written with `>>>` (a class body), a call's second line
     without `...` (doctest takes it for output), two spaces after `>>>`. The code is right as a reader copies it, and
     "Python cannot run it" was false; an extra `)` beside them still is a finding."""
-    from reviewer.persona.probes.docs_examples import syntax_errors
+    from reviewer.persona.probes.sandboxed.syntax import syntax_errors
 
     rst = """.. code-block:: pycon
 

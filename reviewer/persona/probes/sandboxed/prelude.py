@@ -1,7 +1,8 @@
-"""Helpers that run inside the sandbox, in the project's own Python: the probes copy the source of the ones a check
-script needs into that script (`reviewer.persona.probes.runner.script`), so each script, and each finding's repro
-command, stands alone in a fresh clone. Standard library only; Python 3.8+; nothing here imports reviewer.
+"""Helpers every sandboxed check shares: the result line, import by name, time limit, consuming results, growing
+literals, log-log slope. Standard library only; Python 3.8+; nothing here imports reviewer (see __init__.py).
 """
+
+from __future__ import annotations
 
 import contextlib
 import importlib
@@ -11,14 +12,13 @@ import math
 import os
 import signal
 import sys
-import time
 
-IMPORTS = ("contextlib", "importlib", "itertools", "json", "math", "os", "signal", "sys", "time")
+RESULT_MARK = "@@reviewer-probe@@"  # starts the one line a check prints for the host (runner.result_line reads it)
 
 
 def emit(obj):
     """The result line the probe reads (the project's own output may come before it)."""
-    sys.__stdout__.write("@@reviewer-probe@@ " + json.dumps(obj, default=repr) + "\n")
+    sys.__stdout__.write(RESULT_MARK + " " + json.dumps(obj, default=repr) + "\n")
     sys.__stdout__.flush()
 
 
@@ -133,5 +133,6 @@ def slope(xs, ys):
 
 
 def exception_line(e):
+    """`Type: first line of the message`, as a finding shows an exception."""
     text = str(e).strip().splitlines()
     return type(e).__name__ + (": " + text[0][:300] if text else "")
