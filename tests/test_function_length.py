@@ -20,9 +20,6 @@ MAX_LINES = 80
 # TEMPORARY (issue 44): functions other branches are rewriting right now, as (file, qualified name). The lead empties
 # this after merging them; test_allowed_functions_are_still_long fails on an entry that no longer applies.
 ALLOWED = {
-    ("reviewer/persona/probes/docs_examples.py", "run_examples"),  # probes as real modules, in named steps
-    ("reviewer/persona/probes/docs_examples.py", "run_examples.run_block"),  # nested in run_examples
-    ("reviewer/persona/smoke.py", "python_tests"),
     ("backend/decoding/device_cycle.py", "device_speculative_decode"),  # the speculative cycle as one object
 }
 
