@@ -6,9 +6,9 @@ function after SCALING_SCRIPT_BUDGET_S). For each of the first two: the sequence
 integer arguments no larger than it (a window, a chunk size), grown in proportion, as the call site has them. A lone
 integer is never grown: what it counts (a number's value, a factorial's) may rightly cost more than linear. At each
 size: the median and minimum of SCALING_REPEATS runs, with garbage collection off (as timeit does), each run consuming
-what the call returns. The exponent b of time ~ n^b is fitted over the largest SCALING_POINTS sizes, for the medians and for the
-minima, and so is the growth of the output itself: a function whose output grows as n^2 has to take n^2. A finding
-when both fits exceed max(1, output exponent) by EXCESS_CLAIMED where the docs call the function linear or fast,
+what the call returns, and the minimum CPU time. The exponent b of time ~ n^b is fitted over the largest SCALING_POINTS
+sizes, for the medians, the minima and the CPU times (immune to other jobs on the machine), and so is the growth of
+the output itself: a function whose output grows as n^2 has to take n^2. A finding when all three fits exceed max(1, output exponent) by EXCESS_CLAIMED where the docs call the function linear or fast,
 by EXCESS_UNCLAIMED otherwise.
 """
 
@@ -114,7 +114,7 @@ def record(probe: Probe, site: CallSite, claims: list[str], r: dict, variant, wh
            budget: float, named: bool = True) -> None:
     b = r["exponent"]
     table = "\n".join(f"  n={p['n']:>8}  median {p['median'] * 1000:10.3f} ms  (min {p['min'] * 1000:.3f}, "
-                      f"max {p['max'] * 1000:.3f})  output {p['out']}" for p in r["points"])
+                      f"max {p['max'] * 1000:.3f}, CPU {p['cpu'] * 1000:.3f})  output {p['out']}" for p in r["points"])
     said = claims[0].split(": ", 1)[1] if claims else ""
     said = said if len(said) <= 80 else said[:77].rsplit(" ", 1)[0] + " ..."
     title = (f"`{site.name}` takes time ~n^{b:.1f}, though the docs say: \"{said}\"" if claims
@@ -122,7 +122,7 @@ def record(probe: Probe, site: CallSite, claims: list[str], r: dict, variant, wh
     severity = ("high" if b >= 1.8 else "medium") if claims else "low"
     details = (f"`{site.target}` called as at {site.where} (`{site.text}`), {r['variant']} from "
                f"{r['points'][0]['n']} to {r['points'][-1]['n']} elements: time grows as n^{b:.2f} (fit of the medians; "
-               f"n^{r['exponent_min']:.2f} for the minima) while its output grows as n^{r['output_exponent']:.2f}. "
+               f"n^{r['exponent_min']:.2f} for the minima, n^{r['exponent_cpu']:.2f} for the CPU time) while its output grows as n^{r['output_exponent']:.2f}. "
                f"Threshold: {excess} above max(1, output exponent)"
                + (". The docs say:\n" + "\n".join(claims[:3]) if claims else ".") + f"\nTimings:\n{table}")
     probe.record(title=title, severity=severity, category="performance", details=details,

@@ -56,3 +56,40 @@ def test_a_script_carries_the_modules_its_check_imports_and_no_others():
                if f"'{runner.SANDBOXED_NAME}/{m}.py'" in code]
     assert carried == ["doctests", "prelude", "syntax"]
     assert not re.search(r"^\s*(from|import) reviewer[.\s]", code, re.M)  # the carried modules import none of ours
+
+
+def _scaling_cfg(**over) -> dict:
+    from reviewer.persona.probes import thresholds as t
+    cfg = dict(start=t.SCALING_START, max=t.SCALING_MAX, enough=t.SCALING_ENOUGH_S, call_limit=t.SCALING_CALL_LIMIT_S,
+               points=t.SCALING_POINTS, repeats=t.SCALING_REPEATS, batch=t.SCALING_BATCH_S, cap=t.OUTPUT_CAP,
+               budget=30.0, excess=t.EXCESS_CLAIMED)
+    return {**cfg, **over}
+
+
+def test_scaling_needs_the_cpu_time_to_grow_too_not_only_the_wall_clock():
+    """Wall-clock time that grows faster than the work (here a wait of ~n^2 beside linear work; on a shared machine,
+    preemption that hits long runs more than short ones) is not a finding: the CPU time's fit must agree."""
+    import time
+
+    from reviewer.persona.probes.sandboxed.scaling import measure
+
+    def linear_work_quadratic_wait(xs):
+        total = 0
+        for x in xs:
+            total += x
+        time.sleep(len(xs) ** 2 * 1e-11)
+        return total
+
+    got = measure(linear_work_quadratic_wait, lambda f: ((list(range(round(256 * f))),), {}), 256, _scaling_cfg())
+    assert got["exponent"] > 1.6 and got["exponent_min"] > 1.6, got  # the wall clock alone would flag it
+    assert got["exponent_cpu"] < 1.3 and not got["flagged"], got
+
+
+def test_scaling_still_flags_quadratic_work():
+    from reviewer.persona.probes.sandboxed.scaling import measure
+
+    def pairs(xs):
+        return sum(1 for a in xs for b in xs if a < b)
+
+    got = measure(pairs, lambda f: ((list(range(round(64 * f))),), {}), 64, _scaling_cfg(start=64))
+    assert got["exponent_cpu"] > 1.7 and got["flagged"], got
