@@ -76,15 +76,14 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
     thinking_off = body.thinking is not None and body.thinking.type == "disabled"
     prompt_text, prompt_ids = await render(state, messages, tools, {"enable_thinking": False} if thinking_off else None)
     params = sampling_params(state, len(prompt_ids), body.max_tokens, body.temperature, body.top_p, None)
-    job = await start_job(state, request, prompt_ids, params)
-    generation = Generation(job, state.loaded.tokenizer, body.stop_sequences)
+    generation = Generation(await start_job(state, request, prompt_ids, params, body.stop_sequences))
     parser = chat.OutputParser(tools, in_reasoning=chat.starts_in_reasoning(prompt_text))
     mid, model = new_id("msg_"), state.loaded.name
 
     def stop_reason(calls) -> str:
         if calls:
             return "tool_use"
-        if generation.stops.matched is not None:
+        if generation.stop_string is not None:
             return "stop_sequence"
         return "max_tokens" if generation.finish_reason == "length" else "end_turn"
 
@@ -102,7 +101,7 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
                    for c in calls]
         state.metrics.requests.labels("messages", outcome(generation, calls)).inc()
         return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-                "stop_reason": stop_reason(calls), "stop_sequence": generation.stops.matched, "usage": usage(),
+                "stop_reason": stop_reason(calls), "stop_sequence": generation.stop_string, "usage": usage(),
                 "timings": generation.timings()}
 
     def event(name: str, data: dict) -> dict:
@@ -156,7 +155,7 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
             yield event("content_block_stop", {"index": 0})
         state.metrics.requests.labels("messages", outcome(generation, parser.tool_calls)).inc()
         yield event("message_delta", {"delta": {"stop_reason": stop_reason(parser.tool_calls),
-                                                "stop_sequence": generation.stops.matched},
+                                                "stop_sequence": generation.stop_string},
                                       "usage": {"output_tokens": generation.stats.generated_tokens},
                                       "timings": generation.timings()})
         yield event("message_stop", {})
