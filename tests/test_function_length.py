@@ -3,7 +3,7 @@ bench/ scripts and tests/ are not held to it. Read from the source with ast, as 
 function counts from its `def` line to its last line, docstring and comments included, decorators not; a nested
 function counts in itself and in the function around it.
 
-    python -m tests.test_function_length    # lists every function over the limit, allowed ones included
+    python -m tests.test_function_length    # lists every function over the limit
 """
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("reviewer", "backend", "kernels")
 MAX_LINES = 80
-
-# TEMPORARY (issue 44): functions other branches are rewriting right now, as (file, qualified name). The lead empties
-# this after merging them; test_allowed_functions_are_still_long fails on an entry that no longer applies.
-ALLOWED = {
-    ("backend/decoding/device_cycle.py", "device_speculative_decode"),  # the speculative cycle as one object
-}
-
 
 @dataclass(frozen=True)
 class LongFunction:
@@ -59,14 +52,8 @@ def package_long_functions(root: Path = ROOT) -> list[LongFunction]:
 
 
 def test_no_function_is_over_80_lines():
-    over = [str(f) for f in package_long_functions() if (f.path, f.name) not in ALLOWED]
+    over = [str(f) for f in package_long_functions()]
     assert over == [], "split these into named steps (issue 44):\n" + "\n".join(over)
-
-
-def test_allowed_functions_are_still_long():
-    """An allowed function that was split, renamed or moved is an entry to delete, so the list cannot go stale."""
-    long = {(f.path, f.name) for f in package_long_functions()}
-    assert sorted(ALLOWED - long) == [], "no longer over 80 lines: delete from ALLOWED"
 
 
 def _function(name: str, lines: int, indent: str = "") -> str:
@@ -86,6 +73,6 @@ def test_the_check_counts_def_to_last_line_and_finds_methods_nested_and_guarded_
 
 
 if __name__ == "__main__":
-    for f in package_long_functions():
-        print(f, "(allowed)" if (f.path, f.name) in ALLOWED else "")
-    sys.exit(1 if any((f.path, f.name) not in ALLOWED for f in package_long_functions()) else 0)
+    found = package_long_functions()
+    print("\n".join(map(str, found)))
+    sys.exit(1 if found else 0)

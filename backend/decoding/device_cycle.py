@@ -1,25 +1,33 @@
-"""The speculative cycle on the GPU fast path (backend/dflash/fast.py + FastTarget): drafting, verification and the
-acceptance test stay on the device, and the host reads one small result per cycle. speculative.py holds the
-host-side cycle (CPU, transformers path, exact mode) and the pieces both share (sampling, the adaptive verify length).
+"""The speculative cycle on the GPU fast path (backend/dflash/fast.py + FastTarget), DeviceCycle: drafting,
+verification and the acceptance test stay on the device, and the host reads one small result per cycle.
+speculative.py holds what both cycles share (DecodeRun, Block, the acceptance test accept_block, the adaptive verify
+length) and the host cycle; Engine.generate runs either, one step() a cycle.
 
-One cycle, k drafted tokens verified:
-  1. (queued by the previous cycle) the drafter absorbed the last verify's features and drafted the next block;
+One step(), k drafted tokens verified:
+  1. (queued by the previous step) the drafter absorbed the last verify's features and drafted the next block;
   2. the host's one sync: the last verify's accepted count and committed tokens, and the new draft's confidences;
-     it commits (target.accept: Gated DeltaNet state by copy), yields, and picks k (adaptive verify length);
+     it commits (target.accept: Gated DeltaNet state by copy) and picks k (adaptive verify length);
   3. the target verifies [token, drafts[:k]] straight from the drafter's device buffer;
-  4. the acceptance test on the device (greedy match; rejection sampling when sampling), and the next draft is
-     queued behind it, its known token and context length being device tensors.
+  4. the acceptance test on the device (accept_block: greedy match; rejection sampling when sampling), and the next
+     draft is queued behind it, its known token and context length being device tensors;
+  5. (Engine.generate) the step's Block is recorded and yielded while the GPU works through 3-4.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
-from backend.decoding.speculative import first_token, record_cycle
-from backend.sampling import sampling_probs
+from backend.decoding.speculative import (
+    Acceptance,
+    Block,
+    CycleTimes,
+    accept_block,
+    read_acceptance,
+)
 
 
 class ForcedAcceptance:
@@ -73,188 +81,159 @@ class ForcedAcceptance:
             block_tokens[a + 1:k + 1].copy_(self.miss[produced + a:produced + k], non_blocking=self.non_blocking)
 
 
-def _accept_on_device(logits, proposal, k: int, greedy: bool, params, q, rng, result, keep_out, token_out) -> None:
-    """The acceptance test without leaving the device, written where its readers look: result [1 + k + 1] gets the
-    accepted count, then the committed tokens (accepted drafts + the target's own); keep_out [1] = accepted + 1 and
-    token_out [1] = the target's own token (the drafter's inputs for the next draft). logits [k+1, V] from the
-    verify, proposal [k] the drafts. Greedy is six small kernels: each kernel between the verify and the next draft
-    is GPU time on the cycle's critical path (as intermediates plus copies it was twelve)."""
-    device = logits.device
-    if greedy:
-        choice = result[1:k + 2]  # the target's choices; the accepted drafts equal them
-        torch.argmax(logits, dim=-1, out=choice)
-        if k:
-            torch.sum((proposal == choice[:k]).cumprod(0), 0, keepdim=True, out=result[:1])
-        else:
-            result[:1].zero_()
-        torch.index_select(choice, 0, result[:1], out=token_out)
-        torch.add(result[:1], 1, out=keep_out)
-        return
-    p = sampling_probs(logits, params.temperature, params.top_p)
-    if k:
-        idx = proposal[:, None]
-        p_x, q_x = p[:k].gather(1, idx)[:, 0], q[:k].gather(1, idx)[:, 0]
-        u = torch.rand(k, generator=rng, device=device)
-        accepted = (u * q_x < p_x).int().cumprod(0).sum().reshape(1)
-        q_pad = torch.cat([q[:k], q.new_zeros(1, q.shape[1])])
-    else:
-        accepted = torch.zeros(1, dtype=torch.long, device=device)
-        q_pad = torch.zeros_like(p)
-    residual = (p - q_pad).clamp_min(0).index_select(0, accepted)[0]
-    total = residual.sum()
-    row = torch.where(total > 0, residual / total.clamp_min(1e-30), p.index_select(0, accepted)[0])
-    bonus = torch.multinomial(row, 1, generator=rng)
-    idx = torch.arange(k + 1, device=device)
-    committed = torch.where(idx < accepted, torch.cat([proposal, bonus]), bonus)
-    result[:1].copy_(accepted)
-    result[1:k + 2].copy_(committed)
-    token_out.copy_(bonus)
-    torch.add(result[:1], 1, out=keep_out)
+class Clock:
+    """Named points in a cycle: CUDA events (timed on the device, read after the cycle's sync) or, on the CPU,
+    clocks. verify .. accept: the target's verify; accept .. draft: the acceptance test; draft .. drafted: the next
+    draft (and, when sampling, its draws); commit .. committed: target.accept after the sync."""
 
+    POINTS = ("verify", "accept", "draft", "drafted", "commit", "committed")
 
-class _Marks:
-    """Points in a cycle: CUDA events (timed on the device, read after the cycle's sync) or, on the CPU, clocks."""
+    def __init__(self, cuda: bool):
+        self.events = {p: torch.cuda.Event(enable_timing=True) for p in self.POINTS} if cuda else None
+        self.clock = dict.fromkeys(self.POINTS, 0.0)
 
-    def __init__(self, cuda: bool, count: int = 6):
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(count)] if cuda else None
-        self.clock = [0.0] * count
-
-    def record(self, i: int) -> None:
+    def record(self, point: str) -> None:
         if self.events:
-            self.events[i].record()
+            self.events[point].record()
         else:
-            self.clock[i] = time.perf_counter()
+            self.clock[point] = time.perf_counter()
 
-    def seconds(self, i: int, j: int) -> float:
+    def seconds(self, start: str, end: str) -> float:
         if self.events:
-            return self.events[i].elapsed_time(self.events[j]) / 1e3
-        return self.clock[j] - self.clock[i]
+            return self.events[start].elapsed_time(self.events[end]) / 1e3
+        return self.clock[end] - self.clock[start]
 
 
-def device_speculative_decode(target, fd, verify_length, forced, logits, params, budget: int, rng, cancelled, stats):
-    """speculative_decode on the GPU fast path (backend/dflash/fast.py + FastTarget): drafting, verification and
+@dataclass
+class InFlight:
+    """The verify queued on the device and not committed yet: its k drafts and the confidences the host read for
+    them (the adaptive verify length observes them once its acceptance is known)."""
+
+    k: int
+    confidence: list[float]
+
+
+class DeviceCycle:
+    """The speculative cycle on the GPU fast path (backend/dflash/fast.py + FastTarget): drafting, verification and
     the acceptance test stay on the device, and the host reads one small result per cycle. The next draft is queued
     before that read (its known token and its context are device tensors), so the read returns the last verify's
     accepted count and committed tokens together with the next draft's confidences (for the adaptive verify length).
 
-    After the read the host commits and queues the next cycle at once, and only then records statistics and yields:
-    the GPU verifies while the host does its bookkeeping and the consumer handles the tokens, where it used to sit
-    idle through both. So at a yield one verify may be queued; it is tentative (FastModel keeps the caches' live
-    state), and a consumer that cancels or closes the generator there gets it dropped (_abandon): the invariant at
-    every yield is speculative_decode's, the caches cover exactly target.ids."""
-    device = target.device
-    B = fd.block_size
-    stats.accepted_per_position = [0] * (B - 1)
-    stop = set(params.stop_token_ids)
-    greedy = params.temperature == 0
-    vocab_mask = fd.drafter.target_vocab_mask  # restricted draft vocabulary (host), or None
+    Each step() syncs once, commits the verify in flight and queues the next cycle at once; Engine.generate only then
+    records statistics and yields: the GPU verifies while the host does its bookkeeping and the consumer handles the
+    tokens. So at a yield one verify may be in flight; it is tentative (FastModel keeps the caches' live state), and
+    a consumer that cancels or closes the generator there gets it dropped (abandon): the invariant at every yield is
+    the host cycle's, the caches cover exactly target.ids."""
 
-    token = first_token(logits, params, rng, stop, stats, vocab_mask)
-    if token is None:
-        return
-    yield [token]
-    produced = 1
-    if produced >= budget:
-        return
+    def __init__(self, target, fd, verify_length, forced, run):
+        self.target, self.fd, self.verify_length, self.forced, self.run = target, fd, verify_length, forced, run
+        self.greedy = run.params.temperature == 0
+        self.in_flight: InFlight | None = None
+        self.token = None  # the known token of the block in flight (the last committed one)
+        self.q = None  # the queued draft's distributions (sampling only)
+        self.draft_seconds = None  # the last draft's time; None until the first draft's is read
+        self.committed_before = False  # a commit's points were recorded before this sync: its time can be read
 
-    cuda = device.type == "cuda"
-    result = torch.zeros(B + 1, dtype=torch.long, device=device)
-    host = torch.zeros(B + 1, dtype=torch.long, pin_memory=cuda)
-    host_conf = torch.zeros(B - 1, pin_memory=cuda)
-    done = torch.cuda.Event() if cuda else None
-    marks = _Marks(cuda)  # 0 verify 1 acceptance test 2 draft 3; 4 commit 5
-    t = time.perf_counter()
-    marks.record(2)
-    fd.launch(token=token)
-    q = fd.sample(params.temperature, params.top_p, rng) if not greedy else None
-    marks.record(3)
-    queued = None  # (k, the confidences of the draft it verifies) of the verify on the device, not committed yet
-    draft_seconds = None  # the last draft's time; None until the first draft's is read
-    committed_before = False  # a commit's marks (4, 5) were recorded before this sync: its time can be read
-    while True:
-        # the cycle's one host sync
-        host.copy_(result, non_blocking=cuda)
-        host_conf.copy_(fd.confidence, non_blocking=cuda)
-        if cuda:
-            done.record()
-            done.synchronize()
-        if draft_seconds is None:  # the first draft: before any cycle, so timed apart from the cycles' drafts
-            draft_seconds = marks.seconds(2, 3)
-            stats.first_draft_seconds += draft_seconds
-        finished, emit, stop_at = None, [], None
-        if queued is not None:
-            k, conf = queued
-            accepted = int(host[0])
-            committed = host[1:accepted + 2].tolist()
-            stop_at = next((i for i, x in enumerate(committed) if x in stop), None)
-            emit = committed if stop_at is None else committed[:stop_at]
-            keep = (accepted if stop_at is None else min(stop_at, accepted)) + 1
-            # read before this commit and the next cycle record their own marks. The previous commit's device time
-            # (a hybrid target replays its Gated DeltaNet states to the kept prefix) counts with this cycle's
-            # acceptance test: both bring the caches to the accepted prefix, neither is host time (where the bench
-            # charged the commit until 2026-12-02)
-            verify_s, draft_seconds, accept_s = marks.seconds(0, 1), marks.seconds(2, 3), marks.seconds(1, 2)
-            if committed_before:
-                accept_s += marks.seconds(4, 5)
-            marks.record(4)
-            # the block was [token, accepted drafts..]: the caches keep exactly its first `keep` positions
-            target.accept(keep, [token] + committed[:keep - 1])
-            fd.length += accepted + 1  # what the queued draft absorbed on the device
-            if keep != accepted + 1:
-                fd.set_length(len(target.ids))
-            marks.record(5)
-            committed_before = True
-            verify_length.observe(k, verify_s, conf, accepted)
-            finished = (k, accepted, verify_s, accept_s)
-            produced += len(emit)
-            token = committed[accepted]  # the target's own token: the next block's first
-        queued = None
-        if stop_at is None and produced < budget and not cancelled():
-            k = min(B - 1, budget - produced - 1)  # the target's own token must fit in the budget too
-            conf = host_conf[:k].tolist() if forced is None else forced.confidence(k)
-            k = verify_length.choose(k, conf, draft_seconds)
-            if forced is not None and k:
-                forced.propose(fd.block_tokens, produced, k)
-            marks.record(0)
-            logits, feats = target.verify_on_device(fd.block_tokens[:k + 1], features=True)
-            marks.record(1)
-            # the accepted count and the target's own token land in the drafter's inputs (keep_dev, token_dev)
-            _accept_on_device(logits, fd.block_tokens[1:k + 1], k, greedy, params, q, rng, result, fd.keep_dev,
-                              fd.token_dev)
-            marks.record(2)
-            fd.launch(features=feats, rows=k + 1, upper_length=fd.length + k + 1)
-            if not greedy:
-                q = fd.sample(params.temperature, params.top_p, rng)
-            marks.record(3)
-            queued = (k, conf[:k])
-        if finished is not None:
-            k_done, accepted, verify_s, accept_s = finished
-            # the acceptance test on the device stands where the host cycle's rollback does
-            record_cycle(stats, k_done, accepted, emit, vocab_mask, draft_seconds, verify_s, accept_s)
-            now = time.perf_counter()
-            stats.decode_seconds += now - t
-            t = now
-            if emit:
-                try:
-                    yield emit
-                except BaseException:  # closed (or thrown into) at this yield: the queued verify never happened
-                    if queued is not None:
-                        _abandon(target, fd)
-                    raise
-        if queued is not None and cancelled():  # cancelled while the consumer held the tokens
-            _abandon(target, fd)
-            queued = None
-        if queued is None:
-            if stop_at is not None:
-                stats.finish_reason = "stop"
-            elif produced < budget:
-                stats.finish_reason = "cancelled"
-            fd.set_length(len(target.ids))  # a queued draft's context is not needed
-            return
+    def begin(self, token: int) -> None:
+        """Buffers for the cycle's one read, and the first draft queued after the prompt's token."""
+        B, device = self.fd.block_size, self.target.device
+        cuda = device.type == "cuda"
+        self.cuda = cuda
+        self.acceptance = Acceptance(result=torch.zeros(B + 1, dtype=torch.long, device=device), keep=self.fd.keep_dev,
+                                     token=self.fd.token_dev)
+        self.host = torch.zeros(B + 1, dtype=torch.long, pin_memory=cuda)
+        self.host_conf = torch.zeros(B - 1, pin_memory=cuda)
+        self.done_event = torch.cuda.Event() if cuda else None
+        self.clock = Clock(cuda)
+        self.token = token
+        self.t = time.perf_counter()
+        self.clock.record("draft")
+        self.fd.launch(token=token)
+        self.q = self.fd.sample(self.run.params.temperature, self.run.params.top_p, self.run.rng) \
+            if not self.greedy else None
+        self.clock.record("drafted")
 
+    def step(self) -> Block | None:
+        """The cycle's one host sync; commit the verify in flight (its Block) and queue the next while run.more()."""
+        self.host.copy_(self.acceptance.result, non_blocking=self.cuda)
+        self.host_conf.copy_(self.fd.confidence, non_blocking=self.cuda)
+        if self.cuda:
+            self.done_event.record()
+            self.done_event.synchronize()
+        if self.draft_seconds is None:  # the first draft: before any cycle, so timed apart from the cycles' drafts
+            self.draft_seconds = self.clock.seconds("draft", "drafted")
+            self.run.stats.first_draft_seconds += self.draft_seconds
+        block = self._commit() if self.in_flight is not None else None
+        self.in_flight = None
+        if self.run.more():
+            self._queue()
+        return block
 
-def _abandon(target, fd) -> None:
-    """Drop the verify queued on the device (and the draft behind it): the caches and the drafter's context cover
-    exactly target.ids again."""
-    target.abandon()
-    fd.set_length(len(target.ids))
+    def _commit(self) -> Block:
+        k, confidence = self.in_flight.k, self.in_flight.confidence
+        accepted, committed = read_acceptance(self.host)
+        block = self.run.commit(k, accepted, committed)
+        # read before this commit and the next cycle record their own points. The previous commit's device time (a
+        # hybrid target replays its Gated DeltaNet states to the kept prefix) counts with this cycle's acceptance
+        # test: both bring the caches to the accepted prefix, neither is host time (where the bench charged the
+        # commit until 2026-12-02)
+        clock = self.clock
+        times = CycleTimes(draft=clock.seconds("draft", "drafted"), verify=clock.seconds("verify", "accept"),
+                           rollback=clock.seconds("accept", "draft"))
+        if self.committed_before:
+            times.rollback += clock.seconds("commit", "committed")
+        block.times, self.draft_seconds = times, times.draft
+        clock.record("commit")
+        # the block was [token, accepted drafts..]: the caches keep exactly its first `keep` positions
+        self.target.accept(block.keep, [self.token] + committed[:block.keep - 1])
+        self.fd.length += accepted + 1  # what the queued draft absorbed on the device
+        if block.keep != accepted + 1:
+            self.fd.set_length(len(self.target.ids))
+        clock.record("committed")
+        self.committed_before = True
+        self.verify_length.observe(k, times.verify, confidence, accepted)
+        self.token = block.bonus
+        return block
+
+    def _queue(self) -> None:
+        """Verify [token, drafts[:k]] from the drafter's device buffer, test acceptance on the device (the accepted
+        count and the target's own token land in the drafter's inputs, keep_dev and token_dev) and queue the next
+        draft behind it: nothing here waits for the device."""
+        fd, run, clock = self.fd, self.run, self.clock
+        k = run.draft_budget(fd.block_size)
+        forced = self.forced
+        confidence = self.host_conf[:k].tolist() if forced is None else forced.confidence(k)
+        k = self.verify_length.choose(k, confidence, self.draft_seconds)
+        if forced is not None and k:
+            forced.propose(fd.block_tokens, run.produced, k)
+        clock.record("verify")
+        logits, feats = self.target.verify_on_device(fd.block_tokens[:k + 1], features=True)
+        clock.record("accept")
+        accept_block(logits, fd.block_tokens[1:k + 1], k, run.params, self.q, run.rng, self.acceptance)
+        clock.record("draft")
+        fd.launch(features=feats, rows=k + 1, upper_length=fd.length + k + 1)
+        if not self.greedy:
+            self.q = fd.sample(run.params.temperature, run.params.top_p, run.rng)
+        clock.record("drafted")
+        self.in_flight = InFlight(k, confidence[:k])
+
+    def lap(self) -> float:
+        """Decode seconds since the last record: the device cycle's wall time, the consumer's included (the GPU
+        works through it)."""
+        now = time.perf_counter()
+        seconds, self.t = now - self.t, now
+        return seconds
+
+    def done(self) -> bool:
+        return self.in_flight is None
+
+    def abandon(self) -> None:
+        """Drop the verify in flight (and the draft behind it): the caches and the drafter's context cover exactly
+        target.ids again."""
+        if self.in_flight is not None:
+            self.target.abandon()
+            self.fd.set_length(len(self.target.ids))
+            self.in_flight = None
+
+    def end(self) -> None:
+        self.fd.set_length(len(self.target.ids))  # a queued draft's context is not needed

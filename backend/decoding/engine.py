@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.decoding import speculative as spec
-from backend.decoding.device_cycle import device_speculative_decode
+from backend.decoding.device_cycle import DeviceCycle
 from backend.decoding.target import FastTarget, HFTarget
 from backend.dflash.fast import FastDrafter
 from backend.models import load_fast
@@ -284,7 +284,8 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
-        """Yield lists of newly committed token ids; afterwards self.last_stats holds the GenerationStats.
+        """Yield lists of newly committed token ids; afterwards self.last_stats holds the GenerationStats. The loop is
+        here (as gpt-fast's generate): plain steps, or one speculative cycle per step of a HostCycle or DeviceCycle.
 
         Closing the generator early (generator.close()) leaves the engine consistent: the cache always matches
         self.cache_ids at every yield.
@@ -292,62 +293,101 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         check_request(prompt, params, self.max_context, self.model.get_input_embeddings().weight.shape[0])
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt))
-        rng = _generator(params.seed, self.device)
-        budget = min(params.max_tokens, self.max_context - len(prompt))
-        target = self.target
+        run = spec.DecodeRun(params, min(params.max_tokens, self.max_context - len(prompt)),
+                             _generator(params.seed, self.device), cancelled, stats,
+                             vocab_mask=getattr(self.drafter, "target_vocab_mask", None))
         try:
-            t0 = time.perf_counter()
-            reused, logits = target.reuse(prompt)
-            stats.cached_tokens = reused
-            if self.draft_context is not None:
-                self.draft_context.crop(len(target.ids))  # the drafter's context follows the target's cache
-            features = None
+            logits = self._prefill(prompt, run)
             if logits is None:
-                want = self.drafter is not None
-                if want and self.draft_context is None:
-                    self.draft_context = self._new_draft_context()
-                logits, features = target.prefill(prompt[reused:], want, cancelled)
-                if logits is None:  # cancelled between chunks: the drafter keeps covering what the target holds
-                    if features is not None:
-                        self.draft_context.add_pending(features)
-                    stats.finish_reason = "cancelled"
-                    return
-                target.remember_prompt(prompt, logits)
-            _sync(self.device)
-            stats.prefill_seconds = time.perf_counter() - t0
-            if features is not None:
-                self.draft_context.add_pending(features)  # the drafter's context always covers self.cache_ids
-            if self.drafter is None or budget <= 1:
-                yield from self._plain_decode(logits, params, budget, rng, cancelled, stats)
-            elif self.fast_drafter is not None:
-                yield from device_speculative_decode(target, self.draft_context, self.verify_length,
-                                                     self.forced_acceptance, logits, params, budget, rng, cancelled,
-                                                     stats)
+                return
+            if self.drafter is None or run.budget <= 1:
+                yield from self._plain_decode(logits, run)
             else:
-                yield from spec.speculative_decode(target, self.drafter, self.draft_context, self.verify_length,
-                                                   logits, params, budget, rng, cancelled, stats)
+                yield from self._speculate(self._cycle(run), logits, run)
         except GeneratorExit:
             raise  # closed at a yield, where the cache always matches self.cache_ids: nothing to undo
         except BaseException:
             self._reset()  # an exception mid-forward may have left the cache half-updated
             raise
 
-    def _plain_decode(self, logits, params, budget, rng, cancelled, stats) -> Iterator[list[int]]:
-        stop = set(params.stop_token_ids)
+    def _prefill(self, prompt: list[int], run: spec.DecodeRun):
+        """Reuse the cached prefix and prefill the rest: the logits after the prompt, or None when cancelled between
+        chunks. The drafter's context follows the target's cache."""
+        target, stats = self.target, run.stats
+        t0 = time.perf_counter()
+        reused, logits = target.reuse(prompt)
+        stats.cached_tokens = reused
+        if self.draft_context is not None:
+            self.draft_context.crop(len(target.ids))
+        features = None
+        if logits is None:
+            want = self.drafter is not None
+            if want and self.draft_context is None:
+                self.draft_context = self._new_draft_context()
+            logits, features = target.prefill(prompt[reused:], want, run.cancelled)
+            if logits is None:  # cancelled between chunks: the drafter keeps covering what the target holds
+                if features is not None:
+                    self.draft_context.add_pending(features)
+                stats.finish_reason = "cancelled"
+                return None
+            target.remember_prompt(prompt, logits)
+        _sync(self.device)
+        stats.prefill_seconds = time.perf_counter() - t0
+        if features is not None:
+            self.draft_context.add_pending(features)  # the drafter's context always covers self.cache_ids
+        return logits
+
+    def _cycle(self, run: spec.DecodeRun):
+        """The speculative cycle this engine runs: on the device (fast drafter) or on the host."""
+        if self.fast_drafter is not None:
+            return DeviceCycle(self.target, self.draft_context, self.verify_length, self.forced_acceptance, run)
+        return spec.HostCycle(self.target, self.drafter, self.draft_context, self.verify_length, run)
+
+    def _speculate(self, cycle, logits, run: spec.DecodeRun) -> Iterator[list[int]]:
+        """The speculative loop, one cycle a step. Invariant at every yield: the target's cache and the drafter's
+        context cover exactly target.ids, but for the device cycle's verify in flight, which a consumer that stops
+        at the yield (closes, throws or cancels) gets dropped."""
+        run.stats.accepted_per_position = [0] * (self.drafter.block_size - 1)
+        token = run.first_token(logits)
+        if token is None:
+            return
+        yield [token]
+        if run.produced >= run.budget:
+            return
+        cycle.begin(token)
+        while True:
+            block = cycle.step()
+            if block is not None:
+                run.record(block, cycle.lap())
+                if block.emit:
+                    try:
+                        yield block.emit
+                    except BaseException:  # closed (or thrown into) at this yield: the queued verify never happened
+                        cycle.abandon()
+                        raise
+            if cycle.in_flight and run.cancelled():  # cancelled while the consumer held the tokens
+                cycle.abandon()
+            if cycle.done():
+                break
+        run.finish()
+        cycle.end()
+
+    def _plain_decode(self, logits, run: spec.DecodeRun) -> Iterator[list[int]]:
+        params, stats = run.params, run.stats
         t = time.perf_counter()
-        for i in range(budget):
-            if cancelled():
+        for i in range(run.budget):
+            if run.cancelled():
                 stats.finish_reason = "cancelled"
                 break
-            token = sample_token(logits, params.temperature, params.top_p, rng)
-            if token in stop:
+            token = sample_token(logits, params.temperature, params.top_p, run.rng)
+            if token in run.stop:
                 stats.finish_reason = "stop"
                 break
             stats.generated_tokens += 1
             stats.decode_seconds += time.perf_counter() - t
             yield [token]
             t = time.perf_counter()
-            if i + 1 < budget:  # the last token needs no forward: nobody reads its logits
+            if i + 1 < run.budget:  # the last token needs no forward: nobody reads its logits
                 logits = self.target.step(token)
         else:
             stats.finish_reason = "length"

@@ -91,7 +91,7 @@ class OpenBlocks:
 def stop_reason(generation: Generation, calls) -> str:
     if calls:
         return "tool_use"
-    if generation.stops.matched is not None:
+    if generation.stop_string is not None:
         return "stop_sequence"
     return "max_tokens" if generation.finish_reason == "length" else "end_turn"
 
@@ -117,7 +117,7 @@ async def whole_message(request: Request, reply: Reply) -> dict:
                for c in calls]
     reply.state.metrics.requests.labels("messages", outcome(generation, calls)).inc()
     return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": blocks,
-            "stop_reason": stop_reason(generation, calls), "stop_sequence": generation.stops.matched,
+            "stop_reason": stop_reason(generation, calls), "stop_sequence": generation.stop_string,
             "usage": usage(generation), "timings": generation.timings()}
 
 
@@ -173,7 +173,7 @@ async def message_events(reply: Reply):
         yield sse_event("content_block_stop", {"index": 0})
     reply.state.metrics.requests.labels("messages", outcome(generation, parser.tool_calls)).inc()
     yield sse_event("message_delta", {"delta": {"stop_reason": stop_reason(generation, parser.tool_calls),
-                                                "stop_sequence": generation.stops.matched},
+                                                "stop_sequence": generation.stop_string},
                                       "usage": {"output_tokens": generation.stats.generated_tokens},
                                       "timings": generation.timings()})
     yield sse_event("message_stop", {})
@@ -189,8 +189,7 @@ async def messages_endpoint(request: Request, body: MessagesRequest, state: Serv
     thinking_off = body.thinking is not None and body.thinking.type == "disabled"
     prompt_text, prompt_ids = await render(state, messages, tools, {"enable_thinking": False} if thinking_off else None)
     params = sampling_params(state, len(prompt_ids), body.max_tokens, body.temperature, body.top_p, None)
-    job = await start_job(state, request, prompt_ids, params)
-    generation = Generation(job, state.loaded.tokenizer, body.stop_sequences)
+    generation = Generation(await start_job(state, request, prompt_ids, params, body.stop_sequences))
     reply = Reply(state=state, generation=generation,
                   parser=chat.OutputParser(tools, in_reasoning=chat.starts_in_reasoning(prompt_text)),
                   id=new_id("msg_"), model=state.loaded.name, prompt_tokens=len(prompt_ids))

@@ -2,11 +2,13 @@
 API key, error bodies), loads the model in the background, and runs uvicorn (`serve`).
 
 Data flow for a request: route (openai_routes.py, anthropic_routes.py, over jobs.py) -> render the prompt (chat.py)
--> Job into the FIFO -> the engine thread (worker.py) runs Engine.generate and hands token ids back through the event loop -> Generation turns ids into text ->
-the route shapes text into OpenAI chunks / Anthropic events / JSON bodies.
+-> Job into the FIFO -> the engine thread (worker.py) runs Engine.generate under the job's stop policy (stops.py) and
+hands text deltas back through the event loop -> Generation -> the route shapes text into OpenAI chunks / Anthropic
+events / JSON bodies.
 
 One engine, batch 1, by design: requests wait in FIFO order; a request that waits longer than `queue_timeout` gets a 503
-with a clear message; a client that disconnects (or a stop string that matches) cancels its generation at once. The
+with a clear message; a client that disconnects cancels its generation at once, and a stop string that matches ends it
+at the engine's yield that completed it. The
 model loads on a background thread after the socket is up: /health says 503 until it is ready.
 """
 from __future__ import annotations

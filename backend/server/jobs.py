@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 
@@ -17,6 +18,7 @@ from backend import chat
 from backend.server.guards import APIError, off_loop
 from backend.server.metrics import Metrics
 from backend.server.state import ServerState
+from backend.server.stops import StopPolicy
 from backend.server.worker import Generation, Job
 
 ERRORS = {400: {"description": "bad request (OpenAI- or Anthropic-style error body)"},
@@ -68,16 +70,19 @@ def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None,
         temperature=temperature,
         top_p=top_p,
         seed=None if seed is None else seed % 2**63,
-        stop_token_ids=state.stop_ids,
-    )
+    )  # stop ids: start_job sets them from the request's StopPolicy
 
 
-async def start_job(state: ServerState, request: Request, prompt_ids: list[int], params) -> Job:
-    """Queue a job and wait (FIFO) until the engine starts it; 503 after queue_timeout, cancelled if the client leaves."""
+async def start_job(state: ServerState, request: Request, prompt_ids: list[int], params,
+                    stops: str | list[str] | None) -> Job:
+    """Queue a job and wait (FIFO) until the engine starts it; 503 after queue_timeout, cancelled if the client leaves.
+    Its stop policy: the model's stop ids and the request's stop strings (`stops`), applied by the worker."""
     if state.waiting >= state.limits.max_queue:
         raise APIError(503, f"the server is busy: {state.waiting} requests are already waiting for the engine, the "
                             f"most it queues (--max-queue); retry later", code="queue_full")
-    job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop())
+    stop = StopPolicy.of(state.stop_ids, stops)
+    job = Job(prompt_ids=prompt_ids, params=dataclasses.replace(params, stop_token_ids=stop.ids), stop=stop,
+              tokenizer=state.loaded.tokenizer, loop=asyncio.get_running_loop())
     state.worker.submit(job)
     state.waiting += 1
     try:

@@ -67,9 +67,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, state:
     prompt_text, prompt_ids = await render(state, openai_messages(body), tools, body.chat_template_kwargs)
     params = sampling_params(state, len(prompt_ids), body.max_completion_tokens or body.max_tokens,
                              body.temperature, body.top_p, body.seed)
-    stops = [body.stop] if isinstance(body.stop, str) else body.stop
-    job = await start_job(state, request, prompt_ids, params)
-    generation = Generation(job, state.loaded.tokenizer, stops)
+    generation = Generation(await start_job(state, request, prompt_ids, params, body.stop))
     parser = chat.OutputParser(tools, in_reasoning=chat.starts_in_reasoning(prompt_text))
     cid, created, model = new_id("chatcmpl-"), int(time.time()), state.loaded.name
 
@@ -154,9 +152,7 @@ async def completions(request: Request, body: CompletionRequest, state: ServerSt
         raise APIError(400, "the prompt is empty", param="prompt")
     params = sampling_params(state, len(prompt_ids), body.max_tokens, body.temperature, body.top_p, body.seed,
                              prompt_field="prompt")
-    stops = [body.stop] if isinstance(body.stop, str) else body.stop
-    job = await start_job(state, request, prompt_ids, params)
-    generation = Generation(job, state.loaded.tokenizer, stops)
+    generation = Generation(await start_job(state, request, prompt_ids, params, body.stop))
     cid, created, model = new_id("cmpl-"), int(time.time()), state.loaded.name
     echo = (prompt if isinstance(prompt, str) else state.loaded.tokenizer.decode(prompt_ids)) if body.echo else ""
 

@@ -1,10 +1,12 @@
 """The one engine thread, and the bridge between it and the event loop.
 
 The engine is blocking and not thread-safe, so a single EngineWorker thread runs it, one Job at a time, in the order the
-jobs were queued (FIFO). Token ids travel back to the request's event loop through `call_soon_threadsafe` into an
-asyncio.Queue. The request side sets `job.cancelled` (client gone, stop string matched, waited too long) and the engine
-checks it between steps. Generation turns one job's token ids into text deltas (incremental detokenizer, stop strings)
-and reports llama-server-style timings.
+jobs were queued (FIFO). The worker applies the job's stop policy (stops.py) as the engine yields: it turns token ids
+into text deltas (incremental detokenizer, stop strings with their held-back tail) and closes the engine's generator
+at a stop string, so the reply ends there with "stop". Text deltas travel back to the request's event loop through
+`call_soon_threadsafe` into an asyncio.Queue. The request side sets `job.cancelled` (client gone, waited too long) and
+the engine checks it between steps. Generation is the request side's view: the deltas, the finish reason and
+llama-server-style timings.
 """
 from __future__ import annotations
 
@@ -14,9 +16,13 @@ import logging
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from backend import chat
 from backend.server.metrics import Metrics
+from backend.server.stops import StopPolicy, StopText
+
+if TYPE_CHECKING:
+    from backend.decoding.engine import GenerationStats, SamplingParams
 
 log = logging.getLogger("reviewer.backend")
 
@@ -24,7 +30,9 @@ log = logging.getLogger("reviewer.backend")
 @dataclasses.dataclass
 class Job:
     prompt_ids: list[int]
-    params: object  # engine.SamplingParams
+    params: SamplingParams  # its stop_token_ids are stop.ids
+    stop: StopPolicy
+    tokenizer: object  # the loaded model's (transformers) tokenizer, for the reply's text
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     started: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -75,57 +83,70 @@ class EngineWorker:
                 self._send(job, ("error", exc))
 
     def _run(self, job: Job) -> None:
+        """Generate, applying the job's stop policy here (stop ids end it in the engine, a stop string closes the
+        engine at the yield that completed it), and send the text deltas, then the Outcome."""
+        text = StopText(job.stop, job.tokenizer)
         generator = self.engine.generate(job.prompt_ids, job.params, cancelled=lambda: job.cancelled)
         try:
             for token_ids in generator:
-                self._send(job, ("tokens", list(token_ids)))
+                self._send_text(job, text.push(list(token_ids)))
+                if text.matched is not None:
+                    generator.close()  # the engine stops at this yield, consistent (as any early close leaves it)
+                    break
         except Exception as exc:  # the engine resets itself; report it to this request and keep serving
             log.exception("generation failed")
             generator.close()
             self._send(job, ("error", exc))
             return
+        self._send_text(job, text.flush())
         stats = dataclasses.replace(self.engine.last_stats)
+        if text.matched is not None:
+            stats.finish_reason = "stop"  # the policy ended it (the closed engine never saw an end of its own)
         self.metrics.record_generation(stats)
-        self._send(job, ("done", stats))
+        self._send(job, ("done", Outcome(stats, text.matched)))
+
+    def _send_text(self, job: Job, delta: str) -> None:
+        if delta:
+            self._send(job, ("text", delta))
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How a job ended: the engine's GenerationStats (finish_reason "stop" | "length" | "cancelled") and the stop
+    string that ended it, if one did."""
+
+    stats: GenerationStats
+    stop_string: str | None = None
 
 
 class Generation:
-    """One job's output as text deltas: detokenized incrementally, cut at stop strings."""
+    """One job's output on the request's event loop: the text deltas the worker sends (already cut at stop strings),
+    then its Outcome."""
 
-    def __init__(self, job: Job, tokenizer, stops: list[str] | None):
+    def __init__(self, job: Job):
         self.job = job
-        self.detokenizer = chat.IncrementalDetokenizer(tokenizer)
-        self.stops = chat.StopStrings(stops)
-        self.stats = None
+        self.stats: GenerationStats | None = None
+        self.stop_string: str | None = None  # the stop string that ended the reply, once it is done
         self.failed = False
 
     async def deltas(self):
         try:
             while True:
                 kind, payload = await self.job.events.get()
-                if kind == "tokens":
-                    text = self.stops.push(self.detokenizer.push(payload))
-                    if self.stops.matched is not None:
-                        self.job.cancelled = True  # stop the engine; keep draining until it reports its stats
-                    if text:
-                        yield text
+                if kind == "text":
+                    yield payload
                 elif kind == "done":
-                    self.stats = payload
+                    self.stats, self.stop_string = payload.stats, payload.stop_string
                     break
                 else:
                     raise payload
-            tail = self.stops.push(self.detokenizer.flush()) + self.stops.flush()
-            if tail:
-                yield tail
         finally:
             if self.stats is None:
                 self.job.cancelled = True  # the consumer went away early (client disconnected): stop at once
 
     @property
     def finish_reason(self) -> str:
-        """"stop" | "length" | "cancelled" (a matched stop string counts as "stop")."""
-        if self.stops.matched is not None:
-            return "stop"
+        """"stop" | "length" | "cancelled" (a stop id or a stop string: "stop")."""
         return self.stats.finish_reason if self.stats else "cancelled"
 
     def timings(self) -> dict:

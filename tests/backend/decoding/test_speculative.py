@@ -271,8 +271,11 @@ def test_rejection_sampling_keeps_target_distribution(top_p):
     n = 8000
     for _ in range(n):
         draft = torch.multinomial(q, 1, generator=gen)[:, 0]
-        accepted, nxt = spec.rejection_accept(draft, q, p, gen)
-        committed = draft[:accepted].tolist() + [nxt]
+        out = spec.Acceptance.empty(k + 1, "cpu")
+        spec.rejection_accept(p, draft, k, q, gen, out)
+        accepted, committed = spec.read_acceptance(out.result)
+        assert committed[:accepted] == draft[:accepted].tolist() and out.keep.item() == accepted + 1
+        assert out.token.item() == committed[accepted]
         if len(committed) >= 2:
             counts[committed[0], committed[1]] += 1
         else:  # rejected at position 0: the second token would come from the next cycle; draw it from p[1]

@@ -103,6 +103,12 @@ def test_openai_completions_stream_echo_and_stop(llama):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=model, prompt="def first(xs):", max_tokens=20, temperature=0, stop=stop, stream=True) if c.choices)
     assert streamed == cut
+    # the engine ends at the token that completed the stop string (the worker closes it there, no cancel round
+    # trip): the usage counts exactly the tokens up to that one
+    n = stopped.usage.completion_tokens
+    shorter = client.completions.create(model=model, prompt="def first(xs):", max_tokens=n - 1, temperature=0)
+    exact = client.completions.create(model=model, prompt="def first(xs):", max_tokens=n, temperature=0)
+    assert stop not in shorter.choices[0].text and stop in exact.choices[0].text
 
 
 def test_seeded_sampling_is_reproducible(llama):
