@@ -71,13 +71,19 @@ class GenerationStats:
 
 def warm_prefill_lengths(chunk: int, max_context: int) -> list[int]:
     """Prompt lengths Engine.warm_up prefills: every block size (1..16), then sizes on both sides of each power of
-    two up to a prefill chunk (divisible by 16 and not), so each compiled variant a prompt can need exists."""
+    two up to a prefill chunk (divisible by 16 and not), so each compiled variant a prompt can need exists; then
+    prompts longer than a chunk, whose later chunks run after a past of a whole chunk. That past is divisible by 16,
+    which Triton specialises on, and no shorter prompt makes it: the 35B-A3B replay of 2026-12-03 still compiled 3
+    kernels on its first turn, a 2.9k-token prompt (bench/results/serve_replay_qwen3.6-35b-a3b-shape_h200_20261203_
+    isolated.json; which kernels was not logged, so this is the likely cause, to be confirmed on the H200)."""
     lengths = list(range(1, 17))
     size = 32
     while size <= chunk:
         lengths += [size - 8, size, size + size // 2 - 3]
         size *= 2
-    return sorted({n for n in lengths if 0 < n <= min(chunk, max_context - 8)})
+    short = {n for n in lengths if 0 < n <= min(chunk, max_context - 8)}
+    longer = {chunk + n for n in (5, 45, 48) if chunk + n <= max_context - 8}
+    return sorted(short | longer)
 
 
 class Engine:

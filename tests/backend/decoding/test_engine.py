@@ -6,7 +6,7 @@ import torch
 
 from backend.bench.run import tiny_model
 from backend.decoding import hf_cache
-from backend.decoding.engine import Engine, SamplingParams
+from backend.decoding.engine import Engine, SamplingParams, warm_prefill_lengths
 from tests.conftest import engine_states
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -171,3 +171,13 @@ def test_bad_input_and_context_limit(fast, llama):
     out = _run(engine, list(range(1, 29)), max_tokens=100)
     assert len(out) == 4 and engine.last_stats.finish_reason == "length"  # stops when the context is full
     assert _run(engine, [1, 2, 3], max_tokens=0) == []
+
+
+def test_warm_up_prefills_every_block_size_both_sides_of_16_and_prompts_past_a_chunk():
+    lengths = warm_prefill_lengths(2048, 32768)
+    assert lengths[:16] == list(range(1, 17)) and lengths == sorted(set(lengths))
+    assert {n % 16 == 0 for n in lengths if 16 < n <= 2048} == {True, False}
+    past_a_chunk = [n for n in lengths if n > 2048]  # a second chunk after a past of 2048: its own specialisation
+    assert past_a_chunk and {n % 16 == 0 for n in past_a_chunk} == {True, False} and min(past_a_chunk) - 2048 < 16
+    # a small window: nothing that would not fit in it
+    assert max(warm_prefill_lengths(2048, 1000)) <= 1000 - 8 and max(warm_prefill_lengths(2048, 2060)) <= 2048
