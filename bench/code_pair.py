@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                 records[side] = record
                 runs[side].append(headline(record))
                 print(f"round {i + 1} {side}: " + ", ".join(
-                    f"{n} {r.get('decode_tok_s', 0):.1f} tok/s" for n, r in runs[side][-1].items()), flush=True)
+                    f"{n} {r.get('decode_tok_s', r.get('tok_s', 0)):.1f} tok/s" for n, r in runs[side][-1].items()),
+                    flush=True)
     med = {side: medians(runs[side]) for side in runs}
     ratio = {name: {k: med["after"][name][k] / med["before"][name][k] for k in med["after"][name]
                     if med["before"].get(name, {}).get(k)} for name in med["after"]}
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"code_pair-{args.label}-{now:%Y%m%d}.json" if args.out.suffix != ".json" else args.out
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"same tokens on both sides: {same}; ratios after/before: "
-          + ", ".join(f"{n} {r.get('decode_tok_s', float('nan')):.3f}" for n, r in ratio.items()))
+          + ", ".join(f"{n} {r.get('decode_tok_s', r.get('tok_s', float('nan'))):.3f}" for n, r in ratio.items()))
     print(f"wrote {path}")
     return 0
 
