@@ -20,18 +20,10 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
+from backend.bench.report import cpu_model
+
 HEADLINE = ("decode_tok_s", "tok_s", "tau", "T_d_ms", "T_t_ms", "rollback_ms", "host_ms_per_cycle", "cycle_ms",
             "identical", "identical_of", "tokens")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def commit_of(root: Path) -> str:
@@ -99,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "code_pair", "what": args.what,
         "command": " ".join([sys.executable, *sys.argv]), "bench_command": "reviewer bench " + " ".join(bench_args),
         "date": now.isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(),
+        "machine": {"cpu": cpu_model() or "unknown CPU", "cpus": os.cpu_count(),
                     "load_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "prompts_chosen": "reviewer bench's own: the first N of backend/bench/run.py PROMPTS (coding-assistant prompts "
                           "like the personas'), each in the model's chat template, greedy",
