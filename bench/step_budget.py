@@ -1,0 +1,258 @@
+"""Where the 35B-A3B shape's time goes, layer by layer: a kernel trace of the real CUDA-graph replays.
+
+For each context length: one plain decode step, one 16-token verify, its accept, and one prefill piece of an agent
+turn's size, each in its own torch.profiler window (so a window holds exactly one call's kernels), repeated --reps
+times. The kernels of a window, in launch order, are cut into layers where a layer's MoE kernels end (every layer
+ends with its experts), and each kernel is put in a part by its name (attention, recurrence, projections, experts,
+glue, ...). Per layer kind, the median microseconds of each part beside the bytes that part must move (its weights,
+the experts the step wakes, the KV it reads, the Gated DeltaNet state) and their floor at the copy bandwidth measured
+in the same run. The engine's numerics: batch-invariant padded rows for decode and verify (what `reviewer serve`
+runs), the glue through torch.compile, CUDA graphs on, routing replayed from the synthetic trace (--hot-experts; a
+forced condition: random weights route to ~100 experts per 16 tokens, a real router to far fewer).
+
+    python bench/step_budget.py --context 3000 --context 30000 --prefill 1700 --out bench/results
+
+Random weights, so nothing here says anything about text; only time. A sum of microbenchmarks would miss the gaps
+and the graph's launch chain; this is the replay itself (the window's wall beside the kernels' sum shows the gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from backend.bench.report import cpu_model  # noqa: E402
+from backend.bench.routing import install_routing_trace, trace_distinct_experts  # noqa: E402
+from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa: E402
+
+# first match wins; the names are our Triton kernels' function names, cuBLAS's and torch.compile's families
+PARTS = [
+    ("attention", r"_partial_kernel|_combine_kernel|_write_block_kernel|flash|fmha|attention|sdpa|softmax"),
+    ("recurrence", r"gdn|trsm|triangular|_chunk_|getrs|trsv"),
+    ("experts", r"_gate_up_kernel|_down_kernel|_sum_slots|_align_kernel|_block_rows|_chunk_ranks|moe"),
+    ("routing", r"router|_route|topk|sort|radix"),
+    ("projections", r"_wide_kernel|gemm|gemv|nvjet|cutlass|xmma|_rows_linear|_norm_gemv|sm90_|sm80_"),
+    ("glue", r"^triton_"),
+]
+MOE = re.compile(PARTS[2][1])
+
+
+def part_of(name: str) -> str:
+    for part, pattern in PARTS:
+        if re.search(pattern, name):
+            return part
+    return "other"
+
+
+def window_kernels(call, device) -> tuple[list[dict], float]:
+    """The kernels one call launches (name, start, duration in us, in launch order) and the window's wall in us."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        call()
+        torch.cuda.synchronize(device)
+        wall = (time.perf_counter() - t) * 1e6
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted(({"name": e["name"], "ts": e["ts"], "us": e["dur"]} for e in events
+                      if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return kernels, wall
+
+
+def split_layers(kernels: list[dict], layers: int) -> list[list[dict]]:
+    """Cut a forward's kernels into `layers` layers and the head after them: a layer ends with its MoE kernels."""
+    out, current, in_moe = [], [], False
+    for k in kernels:
+        moe = bool(MOE.search(k["name"]))
+        if in_moe and not moe and len(out) < layers:
+            out.append(current)
+            current = []
+        current.append(k)
+        in_moe = moe
+    out.append(current)
+    return out  # layers + 1 lists when the cut found every layer
+
+
+def budget(windows: list[list[dict]], kinds: list[str]) -> dict:
+    """Per layer kind (and the head): median us per part and per layer, and the kernel count, over the windows."""
+    per = {}  # (kind, part) -> list of us per layer per window
+    for kernels in windows:
+        layers = split_layers(kernels, len(kinds))
+        if len(layers) != len(kinds) + 1:
+            raise RuntimeError(f"cut {len(layers) - 1} layers out of {len(kinds)}: the MoE kernel names changed?")
+        for kind, layer in zip(kinds + ["head"], layers):
+            sums = {}
+            for k in layer:
+                sums[part_of(k["name"])] = sums.get(part_of(k["name"]), 0.0) + k["us"]
+            for part, us in sums.items():
+                per.setdefault((kind, part), []).append(us)
+    out = {}
+    for (kind, part), values in per.items():
+        layers_of_kind = len(windows) * (kinds.count(kind) if kind != "head" else 1)
+        # a part absent in some layers counts as zero there
+        values = values + [0.0] * (layers_of_kind - len(values))
+        out.setdefault(kind, {})[part] = round(statistics.median(values), 2)
+    return out
+
+
+def top_kernels(windows: list[list[dict]], top: int = 25) -> list[dict]:
+    totals = {}
+    for kernels in windows:
+        for k in kernels:
+            t = totals.setdefault(k["name"][:110], [0.0, 0])
+            t[0] += k["us"]
+            t[1] += 1
+    rows = [{"kernel": n, "us_per_call": us / len(windows), "launches_per_call": c / len(windows),
+             "part": part_of(n)} for n, (us, c) in totals.items()]
+    return sorted(rows, key=lambda r: -r["us_per_call"])[:top]
+
+
+def layer_bytes(model, tokens: int, context: int, distinct: float) -> dict:
+    """Bytes a forward of `tokens` new tokens after `context` must move, per layer kind and part (weights once)."""
+    c, es = model.config, model.embed.element_size()
+    nbytes = lambda *ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    attn = next(layer for layer in model.layers if hasattr(layer.mixer, "wqkv"))
+    gdn = next(layer for layer in model.layers if hasattr(layer.mixer, "w_in"))
+    moe = attn.moe
+    expert = nbytes(moe.gate_up[0], moe.down[0])
+    experts = (c.top_k if tokens == 1 else distinct) * expert
+    shared = nbytes(moe.shared_gate_proj, moe.shared_up_proj, moe.shared_down_proj, moe.shared_gate)
+    kv = model.kv.nbytes_per_token() // model.num_attention_layers * (context + tokens)
+    state = 2 * model.linear.nbytes_state() // model.num_linear_layers
+    return {
+        "full_attention": {"projections": nbytes(attn.mixer.wqkv, attn.mixer.wo), "attention": kv,
+                           "experts": experts + shared},
+        "linear_attention": {"projections": nbytes(gdn.mixer.w_in, gdn.mixer.w_out), "recurrence": state,
+                             "experts": experts + shared},
+        "head": {"projections": nbytes(model.lm_head) + tokens * c.hidden_size * es},
+    }
+
+
+def with_floor(measured: dict, bytes_: dict, bandwidth: float) -> dict:
+    out = {}
+    for kind, parts in measured.items():
+        rows = {}
+        for part, us in parts.items():
+            b = bytes_.get(kind, {}).get(part)
+            floor = b / bandwidth * 1e6 if b else None
+            rows[part] = {"us": us, "bytes": b, "floor_us": round(floor, 2) if floor else None,
+                          "over_floor": round(us / floor, 2) if floor else None}
+        out[kind] = {"parts": rows, "us": round(sum(parts.values()), 2)}
+    return out
+
+
+def measure_context(fast, model, context: int, args, bandwidth: float, distinct: float) -> dict:
+    """Decode, verify, accept and a prefill piece after `context` random tokens."""
+    dev = fast.device
+    g = torch.Generator().manual_seed(context)
+    fast.reset()
+    fast.prefill(torch.randint(0, fast.vocab_size, (context,), generator=g).to(dev))
+    block = torch.randint(0, fast.vocab_size, (16,), generator=g).to(dev)
+    kinds = list(model.config.layer_types)
+    start = fast.snapshot()
+    fast.decode(7)  # graphs captured outside the windows
+    fast.verify(block)
+    fast.accept(1)
+    fast.restore(start)
+    decode, verify, accept = [], [], []
+    walls = {"decode": [], "verify16": [], "accept": []}
+    for _ in range(args.reps):
+        k, w = window_kernels(lambda: fast.decode(7), dev)
+        decode.append(k)
+        walls["decode"].append(w)
+        fast.restore(start)
+        k, w = window_kernels(lambda: fast.verify(block), dev)
+        verify.append(k)
+        walls["verify16"].append(w)
+        k, w = window_kernels(lambda: fast.accept(1), dev)
+        accept.append(k)
+        walls["accept"].append(w)
+        fast.restore(start)
+    piece = torch.randint(0, fast.vocab_size, (args.prefill,), generator=g).to(dev)
+    prefill = []
+    for _ in range(max(1, args.reps // 3)):
+        k, w = window_kernels(lambda: fast.prefill(piece), dev)
+        prefill.append(k)
+        walls.setdefault("prefill", []).append(w)
+        fast.restore(start)
+    out = {"context": context}
+    for name, windows, tokens in [("decode", decode, 1), ("verify16", verify, 16)]:
+        out[name] = {"wall_us": statistics.median(walls[name]),
+                     "kernel_us": statistics.median(sum(k["us"] for k in ks) for ks in windows),
+                     "launches": statistics.median(len(ks) for ks in windows),
+                     "per_layer": with_floor(budget(windows, kinds), layer_bytes(model, tokens, context, distinct),
+                                             bandwidth),
+                     "top_kernels": top_kernels(windows)}
+    for name, windows in [("accept", accept), ("prefill", prefill)]:
+        out[name] = {"wall_us": statistics.median(walls[name]),
+                     "kernel_us": statistics.median(sum(k["us"] for k in ks) for ks in windows),
+                     "launches": statistics.median(len(ks) for ks in windows), "top_kernels": top_kernels(windows)}
+    out["prefill"]["tokens"] = args.prefill
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, action="append", help="cached tokens before the measured calls "
+                    "(repeatable; default 3000)")
+    ap.add_argument("--prefill", type=int, default=1700, help="tokens of the timed prefill piece (an agent turn)")
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--hot-experts", type=int, default=50)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("step_budget traces CUDA-graph replays: it needs a GPU")
+    contexts = args.context or [3000]
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16)
+    model.use_invariant_verify()
+    fast = fast_cls(model, max(contexts) + args.prefill + 64, cuda_graphs=True, compile=True)
+    tables = install_routing_trace(fast, hot=args.hot_experts)
+    distinct = trace_distinct_experts(tables)
+    record = {"benchmark": "step_budget", "model": "qwen3.6-35b-a3b shape, random weights (bf16)",
+              "numerics": "batch-invariant padded rows (serve's default), glue compiled, CUDA graphs",
+              "routing": f"synthetic trace, hot set {args.hot_experts}: {distinct:.1f} distinct experts per 16 "
+                         "positions (a forced condition)",
+              "copy_bandwidth_GBps": bandwidth / 1e9, "floor": "bytes / copy bandwidth (read + write counted)",
+              "machine": {"gpu": torch.cuda.get_device_name(), "cpu": cpu_model()},
+              "command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "torch": torch.__version__, "contexts": []}
+    for context in contexts:
+        print(f"context {context}", flush=True)
+        r = measure_context(fast, model, context, args, bandwidth, distinct)
+        record["contexts"].append(r)
+        for name in ("decode", "verify16", "accept", "prefill"):
+            print(f"  {name}: wall {r[name]['wall_us']:.0f} us, kernels {r[name]['kernel_us']:.0f} us, "
+                  f"{r[name]['launches']:.0f} launches", flush=True)
+        for name in ("decode", "verify16"):
+            for kind, row in r[name]["per_layer"].items():
+                parts = ", ".join(f"{p} {v['us']:.1f}" + (f" ({v['over_floor']}x)" if v["over_floor"] else "")
+                                  for p, v in row["parts"].items())
+                print(f"  {name} {kind}: {row['us']:.1f} us/layer: {parts}", flush=True)
+        for k in r["prefill"]["top_kernels"][:12]:
+            print(f"  prefill {k['us_per_call']:9.1f} us {k['launches_per_call']:6.0f}x {k['part']:11s} "
+                  f"{k['kernel'][:70]}", flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"step_budget_qwen3.6-35b-a3b-shape{args.label}_{datetime.date.today():%Y%m%d}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
