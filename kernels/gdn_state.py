@@ -24,7 +24,7 @@ verify is bit-for-bit the state plain decoding reaches from the same inputs.
     gdn_recurrent(q, k, v, a, b, ..., gates=(neg_A, dt_bias))                # the same, gates computed inside
     gdn_verify(q, k, v, a, b, state_in, record.layer(i), gates=...)          # verify: outputs, inputs recorded
     gdn_replay(record, states, n)                                           # then: all layers' states after n
-    gdn_chunked(q, k, v, g, beta, state)                                    # prefill (PyTorch, chunks of 64)
+    gdn_chunked(q, k, v, g, beta, state)                                    # prefill (chunks of 64)
 
 Shapes (batch 1): q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; states [Hv, Dk, Dv] fp32. Outputs [T, Hv, Dv]
 in v's dtype. The Triton path runs on CUDA (or under TRITON_INTERPRET=1, fp32/fp16 only); elsewhere a PyTorch loop
@@ -44,6 +44,9 @@ L2_EPS = 1e-6  # transformers' / flash-linear-attention's l2norm epsilon
 # launch shape of the Triton kernel (value columns per program, warps, next-token prefetch): the per-token chain of
 # loads and reductions is the cost (a verify is 16 dependent steps), bench/kernel_sweep.py measures the choices
 BLOCK_V, NUM_WARPS, PREFETCH = 16, 1, True  # H200, 35B-A3B shape: verify 29 -> 17 us, decode 3.2 -> 2.7 us
+# the prefill's chunk walk (_gdn_chunks_kernel): value columns of the state per program, warps (the state slice
+# [Dk, CHUNK_V] fp32 stays in registers across the chunks)
+CHUNK_V, CHUNK_WARPS = 16, 8  # H200, 35B-A3B shape, 2048 tokens: 2.3 ms (32, 4: 12.5 ms; the PyTorch loop 5.6)
 
 if triton is not None:
     import triton.language as tl
@@ -145,6 +148,30 @@ if triton is not None:
                                                neg_a, dt_bias, RAW_GATES)
         if STORE_STATE and not EVERY_POSITION:
             tl.store(states_out_ptr + s_offs, S, mask=s_mask)
+
+    @triton.jit
+    def _gdn_chunks_kernel(uf_ptr, us_ptr, qd_ptr, qk_ptr, ke_ptr, decay_ptr, s_ptr, out_ptr, n_chunks,
+                           C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+        """gdn_chunked's walk for value head h and state columns cols, chunk by chunk (inputs [Hv, n, C, *]):
+            u   = u_free - u_state @ S;   out = q_decayed @ S + qk @ u;   S = S * decay + k_to_end^T @ u
+        in fp32 ("ieee": the PyTorch loop's fp32 matmuls, in another summation order)."""
+        h = tl.program_id(0)
+        cols = tl.program_id(1) * BV + tl.arange(0, BV)
+        r = tl.arange(0, C)
+        kk = tl.arange(0, DK)
+        s_offs = h * DK * DV + kk[:, None] * DV + cols[None, :]
+        S = tl.load(s_ptr + s_offs)
+        for i in range(n_chunks):
+            chunk = (h * n_chunks + i).to(tl.int64)
+            k_offs = chunk * C * DK + r[:, None] * DK + kk[None, :]
+            v_offs = chunk * C * DV + r[:, None] * DV + cols[None, :]
+            u = tl.load(uf_ptr + v_offs) - tl.dot(tl.load(us_ptr + k_offs), S, input_precision="ieee")
+            qk = tl.load(qk_ptr + chunk * C * C + r[:, None] * C + r[None, :])
+            o = tl.dot(tl.load(qd_ptr + k_offs), S, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+            tl.store(out_ptr + v_offs, o)
+            ke = tl.load(ke_ptr + k_offs)
+            S = S * tl.load(decay_ptr + chunk) + tl.dot(tl.trans(ke), u, input_precision="ieee")
+        tl.store(s_ptr + s_offs, S)
 
 
 def _check(q, k, v, g, beta, state_in, states_out, every_position):
@@ -330,7 +357,8 @@ def gdn_recurrent_torch(q, k, v, g, beta, state_in, states_out, every_position: 
     return out.to(v.dtype)
 
 
-def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, *,
+                use_triton: bool | None = None) -> torch.Tensor:
     """Prefill form: the same recurrence over T tokens, a chunk of tokens per step (matmuls instead of a token loop).
     Updates `state` [Hv, Dk, Dv] fp32 in place to the state after the last token; returns outputs [T, Hv, Dv].
 
@@ -338,7 +366,8 @@ def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
       the corrections u_t solve (I + A) U = beta V - beta e^c (K S0), A[t, j] = beta_t e^(c_t - c_j) k_t.k_j (j < t)
       o_t = e^(c_t) S0^T q_t + sum_{j <= t} e^(c_t - c_j) (q_t.k_j) u_j
       S'  = e^(c_last) S0 + sum_j e^(c_last - c_j) k_j u_j^T
-    Padded positions (k = v = beta = g = 0) leave the state untouched.
+    Padded positions (k = v = beta = g = 0) leave the state untouched. Everything but the walk from chunk to chunk
+    is batched over the chunks; the walk is one Triton launch where Triton runs (_gdn_chunks_kernel), a loop here.
     """
     T, hv = v.shape[0], v.shape[1]
     q, k = _expand_heads(q.float(), k.float(), hv)
@@ -364,11 +393,45 @@ def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> torch
     qk = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * c.exp()[..., None]
     k_to_end = k * (c[..., -1:] - c).exp()[..., None]
+    chunk_decay = c[..., -1].exp()  # [Hv, n]
+    if use_triton is None:
+        use_triton = triton_usable(v) and _chunks_fit(q.shape[-1], vf.shape[-1], chunk)
+    if use_triton:
+        out = _chunk_loop_triton(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state)
+    else:
+        out = _chunk_loop_torch(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state)
+    return out.reshape(hv, n * chunk, -1)[:, :T].transpose(0, 1).to(v.dtype)
+
+
+def _chunk_loop_torch(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state):
+    """gdn_chunked's walk over the chunks, one chunk after the other (each needs the state the last one left)."""
     S = state
-    out = torch.empty_like(vf)
-    for i in range(n):
+    out = torch.empty_like(u_free)
+    for i in range(u_free.shape[1]):
         u = u_free[:, i] - u_state[:, i] @ S
         out[:, i] = q_decayed[:, i] @ S + qk[:, i] @ u
-        S = S * c[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
+        S = S * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
     state.copy_(S)
-    return out.reshape(hv, n * chunk, -1)[:, :T].transpose(0, 1).to(v.dtype)
+    return out
+
+
+def _chunks_fit(dk: int, dv: int, chunk: int) -> bool:
+    """The Triton walk takes power-of-two key dims and chunks >= 16 (tl.dot shapes) and value dims in CHUNK_V."""
+    pow2 = lambda x: x >= 16 and not x & (x - 1)  # noqa: E731
+    return pow2(dk) and pow2(chunk) and dv % CHUNK_V == 0
+
+
+def _chunk_loop_triton(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state):
+    """The same walk in one launch: a program per (value head, CHUNK_V value columns) carries its columns of the
+    state through every chunk (a state's value columns evolve independently), where the PyTorch loop launched ~10
+    kernels per chunk and layer from the host (a 2k-token prefill at the 35B-A3B shape: 32 chunks x 30 layers)."""
+    hv, n, C, dk = u_state.shape
+    dv = u_free.shape[-1]
+    u_free, u_state, q_decayed, qk, k_to_end, chunk_decay = (
+        x.contiguous() for x in (u_free, u_state, q_decayed, qk, k_to_end, chunk_decay))
+    if not state.is_contiguous():
+        raise ValueError("the state must be contiguous")
+    out = torch.empty_like(u_free)
+    _gdn_chunks_kernel[(hv, dv // CHUNK_V)](u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state, out, n,
+                                            C=C, DK=dk, DV=dv, BV=CHUNK_V, num_warps=CHUNK_WARPS, num_stages=1)
+    return out

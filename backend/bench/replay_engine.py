@@ -181,7 +181,7 @@ def engine_replay(model: str, sessions: list[Session], *, drafters: tuple[str, .
             torch.cuda.synchronize()
         ready_s = round(time.perf_counter() - t0, 3)
         # the counts are process-wide (the hooks of torch.compile and Triton are): this configuration's are the growth
-        before = (engine.captures.captures, engine.captures.compilations)
+        before = (engine.captures.captures, engine.captures.compilations, len(engine.captures.after_ready))
         got, walls, why = replay_config(engine, config, sessions, ids, max_context=max_context, max_tokens=max_tokens,
                                         max_turns=max_turns, stops=stops, references=references,
                                         forced_tau=forced_tau if config != "none" else None, vocab=vocab)
@@ -189,7 +189,8 @@ def engine_replay(model: str, sessions: list[Session], *, drafters: tuple[str, .
         runs[config] = {"drafter": config, "drafter_source": source, "ready_s": ready_s, "graphs_at_ready": graphs,
                         "ready_line": engine.describe_decoding(), "sessions_wall_s": walls, "stop_reasons": why,
                         "captures_after_ready": engine.captures.captures - before[0],
-                        "compilations_after_ready": engine.captures.compilations - before[1], "window": max_context}
+                        "compilations_after_ready": engine.captures.compilations - before[1],
+                        "after_ready_what": engine.captures.after_ready[before[2]:], "window": max_context}
         print(f"--drafter {config} ({source}): engine ready in {ready_s:.1f} s; {len(got)} turns in "
               f"{sum(walls.values()):.1f} s")
         del engine, draft_model  # its graphs and caches go before the next configuration's are made

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger("reviewer.backend")
 
@@ -25,6 +25,11 @@ class CaptureCounts:
     captures_after_ready: int = 0
     compilations_after_ready: int = 0
     ready: bool = False
+    # what was captured or compiled after ready (the first MAX_NAMED), for a benchmark's record to say which
+    after_ready: list = field(default_factory=list)
+
+
+MAX_NAMED = 50
 
 
 COUNTS = CaptureCounts()
@@ -38,6 +43,7 @@ def note_capture(what: str, key) -> None:
         COUNTS.captures += 1
         if COUNTS.ready:
             COUNTS.captures_after_ready += 1
+            _name(f"graph {what} {key}")
             log.debug("CUDA graph captured after the ready line: %s %s", what, key)
 
 
@@ -46,7 +52,13 @@ def note_compilation(what: str) -> None:
         COUNTS.compilations += 1
         if COUNTS.ready:
             COUNTS.compilations_after_ready += 1
+            _name(what)
             log.debug("compiled after the ready line: %s", what)
+
+
+def _name(what: str) -> None:
+    if len(COUNTS.after_ready) < MAX_NAMED:
+        COUNTS.after_ready.append(what)
 
 
 def mark_ready() -> None:
@@ -76,7 +88,8 @@ def install_compile_hooks() -> None:
         previous = runtime.jit_post_compile_hook
 
         def hook(*args, **kwargs):
-            note_compilation(f"Triton kernel {getattr(kwargs.get('fn'), 'name', '?')}")
+            # repr: the specialisation (signature and constants), which says why a kernel compiled again
+            note_compilation(f"Triton kernel {getattr(kwargs.get('fn'), 'name', '?')} {str(kwargs.get('repr', ''))[:600]}")
             return previous(*args, **kwargs) if previous else None
 
         runtime.jit_post_compile_hook = hook

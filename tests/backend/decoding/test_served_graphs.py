@@ -34,6 +34,7 @@ def test_captures_after_the_ready_line_are_counted_apart(monkeypatch):
     captures.note_compilation("kernel")
     assert (counts.captures, counts.captures_after_ready) == (3, 2)
     assert (counts.compilations, counts.compilations_after_ready) == (2, 1)
+    assert counts.after_ready == ["graph drafter (3,)", "graph target (2,)", "kernel"]  # named, for the records
 
 
 def test_metrics_export_the_capture_counts():
