@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.models.captures import note_capture
+from backend.models.numerics import Numerics
 
 
 @dataclass
@@ -38,7 +39,10 @@ class Snapshot:
 
 class FastModel:
     def __init__(self, model, max_context: int, max_block: int = 16, *, cuda_graphs: bool | None = None,
-                 compile: bool | str = False, prefill_chunk: int = 1024, min_span: int = 256):
+                 compile: bool | str = False, prefill_chunk: int = 1024, min_span: int = 256,
+                 numerics: Numerics | None = None):
+        """numerics: which kernels decode steps and verifies run (backend/models/numerics.py; the model reads it in
+        setup_caches, once; default Numerics(): the one-token path)."""
         self.model = model
         self.config = model.config
         self.device = model.embed.device
@@ -48,7 +52,7 @@ class FastModel:
         self.prefill_chunk = prefill_chunk
         self.min_span = min_span
         self.vocab_size = model.config.vocab_size
-        model.setup_caches(self.max_context, self.max_block)
+        model.setup_caches(self.max_context, self.max_block, numerics)
         self.span_multiple = 0
         self.length = 0
         self._pending = 0  # block size of a verify awaiting accept()
@@ -69,6 +73,11 @@ class FastModel:
         self._tokens, self._positions = self._inputs[0], self._inputs[1]
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self._host = self._host_view = self._staged = None  # pinned twin of _inputs, made on the first replay
+
+    @property
+    def numerics(self) -> Numerics:
+        """The record the model runs (given at construction)."""
+        return self.model.numerics
 
     @property
     def span_multiple(self) -> int:
