@@ -5,6 +5,7 @@ switch afterwards); under Triton's CPU interpreter a Llama built with the invari
 kernels for every projection."""
 
 import dataclasses
+import itertools
 import textwrap
 
 import pytest
@@ -12,10 +13,11 @@ import pytest
 from backend.bench.run import tiny_model
 from backend.decoding.engine import Engine
 from backend.dflash.checkpoint import random_drafter
-from backend.models import Numerics, invariant_numerics, load_fast
+from backend.models import Numerics, invariant_numerics
 from backend.models.llama import Llama
 from backend.models.numerics import (
     LLAMA_INVARIANT_PATH,
+    LLAMA_INVARIANT_PATHS,
     MMA_PROJECTIONS,
     LlamaNumerics,
     QwenNumerics,
@@ -67,6 +69,46 @@ def test_resolution_table(device, drafter, args, expected):
     assert (n.kind, n.llama, n.qwen, n.invariant_steps, n.compile, n.device_cycle) == expected
     assert n.fast == (n.kind != "transformers") and n.exact == (n.kind == "exact")
     assert n.why and "\n" not in n.why and n.kind in n.describe()
+
+
+def previous_engine_flags(device, drafter, fast_path, fast, exact, compile, device_cycle, invariant_verify):
+    """Engine.__init__'s flag order before the record (commit 63c7094, transcribed): compile, the target (fast path or
+    not, exact), invariant_verify, device_cycle. Returns (fast path, exact, invariant model settings, compile, device
+    cycle with a drafter) or raises its ValueErrors."""
+    compile = device == "cuda" if compile is None else compile
+    if fast is not False and not fast_path and fast:
+        raise ValueError("no fast path for this architecture (fast=True)")
+    is_fast = fast is not False and fast_path
+    ex = ((device == "cpu" and drafter) if exact is None else exact) if is_fast else None
+    iv = (device == "cuda" and is_fast and not ex) if invariant_verify is None else invariant_verify
+    iv = bool(iv) and is_fast
+    dc = (device == "cuda" and is_fast and not ex) if device_cycle is None else device_cycle
+    if dc and not (is_fast and not ex):
+        raise ValueError("the device cycle needs the fast path outside exact mode")
+    return is_fast, bool(ex) if is_fast else False, iv, compile if is_fast else False, bool(drafter and dc)
+
+
+def test_every_argument_combination_resolves_as_the_flags_did():
+    """All 5,832 combinations of the tri-state arguments, three devices, drafter or not, fast path or not and both
+    Llama paths: the record gives the kernels the flags gave (or the same ValueError), and its model records are
+    the invariant ones exactly where the flags turned the model's invariant verify on."""
+    tri = (None, True, False)
+    for device, drafter, fast_path, fast, exact, compile, cycle, invariant, path in itertools.product(
+            ("cpu", "cuda", "mps"), (False, True), (False, True), tri, tri, tri, tri, tri, LLAMA_INVARIANT_PATHS):
+        try:
+            want = previous_engine_flags(device, drafter, fast_path, fast, exact, compile, cycle, invariant)
+        except ValueError as exc:
+            want = str(exc)
+        try:
+            n = resolve_numerics(device, drafter=drafter, fast_path=fast_path, fast=fast, exact=exact, compile=compile,
+                                 device_cycle=cycle, invariant_verify=invariant, llama_invariant_path=path)
+        except ValueError as exc:
+            got = str(exc)
+        else:
+            got = (n.fast, n.exact, n.invariant_steps, n.compile, n.device_cycle)
+            models = (llama_invariant(path), PADDED_QWEN) if n.invariant_steps else (PLAIN_LLAMA, PLAIN_QWEN)
+            assert (n.llama, n.qwen) == models, n
+        assert got == want, (device, drafter, fast_path, fast, exact, compile, cycle, invariant, path)
 
 
 def test_without_a_fast_path_everything_is_transformers():
