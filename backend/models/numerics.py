@@ -167,8 +167,9 @@ def _why(kind: str, device: str, drafter: bool, exact: bool | None, invariant_ve
     """Numerics.why: which argument (or which default) chose the kind, and what it means."""
     if kind == "exact":
         who = "exact=True" if exact else f"a {device.upper()} engine with a drafter"
+        also = " (and invariant_verify=True: the invariant model records too)" if invariant_verify else ""
         return (f"{who}: exact mode, every forward padded to 16 rows, so greedy speculative output equals plain "
-                "decoding in exact mode")
+                f"decoding in exact mode{also}")
     if kind == "invariant":
         who = "invariant_verify=True" if invariant_verify else "a CUDA engine on the fast path"
         return (f"{who}: batch-invariant decode steps and verifies (Qwen3.5/3.6-MoE's padded rows, Llama's "
