@@ -161,7 +161,7 @@ class Engine:
                 raise
             log.warning("fast path unavailable (%s: %s); using transformers", type(exc).__name__, exc)
             return HFTarget(model, features, prefill_chunk), resolve(fast_path=False)
-        return FastTarget(fast_model, features, prefill_chunk, exact=numerics.exact), numerics
+        return FastTarget(fast_model, features, prefill_chunk), numerics
 
     @property
     def fast(self) -> bool:

@@ -25,6 +25,7 @@ KINDS = ("invariant", "exact", "one_token", "transformers")
 MMA_PROJECTIONS = frozenset({"qkv", "o", "gate_up", "down", "lm_head"})  # every projection Llama._rows can put on
 # kernels/rows_linear.py
 WIDE_PROJECTIONS = frozenset({"in", "out"})  # Qwen35Moe._padded_rows' dense projections kernels/wide_linear.py can take
+EXACT_SPAN = 512  # exact mode: attention spans are multiples of this (the CPU flash kernel's kv block)
 LLAMA_INVARIANT_PATHS = ("mma", "glue")
 # How a Llama's steps and verifies run in the invariant numerics:
 #   "mma":  _rows with every projection through kernels/rows_linear.py (tensor cores, the same instructions for 1 and

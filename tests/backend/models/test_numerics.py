@@ -16,6 +16,7 @@ from backend.dflash.checkpoint import random_drafter
 from backend.models import Numerics, invariant_numerics
 from backend.models.llama import Llama
 from backend.models.numerics import (
+    EXACT_SPAN,
     LLAMA_INVARIANT_PATH,
     LLAMA_INVARIANT_PATHS,
     MMA_PROJECTIONS,
@@ -172,6 +173,7 @@ def test_the_engine_builds_its_fast_model_with_the_record(name):
     assert plain.target.fast.numerics is plain.numerics and not plain.invariant_verify
     spec = Engine(model, drafter=random_drafter(model))
     assert spec.numerics.kind == "exact" and spec.target.exact and spec.target.fast.model.numerics is spec.numerics
+    assert spec.target.fast.span_multiple == EXACT_SPAN and plain.target.fast.span_multiple == 0  # FastModel reads it
     asked = Engine(model, drafter=random_drafter(model), exact=False, invariant_verify=True)
     fast_model = asked.target.fast.model
     assert asked.numerics.kind == "invariant" and asked.invariant_verify and fast_model.numerics is asked.numerics
