@@ -30,6 +30,7 @@ import backend.models.llama as llama_mod  # noqa: E402
 import backend.models.qwen3_5_moe as qwen_mod  # noqa: E402
 from backend.bench.run import load_target  # noqa: E402
 from backend.models import load_fast  # noqa: E402
+from backend.models.numerics import LlamaNumerics, Numerics, QwenNumerics  # noqa: E402
 
 ROWS = 16
 
@@ -126,7 +127,7 @@ def engine_pair(hf, fm, prompt, fed, step_logits, args) -> dict:
     features, against the first model's decode steps; and the second model's first decode step."""
     n = fm.config.num_layers
     features = tuple(sorted({1, n // 4, n // 2, 3 * n // 4, n - 3}))  # like a drafter's target_layer_ids
-    second = load_fast(hf, max_context=4096, max_block=ROWS, compile=args.device == "cuda")
+    second = load_fast(hf, max_context=4096, max_block=ROWS, compile=args.device == "cuda", numerics=args.numerics)
     out = {"feature_layers": list(features)}
     for label, model, hidden in (("same model, features", fm, features), ("second model", second, ()),
                                  ("second model, features", second, features)):
@@ -145,8 +146,9 @@ def engine_pair(hf, fm, prompt, fed, step_logits, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.6-35b-a3b-shape")
-    ap.add_argument("--invariant", action="store_true", help="Qwen35Moe.invariant_steps")
-    ap.add_argument("--llama-steps", default=None, help="Llama.step_path: rows or glue")
+    ap.add_argument("--invariant", action="store_true", help="Qwen3.5-MoE: decode steps and verifies through the padded rows (QwenNumerics.padded_rows)")
+    ap.add_argument("--llama-steps", default=None, choices=["rows", "glue"],
+                    help="Llama: decode steps and verifies through the row kernels or the glue (LlamaNumerics.step_path)")
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
@@ -160,12 +162,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("layer_diff.py needs a CUDA GPU")
-    if args.invariant:
-        qwen_mod.Qwen35Moe.invariant_steps = True
-    if args.llama_steps:
-        llama_mod.Llama.step_path = args.llama_steps
+    # the fast models' record (backend/models/numerics.py), for this model and the engine pair's second one
+    args.numerics = Numerics("invariant" if args.invariant else "one_token", "bench/layer_diff.py: its flags",
+                             LlamaNumerics(step_path=args.llama_steps or "rows"),
+                             QwenNumerics(padded_rows=args.invariant), invariant_steps=args.invariant,
+                             compile=args.device == "cuda")
     hf, tokenizer, name, _ = load_target(args.model, args.device)
-    fm = load_fast(hf, max_context=4096, max_block=ROWS, compile=args.device == "cuda")
+    fm = load_fast(hf, max_context=4096, max_block=ROWS, compile=args.device == "cuda", numerics=args.numerics)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rec = Recorder()
     install(rec, fm.model)
@@ -245,8 +248,8 @@ def main() -> None:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "python bench/layer_diff.py " + " ".join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "model": name,
-              "invariant_steps": bool(qwen_mod.Qwen35Moe.invariant_steps),
-              "llama_step_path": getattr(llama_mod.Llama, "step_path", None),
+              "invariant_steps": args.numerics.qwen.padded_rows,
+              "llama_step_path": args.numerics.llama.step_path,
               "calls_per_forward": dict(calls), "rows": result_rows,
               "block_sizes_rows_equal": sizes, "handoff_verify8_keep3_equal": handoff, "engine_pair": pair}
     for r in result_rows:

@@ -157,7 +157,7 @@ def main() -> None:
     record("MoE decode path at 1 row vs 16 rows (if it takes them)", rows_equal(
         lambda t: moe(xr[t:t + 1], None, dn.norm2, eps, True),
         lambda: moe(xr, None, dn.norm2, eps, True)))
-    # the invariant mode (Qwen35Moe.invariant_steps): glue output projections for every row count, experts' tiles
+    # the invariant mode (QwenNumerics.padded_rows): glue output projections for every row count, experts' tiles
     # fixed at the 16-token entry, the grouped path even for one token
     record("deltanet out + residual (glue at 1 row vs 16)", rows_equal(
         lambda t: residual_add(x[t:t + 1], dout(core[t:t + 1], z[t:t + 1], d.norm, d.w_out, eps)),

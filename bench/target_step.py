@@ -25,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backend.bench.report import cpu_model  # noqa: E402
 from backend.bench.routing import install_routing_trace  # noqa: E402
 from backend.models import load_fast  # noqa: E402
-from backend.models.llama import Llama  # noqa: E402
-from backend.models.qwen3_5_moe import Qwen35Moe, SparseMoE  # noqa: E402
+from backend.models.numerics import LlamaNumerics, Numerics, QwenNumerics  # noqa: E402
+from backend.models.qwen3_5_moe import SparseMoE  # noqa: E402
 from kernels.gemv import GEMV_TILES  # noqa: E402
 from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES  # noqa: E402
 
@@ -282,7 +283,7 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def moe_equivalence(hf, prompt, block, layers: int = 4) -> dict:
+def moe_equivalence(hf, prompt, block, numerics: Numerics, layers: int = 4) -> dict:
     """At a random-weight MoE shape, bf16 rounding flips near-tied top-k router choices (transformers' own bf16 run
     differs from its fp32 run by ~0.15 relative after 4 layers at full width), so a bf16 comparison over 40 layers
     cannot show equivalence. Two checks that can: (1) fp32, full width, the first `layers` layers: ours against
@@ -295,7 +296,7 @@ def moe_equivalence(hf, prompt, block, layers: int = 4) -> dict:
     torch.manual_seed(0)
     with torch.device(hf.device):
         shallow = Qwen3_5MoeForCausalLM(config).float().eval()
-    fast = load_fast(shallow, max_context=prompt.numel() + 32, cuda_graphs=False)
+    fast = load_fast(shallow, max_context=prompt.numel() + 32, cuda_graphs=False, numerics=numerics)
     out = {f"fp32_{layers}_layers": compare_logits(shallow, fast, prompt, block)}
     del fast, shallow
     try:
@@ -468,9 +469,10 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
     graphs = device.type == "cuda" and not args.no_graphs
     if hf is None:
         model, fast_cls = random_qwen_without_transformers(shape, device, dtype)
-        fast = fast_cls(model, args.max_context, cuda_graphs=graphs, compile=args.compile)
+        fast = fast_cls(model, args.max_context, cuda_graphs=graphs, compile=args.compile, numerics=args.numerics)
     else:
-        fast = load_fast(hf, max_context=args.max_context, cuda_graphs=graphs, compile=args.compile)
+        fast = load_fast(hf, max_context=args.max_context, cuda_graphs=graphs, compile=args.compile,
+                         numerics=args.numerics)
     g = torch.Generator().manual_seed(1)
     vocab = fast.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt,), generator=g).to(device)
@@ -479,7 +481,7 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
     if hf is not None:
         record["equivalence"] = compare_logits(hf, fast, prompt, block)
         if fast.model.family == "qwen3_5_moe":
-            record["equivalence"] |= moe_equivalence(hf, prompt, block)
+            record["equivalence"] |= moe_equivalence(hf, prompt, block, args.numerics)
         print(f"[{shape}] logits vs transformers: {record['equivalence']}", flush=True)
     stock = None if args.no_stock or hf is None else stock_calls(hf, prompt, block)
     ours = measure_fast(fast, prompt, block, args.reps, device, stock)
@@ -529,6 +531,22 @@ def run_shape(args, shape: str, device, dtype, bandwidth: float) -> dict:
     return record
 
 
+def numerics_from_flags(args) -> Numerics:
+    """The fast models' record from --invariant, --wide, --mma and --llama-steps (backend/models/numerics.py; each
+    left out keeps the record's default)."""
+    llama, qwen = LlamaNumerics(), QwenNumerics()
+    if args.llama_steps:
+        llama = replace(llama, step_path=args.llama_steps)
+    if args.mma:
+        llama = replace(llama, mma_projections=frozenset() if args.mma == "none" else frozenset(args.mma.split(",")))
+    if args.invariant:
+        qwen = replace(qwen, padded_rows=True)
+    if args.wide is not None:
+        qwen = replace(qwen, wide_projections=frozenset(args.wide.split(",")) - {"none"})
+    return Numerics("invariant" if args.invariant else "one_token", "bench/target_step.py: its flags", llama, qwen,
+                    invariant_steps=args.invariant, compile=args.compile)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -549,16 +567,16 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also list the kernels of a decode step and of a verify "
                     "(torch.profiler over CUDA-graph replays): time and launches per step")
     ap.add_argument("--invariant", action="store_true",
-                    help="Qwen3.5-MoE: decode steps through the verify's kernels (Qwen35Moe.invariant_steps)")
+                    help="Qwen3.5-MoE: decode steps through the verify's kernels (QwenNumerics.padded_rows)")
     ap.add_argument("--wide", default=None, metavar="SET",
                     help="with --invariant: which padded projections take kernels/wide_linear.py, not cuBLAS "
-                         "(Qwen35Moe.wide_projections): 'in', 'out', 'in,out' or 'none'")
+                         "(QwenNumerics.wide_projections): 'in', 'out', 'in,out' or 'none'")
     ap.add_argument("--mma", default=None, metavar="SET",
                     help="Llama: the projections that take kernels/rows_linear.py, comma-separated from qkv, o, "
-                    "gate_up, down, lm_head ('none' for none; default: Llama.mma_projections)")
+                    "gate_up, down, lm_head ('none' for none; default: LlamaNumerics.mma_projections, none)")
     ap.add_argument("--llama-steps", choices=["rows", "glue"], default=None,
                     help="Llama: decode steps and verifies through our row kernels or the compiled glue + cuBLAS "
-                    "(Llama.step_path)")
+                    "(LlamaNumerics.step_path)")
     ap.add_argument("--route-in-matmul", action="store_true",
                     help="Qwen3.5-MoE: route inside the router matmul's launch (kernels.moe_routing.ROUTE_IN_MATMUL)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -567,15 +585,8 @@ def main() -> None:
         import kernels.moe_routing
 
         kernels.moe_routing.ROUTE_IN_MATMUL = True
-    if args.llama_steps:
-        Llama.step_path = args.llama_steps
+    args.numerics = numerics_from_flags(args)
     device = torch.device(args.device)
-    if args.invariant:
-        Qwen35Moe.invariant_steps = True
-    if args.wide is not None:
-        Qwen35Moe.wide_projections = frozenset(args.wide.split(",")) - {"none"}
-    if args.mma:
-        Llama.mma_projections = frozenset() if args.mma == "none" else frozenset(args.mma.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[args.dtype] or (
@@ -594,9 +605,10 @@ def main() -> None:
                       device=machine, date=datetime.datetime.now().isoformat(timespec="seconds"),
                       command="python " + " ".join(sys.argv), copy_bandwidth_GBps=bandwidth / 1e9,
                       torch=torch.__version__, transformers=__import__("transformers").__version__,
-                      mma_projections=sorted(Llama.mma_projections), llama_step_path=Llama.step_path,
-                      qwen_invariant_steps=Qwen35Moe.invariant_steps,
-                      qwen_wide_projections=sorted(Qwen35Moe.wide_projections),
+                      mma_projections=sorted(args.numerics.llama.mma_projections),
+                      llama_step_path=args.numerics.llama.step_path,
+                      qwen_invariant_steps=args.numerics.qwen.padded_rows,
+                      qwen_wide_projections=sorted(args.numerics.qwen.wide_projections),
                       route_in_matmul=args.route_in_matmul,
                       row_kernel_tiles={"gemv": GEMV_TILES, "norm_gemv": NORM_GEMV_TILES, "lm_head": LARGE_TILES})
         tag = (f"_compile-{args.compile}" if args.compile else "") + (

@@ -30,6 +30,7 @@ from backend.loading import load_model
 from backend.decoding.engine import Engine, SamplingParams
 from backend.dflash.checkpoint import find_shipped_drafter, load_drafter, random_drafter
 from backend.models.llama import Llama
+from backend.models.numerics import LLAMA_INVARIANT_PATH, LLAMA_INVARIANT_PATHS
 
 TINY_MODELS = ("tiny-hybrid", "tiny-moe", "tiny-llama")  # tiny-moe: another name for tiny-hybrid
 PROMPTS = [  # coding-assistant prompts like the ones the personas send (first four: shared/probes/prompts.json)
@@ -240,20 +241,6 @@ def main(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu
     return 0
 
 
-def run_bench(*args, llama_invariant: str | None = None, **kwargs) -> dict:
-    """_run_bench with Llama.invariant_path set to llama_invariant ("glue" or "mma") for the run, then restored."""
-    if llama_invariant is None:
-        return _run_bench(*args, **kwargs)
-    if llama_invariant not in ("glue", "mma"):
-        raise BenchError(f"--llama-invariant must be glue or mma, got {llama_invariant!r}")
-    before = Llama.invariant_path
-    Llama.invariant_path = llama_invariant
-    try:
-        return _run_bench(*args, **kwargs)
-    finally:
-        Llama.invariant_path = before
-
-
 @dataclass
 class BenchSetup:
     """What every run of one benchmark shares: the target and drafter, the workload, and the warm-up that precedes
@@ -273,10 +260,11 @@ class BenchSetup:
     max_tokens: int
     routing_trace: int = 0
     tables: list | None = None
+    llama_invariant: str = LLAMA_INVARIANT_PATH  # Engine(llama_invariant_path=...) for every engine of the run
 
 
 def check_options(device: str, adaptive: str, forced_tau, compare_hf: bool, routing_trace: int,
-                  threads: int | None) -> tuple[str, tuple[float, ...]]:
+                  threads: int | None, llama_invariant: str | None = None) -> tuple[str, tuple[float, ...]]:
     """(device with "auto" resolved, forced_tau parsed), or a BenchError for a user mistake; sets torch's CPU threads.
     Runs before any model is loaded, so a mistake costs nothing."""
     if threads:
@@ -287,6 +275,8 @@ def check_options(device: str, adaptive: str, forced_tau, compare_hf: bool, rout
         raise BenchError("--device cuda, but torch sees no CUDA device")
     if adaptive not in ("off", "on", "both"):
         raise BenchError("adaptive must be off, on or both")
+    if llama_invariant is not None and llama_invariant not in LLAMA_INVARIANT_PATHS:
+        raise BenchError(f"--llama-invariant must be glue or mma, got {llama_invariant!r}")
     forced_tau = parse_taus(forced_tau)
     if forced_tau and torch.device(device).type != "cuda":
         raise BenchError("--forced-tau times the GPU's device cycle: use --device cuda")
@@ -331,7 +321,7 @@ def new_record(setup: BenchSetup, model: str, drafter: str, prompts: int, comman
 
 def engine_for(setup: BenchSetup, **kw) -> Engine:
     """An engine over the target, routed by the trace when there is one (its tables kept in setup.tables)."""
-    engine = Engine(setup.target, max_context=setup.max_context, **kw)
+    engine = Engine(setup.target, max_context=setup.max_context, llama_invariant_path=setup.llama_invariant, **kw)
     if setup.routing_trace:
         try:
             setup.tables = route_engine_by_trace(engine, setup.routing_trace)
@@ -346,14 +336,15 @@ def warm_and_time(setup: BenchSetup, engine: Engine) -> dict:
     return run_engine(engine, setup.prompt_ids, setup.max_tokens, setup.stops)
 
 
-def describe_engine(plain: Engine) -> dict:
+def describe_engine(setup: BenchSetup, plain: Engine) -> dict:
     """Which path and numerics the plain reference engine took (and for a Llama, its kernels)."""
-    info = {"path": "fast" if plain.fast else "transformers",
-            "exact": bool(plain.fast and plain.target.exact), "invariant_verify": plain.invariant_verify}
+    numerics = plain.numerics
+    info = {"path": "fast" if plain.fast else "transformers", "exact": numerics.exact,
+            "invariant_verify": plain.invariant_verify, "numerics": numerics.kind, "numerics_why": numerics.why}
     fast_model = plain.target.fast.model if plain.fast else None
     if isinstance(fast_model, Llama):
-        info.update(llama_invariant_path=fast_model.invariant_path, llama_step_path=fast_model.step_path,
-                    llama_mma_projections=sorted(fast_model.mma_projections))
+        info.update(llama_invariant_path=setup.llama_invariant, llama_step_path=fast_model.step_path,
+                    llama_mma_projections=sorted(numerics.llama.mma_projections))
     return info
 
 
@@ -370,7 +361,7 @@ def run_plain(setup: BenchSetup, result: dict, compare_hf: bool) -> dict:
     # exact mode; on CUDA the fast model's invariant verify path: Engine's defaults with a drafter)
     cuda = torch.device(setup.device).type == "cuda"
     plain = engine_for(setup, exact=not cuda, invariant_verify=cuda and setup.draft_model is not None)
-    result["engine"] = describe_engine(plain)
+    result["engine"] = describe_engine(setup, plain)
     runs["plain"] = warm_and_time(setup, plain)
     baseline = runs["plain"]
     if result["engine"]["exact"] or plain.invariant_verify:
@@ -468,20 +459,23 @@ def finish_record(setup: BenchSetup, result: dict, compare_hf: bool, baseline: d
         print(f"wrote {json_out}")
 
 
-def _run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
-               max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
-               adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
-               command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0) -> dict:
+def run_bench(model: str = "tiny-hybrid", drafter: str = "random", device: str = "cpu", prompts: int = 4,
+              max_tokens: int = 64, json_out: Path | None = None, block_size: int | None = None,
+              adaptive: str = "both", compare_hf: bool = True, threads: int | None = None,
+              command: str | None = None, forced_tau: tuple[float, ...] = (), routing_trace: int = 0,
+              llama_invariant: str | None = None) -> dict:
     """Run the benchmark; print the text table; write JSON to json_out if given; return the result dict.
     drafter: "random" | "none" | "auto" | a checkpoint folder. adaptive: "off" | "on" | "both".
     threads: torch CPU threads (on a shared CPU, fewer threads than cores avoids OpenMP stalls).
     forced_tau: also time speculative runs under forced acceptance at these tau (device_cycle.ForcedAcceptance:
     random weights accept nothing; labelled "forced" in the record). routing_trace: MoE targets, route every fast-path
     engine by backend/bench/routing.py's synthetic trace over this many hot experts (labelled in the record).
-    (run_bench's llama_invariant: Llama targets, how a speculative engine's steps and verifies run, "glue" or "mma":
-    backend.models.llama.Llama.invariant_path; default: that attribute's value.)"""
-    device, forced_tau = check_options(device, adaptive, forced_tau, compare_hf, routing_trace, threads)
+    llama_invariant: Llama targets, how the engines' batch-invariant steps and verifies run, "glue" or "mma" (every
+    engine's llama_invariant_path; default backend.models.numerics.LLAMA_INVARIANT_PATH)."""
+    device, forced_tau = check_options(device, adaptive, forced_tau, compare_hf, routing_trace, threads,
+                                       llama_invariant)
     setup = load_setup(model, drafter, device, prompts, max_tokens, block_size, routing_trace)
+    setup.llama_invariant = llama_invariant or LLAMA_INVARIANT_PATH
     result = new_record(setup, model, drafter, prompts, command)
     baseline = run_plain(setup, result, compare_hf)
     if setup.draft_model is not None:
@@ -517,7 +511,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-invariant", choices=["glue", "mma"], default=None,
                     help="Llama targets: how the speculative engine's steps and verifies run, batch-invariant: the "
                     "compiled glue + cuBLAS on 16 padded rows, or our tensor-core row kernels for every projection "
-                    "(default: the model's choice, Llama.invariant_path)")
+                    f"(default: {LLAMA_INVARIANT_PATH}, backend.models.numerics.LLAMA_INVARIANT_PATH)")
     a = ap.parse_args(argv)
     return main(model=a.model, drafter=a.drafter, device=a.device, prompts=a.prompts, max_tokens=a.max_tokens,
          json_out=a.json, block_size=a.block_size, adaptive=a.adaptive, compare_hf=not a.no_hf, threads=a.threads,

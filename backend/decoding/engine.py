@@ -9,6 +9,7 @@ every turn) only prefills what is new.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -21,9 +22,10 @@ from backend.decoding import speculative as spec
 from backend.decoding.device_cycle import DeviceCycle
 from backend.decoding.target import FastTarget, HFTarget
 from backend.dflash.fast import FastDrafter
-from backend.models import load_fast
+from backend.models import load_fast, no_fast_path
 from backend.models.captures import COUNTS as CAPTURE_COUNTS
 from backend.models.captures import mark_ready as mark_captures_ready
+from backend.models.numerics import LLAMA_INVARIANT_PATH, Numerics, resolve_numerics
 from backend.sampling import sample_token
 
 log = logging.getLogger("reviewer.backend")
@@ -99,16 +101,21 @@ class Engine:
     device (backend/decoding/device_cycle.py, backend/dflash/fast.py: drafter in CUDA graphs over static caches,
     acceptance on the device, one host sync per cycle; None: on CUDA whenever the fast path runs outside exact
     mode; True elsewhere too, for tests). invariant_verify: the fast model's decode steps and verifies in numerics
-    where a verify is cheap and a position's logits do not depend on how it was reached (the model file's
-    use_invariant_verify: Qwen3.5/3.6-MoE's padded rows, Llama's tensor-core row kernels), so greedy
-    speculative output is token-identical to plain decoding (None: on for every CUDA engine on the fast path outside
-    exact mode, with a drafter or without: one numerics on the GPU, so `--drafter none` and `--drafter auto` give
-    the same text; False: the one-token kernels of earlier versions, for benchmarks that compare with them)."""
+    where a verify is cheap and a position's logits do not depend on how it was reached (Qwen3.5/3.6-MoE's padded
+    rows, Llama's tensor-core row kernels), so greedy speculative output is token-identical to plain decoding (None:
+    on for every CUDA engine on the fast path outside exact mode, with a drafter or without: one numerics on the GPU,
+    so `--drafter none` and `--drafter auto` give the same text; False: the one-token kernels of earlier versions, for
+    benchmarks that compare with them). llama_invariant_path: how a Llama runs those numerics, "mma" (tensor-core
+    rows) or "glue" (compiled glue over cuBLAS; backend/models/numerics.py says why "mma" is the default).
+
+    The arguments are resolved once, here, into `self.numerics` (backend/models/numerics.py: resolve_numerics, a
+    frozen Numerics record of which kernels run and why), which the fast model is built with and reads; an invalid
+    combination is a ValueError."""
 
     def __init__(self, model, *, drafter=None, max_context: int | None = None, prefill_chunk: int = 2048,
                  adaptive_verify: bool = False, fast: bool | None = None, exact: bool | None = None,
                  compile: bool | None = None, device_cycle: bool | None = None,
-                 invariant_verify: bool | None = None):
+                 invariant_verify: bool | None = None, llama_invariant_path: str = LLAMA_INVARIANT_PATH):
         self.model = model
         self.drafter = drafter
         self.device = next(model.parameters()).device
@@ -118,49 +125,53 @@ class Engine:
         if drafter is not None:
             drafter.check_target(model)
         features = tuple(drafter.target_layer_ids) if drafter is not None else ()
-        if compile is None:
-            compile = self.device.type == "cuda"
-        self.target = self._make_target(model, features, prefill_chunk, fast, exact, compile)
-        if invariant_verify is None:
-            invariant_verify = self.device.type == "cuda" and self.fast and not self.target.exact
-        self.invariant_verify = bool(invariant_verify) and self.fast
-        if self.invariant_verify:
-            self.target.fast.model.use_invariant_verify()
+        # the numerics, resolved once here (backend/models/numerics.py); again only if the fast path fails to load
+        resolve = functools.partial(resolve_numerics, self.device.type, drafter=drafter is not None, fast=fast,
+                                    exact=exact, compile=compile, device_cycle=device_cycle,
+                                    invariant_verify=invariant_verify, llama_invariant_path=llama_invariant_path)
+        self.target, self.numerics = self._make_target(model, features, prefill_chunk, fast, resolve)
+        log.info("decoding: %s", self.numerics.describe())
         self.verify_length = spec.VerifyLength(adaptive_verify)  # measured T_t(n) and acceptance; adaptive or not
         self.draft_context = None  # drafter KV over context features, covering the same positions as the target
         # on the GPU fast path the drafter runs from CUDA graphs over static caches and the cycle stays on the
         # device (backend/dflash/fast.py, backend/decoding/device_cycle.py); elsewhere the eager drafter
-        if device_cycle is None:
-            device_cycle = self.device.type == "cuda" and self.fast and not self.target.exact
-        if device_cycle and not (self.fast and not self.target.exact):
-            raise ValueError("the device cycle needs the fast path outside exact mode")
-        self.fast_drafter = FastDrafter(drafter, self.max_context) if drafter is not None and device_cycle else None
+        self.fast_drafter = FastDrafter(drafter, self.max_context) if self.numerics.device_cycle else None
         self.forced_acceptance = None  # benchmarks only: device_cycle.ForcedAcceptance
 
-    def _make_target(self, model, features, prefill_chunk, fast, exact, compile):
-        fast_model = None
+    def _make_target(self, model, features, prefill_chunk, fast, resolve) -> tuple[object, Numerics]:
+        """The target and the numerics it runs: the fast path's FastTarget built with the record, or HFTarget (no
+        fast path, fast=False, or a fast path that failed to load with fast=None: then the numerics again, without
+        it)."""
+        reason = no_fast_path(model.config)
+        numerics = resolve(fast_path=reason is None)
         if fast is not False:
-            # exact mode pads plain steps and verifies alike to this many tokens, with or without a drafter: the
-            # same shapes on both sides are what makes their logits equal (drafters with blocks > 16 get their size)
-            block = max(16, getattr(self.drafter, "block_size", 0))
             self.max_context = min(self.max_context, 1 << 20)  # the fast path preallocates its caches
-            try:  # room for a padded block past the last position the engine will ever fill
-                fast_model = load_fast(model, max_context=self.max_context + block, max_block=block, compile=compile)
-            except Exception as exc:  # an unusual layout (weights split over devices, offloaded): keep transformers
-                if fast:
-                    raise
-                log.warning("fast path unavailable (%s: %s); using transformers", type(exc).__name__, exc)
-            if fast_model is None and fast:
-                raise ValueError("no fast path for this architecture (fast=True)")
-        if fast_model is None:
-            return HFTarget(model, features, prefill_chunk)
-        if exact is None:
-            exact = self.device.type == "cpu" and self.drafter is not None
-        return FastTarget(fast_model, features, prefill_chunk, exact=exact)
+            if reason is not None:
+                log.info("no fast path for this model (%s): using transformers", reason)
+        if not numerics.fast:
+            return HFTarget(model, features, prefill_chunk), numerics
+        # exact mode pads plain steps and verifies alike to this many tokens, with or without a drafter: the same
+        # shapes on both sides are what makes their logits equal (drafters with blocks > 16 get their size)
+        block = max(16, getattr(self.drafter, "block_size", 0))
+        try:  # room for a padded block past the last position the engine will ever fill
+            fast_model = load_fast(model, max_context=self.max_context + block, max_block=block,
+                                   compile=numerics.compile, numerics=numerics)
+        except Exception as exc:  # an unusual layout (weights split over devices, offloaded): keep transformers
+            if fast:
+                raise
+            log.warning("fast path unavailable (%s: %s); using transformers", type(exc).__name__, exc)
+            return HFTarget(model, features, prefill_chunk), resolve(fast_path=False)
+        return FastTarget(fast_model, features, prefill_chunk), numerics
 
     @property
     def fast(self) -> bool:
         return isinstance(self.target, FastTarget)
+
+    @property
+    def invariant_verify(self) -> bool:
+        """Whether the fast model's decode steps and verifies take the batch-invariant numerics (the record's
+        invariant_steps: Engine(invariant_verify=...) resolved)."""
+        return self.numerics.invariant_steps
 
     @property
     def lossless(self) -> bool:
@@ -181,7 +192,7 @@ class Engine:
             return "plain decoding (no drafter)"
         how = "on the device, CUDA graphs" if self.fast_drafter is not None else "eager"
         if self.lossless:
-            why = "exact mode" if self.target.exact else "batch-invariant kernels"
+            why = self.numerics.lossless_because
             return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), lossless: greedy output "
                     f"is token-identical to --drafter none ({why})")
         return (f"speculative decoding (DFlash, block {self.drafter.block_size}, {how}), NOT lossless on this path: "

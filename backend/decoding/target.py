@@ -15,9 +15,9 @@ Both keep `ids`, the token ids their cache covers, in order, and answer:
     verify(block, features)        -> (logits [T, V], features [1, T, F] or None); the cache holds the block
                                       tentatively until accept(keep) keeps its first `keep` tokens
 
-Exact mode (FastTarget; the engine turns it on for a CPU engine with a drafter, and for the plain reference it is
-compared with): every forward has exactly max_block (16) rows: plain steps, verifies and prompt chunks are padded to
-it (prompt padding: pure-attention models only), and attention spans are rounded up to a multiple of 512 columns. A
+Exact mode (FastTarget over a FastModel built with the exact record, backend/models/numerics.py; the engine resolves it
+for a CPU engine with a drafter, and for the plain reference it is compared with): every forward has exactly max_block
+(16) rows: plain steps, verifies and prompt chunks are padded to it (prompt padding: pure-attention models only), and attention spans are rounded up to a multiple of 512 columns. A
 position's logits and cache entries then come out of the same kernels with the same shapes however it was reached
 (decoded alone, inside any verified block, as a prompt token after any prefix reuse, whatever the cache held before),
 so greedy speculative decoding emits exactly the tokens plain decoding emits, in bf16 too. Without it they drift
@@ -38,7 +38,6 @@ import torch
 from backend.decoding import hf_cache
 from backend.dflash.model import select_features
 
-EXACT_SPAN = 512  # exact mode: attention spans are multiples of this (the CPU flash kernel's kv block)
 PAD_TOKEN = 0  # what fills a padded block; its positions are never kept
 
 
@@ -179,17 +178,16 @@ class HFTarget(_Reuse):
 
 
 class FastTarget(_Reuse):
-    """A FastModel (backend/models). `exact`: see the module docstring."""
+    """A FastModel (backend/models). Exact mode (see the module docstring) where the FastModel was built with an
+    exact record (its numerics' kind "exact": the FastModel rounds its spans, this target pads its blocks)."""
 
-    def __init__(self, fast, feature_layers: tuple[int, ...] = (), prefill_chunk: int = 2048, exact: bool = False):
+    def __init__(self, fast, feature_layers: tuple[int, ...] = (), prefill_chunk: int = 2048):
         self.fast = fast
         self.device = fast.device
         self.hybrid = fast.hybrid
         self.feature_layers = tuple(feature_layers)
         self.prefill_chunk = prefill_chunk
-        self.exact = exact
-        if exact:
-            fast.span_multiple = EXACT_SPAN
+        self.exact = fast.numerics.exact
         self.reset()
 
     def reset(self) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.models.captures import note_capture
+from backend.models.numerics import EXACT_SPAN, Numerics
 
 
 @dataclass
@@ -38,7 +39,10 @@ class Snapshot:
 
 class FastModel:
     def __init__(self, model, max_context: int, max_block: int = 16, *, cuda_graphs: bool | None = None,
-                 compile: bool | str = False, prefill_chunk: int = 1024, min_span: int = 256):
+                 compile: bool | str = False, prefill_chunk: int = 1024, min_span: int = 256,
+                 numerics: Numerics | None = None):
+        """numerics: which kernels decode steps and verifies run (backend/models/numerics.py; the model reads it in
+        setup_caches, once; default Numerics(): the one-token path)."""
         self.model = model
         self.config = model.config
         self.device = model.embed.device
@@ -48,8 +52,8 @@ class FastModel:
         self.prefill_chunk = prefill_chunk
         self.min_span = min_span
         self.vocab_size = model.config.vocab_size
-        model.setup_caches(self.max_context, self.max_block)
-        self.span_multiple = 0
+        model.setup_caches(self.max_context, self.max_block, numerics)
+        self.span_multiple = EXACT_SPAN if self.numerics.exact else 0  # the record's exact mode (its padding: target.py)
         self.length = 0
         self._pending = 0  # block size of a verify awaiting accept()
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -71,8 +75,13 @@ class FastModel:
         self._host = self._host_view = self._staged = None  # pinned twin of _inputs, made on the first replay
 
     @property
+    def numerics(self) -> Numerics:
+        """The record the model runs (given at construction)."""
+        return self.model.numerics
+
+    @property
     def span_multiple(self) -> int:
-        """> 0 (exact mode, decoding/target.py): every eager call attends over a multiple of this many cache columns
+        """> 0 (exact mode: EXACT_SPAN where the record's kind is "exact"; decoding/target.py): every eager call attends over a multiple of this many cache columns
         (the masked ones add exact zeros), so a position's logits do not depend on how far the cache happened to
         reach. It also turns off kernels/block_attention, whose block tokens take another path than cached ones."""
         return self._span_multiple

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.models.cublas_rows import linear_rows_invariant
+from backend.models.numerics import Numerics
 from backend.models.static_cache import KVCache
 from kernels.block_attention import block_attention
 from kernels.fused_moe import triton_usable
@@ -34,7 +35,6 @@ from kernels.rows_linear import rows_linear
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
 # them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-MMA_PROJECTIONS = frozenset({"qkv", "o", "gate_up", "down", "lm_head"})  # every projection _rows can put on rows_linear
 
 
 @dataclass
@@ -175,27 +175,10 @@ class LlamaLayer(nn.Module):
 
 
 class Llama(nn.Module):
+    """Decode steps and verify blocks (T <= 16) run as the Numerics record handed to setup_caches says (its
+    LlamaNumerics: step path, the projections on tensor cores; backend/models/numerics.py)."""
+
     family = "llama"
-    # Which of _rows' projections take kernels/rows_linear.py (tensor cores: 16 rows cost what one does) instead of
-    # kernels/norm_gemv.py / kernels/gemv.py (CUDA cores: cheapest for one row, ~T times that for T rows). A projection
-    # uses its kernel for every row count, so any set keeps batch invariance; it trades plain decoding speed against
-    # verify speed. None by default: on the H200 (SmolLM2 shape, 2026-12-01, bench/target_step.py --mma) every set
-    # costs plain decoding more than 1.15x (none 0.59 ms, qkv+o+lm_head 0.74, all 0.93 with T_t(16) 1.15 ms flat).
-    mma_projections: frozenset = frozenset()
-    # How decode steps and verify blocks (T <= 16) run on CUDA:
-    #   "rows": _rows' kernels, batch-invariant by construction; a 16-row verify costs ~3x a decode step
-    #   "glue": forward()'s compiled glue with cuBLAS projections on 16 padded rows (_padded_glue); batch-invariant
-    #           where cuBLAS computes a row independently of its neighbours, which setup_caches checks on this device
-    #           (backend/models/cublas_rows.py; where it fails, steps take "rows"). A verify then costs about a step.
-    step_path: str = "rows"
-    # How a speculative engine's steps and verifies run (use_invariant_verify), both batch-invariant:
-    #   "glue": step_path "glue" (compiled glue + cuBLAS on 16 padded rows) where cuBLAS is row-invariant, else "rows"
-    #   "mma":  step_path "rows" with every projection through kernels/rows_linear.py (tensor cores, the same
-    #           instructions for 1 and 16 rows), so plain steps and verifies cost about the same
-    # "mma" by default: on the H200 the embedded model's speculative engine decoded 2240 tok/s on it against 2142 on
-    # "glue" (verify 1.00 against 1.08 ms), and its plain decoding in those numerics 1085 against 1022 tok/s
-    # (bench/results/spec_e2e_embedded_h200_20261202_drafter_kernel_{glue,mma}.json, 16/16 identical on both).
-    invariant_path: str = "mma"
 
     def __init__(self, config: LlamaConfig, inv_freq: torch.Tensor, rope_scaling: float = 1.0):
         super().__init__()
@@ -208,42 +191,28 @@ class Llama(nn.Module):
         self.rope_scaling = rope_scaling
         self.kv: KVCache | None = None
         self.linear = None  # no Gated DeltaNet state: any cache prefix is a valid rollback point
+        self.numerics = Numerics()  # setup_caches takes the record to run
+        self.step_path = "rows"  # the step path setup_caches took for the record ("rows" or "glue")
         self.glue_invariant = False  # step_path "glue" verified on this device (setup_caches)
 
     # ---- caches ---------------------------------------------------------------------------------------------------
 
-    def setup_caches(self, max_context: int, max_block: int) -> None:
+    def setup_caches(self, max_context: int, max_block: int, numerics: Numerics | None = None) -> None:
+        """Allocate the caches and take `numerics` (default: Numerics(), the one-token path) for decode steps and
+        verifies, before any CUDA graph is captured: step path "glue" is checked on this device first (the check
+        synchronises) and falls back to "rows" where cuBLAS is not row-invariant."""
         c, w = self.config, self.embed
         self.kv = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_context, w.device, w.dtype)
         self.cos, self.sin = rope_tables(self.inv_freq, self.rope_scaling, max_context, w.dtype)
-        self.set_step_path(self.step_path)
-
-    def set_step_path(self, path: str) -> None:
-        """Choose how decode steps and verifies run (see step_path), before any CUDA graph is captured: "glue" is
-        checked on this device first (the check synchronises) and falls back to "rows" where cuBLAS is not
-        row-invariant."""
-        if path not in ("rows", "glue"):
-            raise ValueError(f"step_path must be 'rows' or 'glue', got {path!r}")
+        self.numerics = numerics or Numerics()
+        path = self.numerics.llama.step_path
+        if self.numerics.llama.mma_projections and not (self.one_token_kernels and triton_usable(self.embed)):
+            # tensor-core rows asked for, which _rows cannot run here: the checked glue is the batch-invariant path
+            path = "glue"
         self.step_path = path
         first = self.layers[0]  # every layer has layer 0's shapes
         self.glue_invariant = path == "glue" and triton_usable(self.embed) and self.kv.use_block_kernel and (
             linear_rows_invariant([first.wqkv, first.wo, first.w_gate_up, first.w_down, self.lm_head]))
-
-    def use_invariant_verify(self) -> bool:
-        """For a speculative engine, by invariant_path: "mma", decode steps and verifies through _rows with every
-        projection on tensor cores (kernels/rows_linear.py: a 16-token verify ~1.15 of its own step); "glue", through
-        the compiled glue and cuBLAS where cuBLAS is row-invariant on this device (a 16-token verify ~1.1 steps, a
-        step ~1.6x _rows' on the H200: bench/results/spec_e2e_embedded_steps-*_h200_20261201.json), else _rows on
-        the CUDA-core kernels (batch-invariant too; a verify ~3 steps). Returns whether the numerics now differ from
-        a plain engine's."""
-        if self.invariant_path not in ("glue", "mma"):
-            raise ValueError(f"invariant_path must be 'glue' or 'mma', got {self.invariant_path!r}")
-        if self.invariant_path == "mma" and self.one_token_kernels and triton_usable(self.embed):
-            self.mma_projections = MMA_PROJECTIONS  # this model only: plain engines keep the class's CUDA-core set
-            self.set_step_path("rows")
-            return True
-        self.set_step_path("glue")
-        return self.glue_steps
 
     # ---- forward --------------------------------------------------------------------------------------------------
 
@@ -357,7 +326,7 @@ class Llama(nn.Module):
         feats = {}
         eps = c.rms_norm_eps
         rope = (self.cos, self.sin, positions, q_rows + k_rows)
-        mma = self.mma_projections
+        mma = self.numerics.llama.mma_projections
         for i, layer in enumerate(self.layers):
             qkv = (rows_linear if "qkv" in mma else _norm_gemv)(x, layer.wqkv, layer.attn_norm, eps, rope=rope)
             q = qkv[:, :q_rows].view(T, heads, d).transpose(0, 1)

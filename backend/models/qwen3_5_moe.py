@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
+from backend.models.numerics import Numerics
 from backend.models.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
 from kernels.block_attention import block_attention
@@ -41,7 +42,7 @@ from kernels.wide_linear import wide_linear
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 CHUNKED_FROM = 64  # prefill pieces this long or longer run the chunked recurrence; shorter ones the token loop
-PADDED_ROWS = 16  # invariant_steps: the rows every glue call of a decode step or verify block sees
+PADDED_ROWS = 16  # QwenNumerics.padded_rows: the rows every glue call of a decode step or verify block sees
 
 
 @dataclass
@@ -200,7 +201,7 @@ class GatedAttention(nn.Module):
         return x, glue(attention_out, compiled)(attn, gate, self.wo)
 
     def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled):
-        """invariant_steps: x, cos, sin have PADDED_ROWS rows, of which the first T are the block's; returns the
+        """padded_rows: x, cos, sin have PADDED_ROWS rows, of which the first T are the block's; returns the
         mixer's output for all of them (rows past T are never read)."""
         c, eps = model.config, model.config.rms_norm_eps
         q, k, v, gate = glue(attention_heads, compiled)(model.padded_in_projection(x, norm, self.wqkv, compiled),
@@ -247,7 +248,7 @@ class GatedDeltaNet(nn.Module):
         return x, glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
 
     def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled, record: bool):
-        """invariant_steps: as GatedAttention.padded. The convolution runs over all padded rows (it is causal: the
+        """padded_rows: as GatedAttention.padded. The convolution runs over all padded rows (it is causal: the
         first T see only real inputs); the caches keep what the first T rows leave."""
         c, cache, i = model.config, model.linear, self.slot
         window, q, k, v, z, a, b = glue(deltanet_conv, compiled)(
@@ -302,7 +303,7 @@ class SparseMoE(nn.Module):
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
 
     def padded(self, x, y, norm, eps: float, T: int, compiled, fixed_config: dict) -> torch.Tensor:
-        """invariant_steps: x + y + MoE(norm(x + y)) over PADDED_ROWS rows, the experts for the first T only (the
+        """padded_rows: x + y + MoE(norm(x + y)) over PADDED_ROWS rows, the experts for the first T only (the
         rest of the result is left unwritten: never read)."""
         shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
@@ -323,16 +324,11 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen35Moe(nn.Module):
+    """Decode steps and verify blocks run as the Numerics record handed to setup_caches says (its QwenNumerics:
+    through _padded_rows or the one-token kernels, which padded projections take kernels/wide_linear.py;
+    backend/models/numerics.py)."""
+
     family = "qwen3_5_moe"
-    # Decode steps and verify blocks through _padded_rows: batch-invariant, so every CUDA engine turns it on
-    # (use_invariant_verify; a plain one too, so that --drafter none and a speculative engine give the same tokens).
-    # It costs a plain step ~1.2x the one-token kernels (bench/target_step.py --invariant); off only where a
-    # benchmark asks for the one-token kernels (Engine(invariant_verify=False)).
-    invariant_steps = False
-    # Which of _padded_rows' dense projections ("in": the mixers' input projections, "out": their output
-    # projections) run kernels/wide_linear.py instead of cuBLAS (bench/target_step.py --wide measures a set). "in"
-    # is no faster than cuBLAS at the 35B-A3B shape (15.2 vs 15.5 us, 12.2 vs 11.8: kernels/README.md)
-    wide_projections = frozenset({"out"})
 
     def __init__(self, config: Qwen35MoeConfig, inv_freq: torch.Tensor):
         super().__init__()
@@ -353,9 +349,12 @@ class Qwen35Moe(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
         self.kv: KVCache | None = None
         self.linear: LinearStateCache | None = None
+        self.numerics = Numerics()  # setup_caches takes the record to run
 
-    def setup_caches(self, max_context: int, max_block: int) -> None:
+    def setup_caches(self, max_context: int, max_block: int, numerics: Numerics | None = None) -> None:
+        """Allocate the caches and take `numerics` (default: Numerics(), the one-token kernels)."""
         c, w = self.config, self.embed
+        self.numerics = numerics or Numerics()
         self.kv = KVCache(self.num_attention_layers, c.num_kv_heads, c.head_dim, max_context, w.device, w.dtype)
         self.linear = LinearStateCache(self.num_linear_layers, c.conv_dim, c.conv_kernel, c.linear_num_value_heads,
                                        c.linear_key_head_dim, c.linear_value_head_dim, max_block, w.device, w.dtype,
@@ -371,7 +370,7 @@ class Qwen35Moe(nn.Module):
         compiled: run the per-layer glue through torch.compile (llama.glue)."""
         c = self.config
         T = tokens.numel()
-        if self.invariant_steps and T <= PADDED_ROWS and triton_usable(self.embed) and (
+        if self.numerics.qwen.padded_rows and T <= PADDED_ROWS and triton_usable(self.embed) and (
                 not self.num_attention_layers or self.kv.block_kernel(T)):
             return self._padded_rows(tokens, positions, kv_len, record, all_logits, hidden_ids, compiled)
         x = F.embedding(tokens, self.embed)
@@ -399,26 +398,19 @@ class Qwen35Moe(nn.Module):
         return self.padded_linear(glue(qwen_rms_norm, compiled)(x, norm, self.config.rms_norm_eps), w, "in")
 
     def padded_linear(self, x, w, which: str):
-        """_padded_rows' dense projections: kernels/wide_linear.py for those in wide_projections, else cuBLAS."""
-        return wide_linear(x, w) if which in self.wide_projections else F.linear(x, w)
-
-    def use_invariant_verify(self) -> bool:
-        """For a speculative engine: decode steps and verifies through _padded_rows (invariant_steps), so greedy
-        speculative output is token-identical to this model's plain decoding. A plain step then costs ~1.3x the
-        one-token kernels' (3.55 ms against 2.82 at the 35B-A3B shape on the H200). Returns whether the numerics now
-        differ from a plain engine's (they do)."""
-        self.invariant_steps = True
-        return True
+        """_padded_rows' dense projections: kernels/wide_linear.py for those the record's wide_projections name, else
+        cuBLAS."""
+        return wide_linear(x, w) if which in self.numerics.qwen.wide_projections else F.linear(x, w)
 
     @property
     def batch_invariant(self) -> bool:
         """Whether decode steps and verify blocks take _padded_rows, whose every kernel computes a row the same way
         for 1..16 rows (checked end to end by bench/layer_diff.py and the CUDA tests)."""
-        return bool(self.invariant_steps) and triton_usable(self.embed) and (
+        return self.numerics.qwen.padded_rows and triton_usable(self.embed) and (
             not self.num_attention_layers or self.kv.use_block_kernel)
 
     def _padded_rows(self, tokens, positions, kv_len: int, record: bool, all_logits: bool, hidden_ids, compiled):
-        """invariant_steps: a decode step or verify block (T <= 16) whose every glue function (norms, projections
+        """padded_rows: a decode step or verify block (T <= 16) whose every glue function (norms, projections
         through cuBLAS, RoPE, gates, the convolution) runs on PADDED_ROWS rows, the first T of them the block's.
         Only the parts that must see T rows (attention, the recurrence, routing and experts) take the first T. So
         a decode step and every verify size call the same compiled kernels with the same shapes (one torch.compile

@@ -290,18 +290,17 @@ def _embedded():
 @pytest.mark.parametrize("step_path", ["rows", "glue", "mma"])
 def test_cuda_embedded_position_logits_are_batch_invariant(step_path):
     """A position's logits in bf16 are bitwise the same from a plain decode step and from inside a verify block of
-    every size 2..16 (CUDA graphs, the engine's defaults), also after a prefix-reuse cut of the cache: on the row
-    kernels (plain engines), on the glue over cuBLAS (speculative engines, where cuBLAS passes its check) and on the
-    tensor-core row kernels (speculative engines, Llama.invariant_path "mma")."""
-    from backend.models import load_fast
+    every size 2..16 (CUDA graphs, compiled glue), also after a prefix-reuse cut of the cache: on the row kernels
+    (the one-token numerics, Engine(invariant_verify=False)), on the glue over cuBLAS (the invariant numerics with
+    llama_invariant_path "glue", where cuBLAS passes its check) and on the tensor-core row kernels (the invariant
+    numerics' default, "mma")."""
+    from backend.models import Numerics, invariant_numerics, load_fast
 
     loaded = _embedded()
-    fm = load_fast(loaded.model, max_context=2048, compile=True)
+    numerics = Numerics() if step_path == "rows" else invariant_numerics("test", step_path)
+    fm = load_fast(loaded.model, max_context=2048, compile=True, numerics=numerics)
     if step_path == "mma":
-        fm.model.invariant_path = "mma"
-        assert fm.model.use_invariant_verify() and fm.model.mma_projections and fm.model.batch_invariant
-    else:
-        fm.model.set_step_path(step_path)
+        assert fm.model.step_path == "rows" and fm.model.numerics.llama.mma_projections and fm.model.batch_invariant
     if step_path == "glue" and not fm.model.glue_steps:
         pytest.skip("cuBLAS is not row-invariant on this device: speculative engines keep the row kernels")
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Explain pytest fixtures."}],
@@ -331,20 +330,19 @@ def test_cuda_embedded_position_logits_are_batch_invariant(step_path):
 
 @cuda
 @pytest.mark.parametrize("invariant_path", ["glue", "mma"])
-def test_cuda_embedded_speculative_equals_plain_greedy(invariant_path, monkeypatch):
+def test_cuda_embedded_speculative_equals_plain_greedy(invariant_path):
     """The shipped drafter on the embedded model's real weights, bf16, the engine's GPU defaults (and each of
     Llama's invariant paths): speculative output is token-identical to plain decoding on every prompt."""
     from backend.bench.run import PROMPTS, make_prompts
     from backend.chat import stop_token_ids
     from backend.dflash.checkpoint import find_shipped_drafter, load_drafter
-    from backend.models.llama import Llama
-
-    monkeypatch.setattr(Llama, "invariant_path", invariant_path)
     loaded = _embedded()
     drafter = load_drafter(find_shipped_drafter(loaded.name))
-    plain = Engine(loaded.model, max_context=4096)  # `--drafter none`: the same numerics by default
-    engine = Engine(loaded.model, drafter=drafter, max_context=4096)
+    # `--drafter none`: the same numerics by default
+    plain = Engine(loaded.model, max_context=4096, llama_invariant_path=invariant_path)
+    engine = Engine(loaded.model, drafter=drafter, max_context=4096, llama_invariant_path=invariant_path)
     assert engine.fast_drafter is not None and not engine.target.exact and engine.lossless
+    assert plain.numerics.kind == engine.numerics.kind == "invariant" and plain.numerics.llama == engine.numerics.llama
     assert engine.invariant_verify and "lossless" in engine.describe_decoding()
     stops = stop_token_ids(loaded.tokenizer, loaded.model.generation_config)
     for prompt in make_prompts(loaded.tokenizer, len(PROMPTS), 0):

@@ -8,8 +8,10 @@ import torch
 from backend.dflash.checkpoint import find_shipped_drafter, load_drafter
 from backend.decoding.engine import Engine, SamplingParams
 from backend.loading import ModelLoadError, load_model
-from backend.models import load_fast
+from backend.models import Numerics, load_fast
 from backend.decoding.target import FastTarget
+
+EXACT = Numerics("exact", "tests: exact mode")  # the record a CPU engine with a drafter resolves to
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -28,7 +30,7 @@ def _no_cancel():
 
 def test_padded_steps_and_verified_blocks_give_bitwise_equal_logits(embedded_bf16):
     hf = embedded_bf16.model
-    target = FastTarget(load_fast(hf, max_context=1024 + 16), exact=True)
+    target = FastTarget(load_fast(hf, max_context=1024 + 16, numerics=EXACT))
     prompt = torch.randint(100, 40000, (480,), generator=torch.Generator().manual_seed(0)).tolist()
     logits, _ = target.prefill(prompt, False, _no_cancel)
     tokens, stepped = [], []
@@ -49,7 +51,7 @@ def test_padded_steps_and_verified_blocks_give_bitwise_equal_logits(embedded_bf1
 
 def test_prefill_is_independent_of_where_its_chunks_start(embedded_bf16):
     """Prefix reuse cuts a prompt at any point; in exact mode the logits after it are bitwise the same."""
-    target = FastTarget(load_fast(embedded_bf16.model, max_context=1024 + 16), exact=True)
+    target = FastTarget(load_fast(embedded_bf16.model, max_context=1024 + 16, numerics=EXACT))
     prompt = torch.randint(100, 40000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     whole, _ = target.prefill(prompt, False, _no_cancel)
     for cut in (37, 64, 250):

@@ -203,6 +203,8 @@ def test_cuda_drafter_none_and_speculation_give_the_same_text_over_a_conversatio
     plain = Engine(loaded.model, max_context=8192)
     engine = Engine(loaded.model, drafter=load_drafter(find_shipped_drafter(loaded.name)), max_context=8192)
     assert "token-identical to --drafter none" in engine.describe_decoding()
+    assert plain.numerics.kind == engine.numerics.kind == "invariant"  # one record for both (models/numerics.py)
+    assert plain.numerics.llama == engine.numerics.llama and plain.numerics.qwen == engine.numerics.qwen
     stops = stop_token_ids(loaded.tokenizer, loaded.model.generation_config)
     replies = {id(plain): [], id(engine): []}
     for e in (plain, engine):

@@ -382,23 +382,23 @@ def test_bench_routing_trace_routes_by_position_among_the_hot_experts(tmp_path, 
     assert "MoE" in capsys.readouterr().err
 
 
-def test_bench_llama_invariant_path_is_recorded_and_restored(tmp_path, capsys):
-    """--llama-invariant sets Llama.invariant_path for the run (the record says which path the engine took) and puts
-    it back after; a bad value is a one-line error. On the CPU the speculative engine runs in exact mode whatever the
-    path (the row kernels need Triton on a GPU), so the record shows the rows step path with no tensor-core set."""
+def test_bench_llama_invariant_path_is_recorded(tmp_path, capsys):
+    """--llama-invariant reaches every engine of the run (Engine(llama_invariant_path=...): no class attribute is
+    set) and the record says which path it asked for; a bad value is a one-line error. On the CPU the reference
+    engine runs in exact mode whatever the path (the invariant numerics are CUDA's default), so the record shows the
+    rows step path with no tensor-core set."""
     import json
 
     from backend.bench.run import cli
-    from backend.models.llama import Llama
+    from backend.models.numerics import LLAMA_INVARIANT_PATH
 
-    before = Llama.invariant_path
+    other = "glue" if LLAMA_INVARIANT_PATH == "mma" else "mma"
     out = tmp_path / "b.json"
     assert cli(["--model", "tiny-llama", "--prompts", "1", "--max-tokens", "4", "--no-hf", "--adaptive", "off",
-                "--llama-invariant", "glue" if before == "mma" else "mma", "--json", str(out)]) == 0
+                "--llama-invariant", other, "--json", str(out)]) == 0
     engine = json.loads(out.read_text())["engine"]
-    assert engine["llama_invariant_path"] == ("glue" if before == "mma" else "mma")
+    assert engine["llama_invariant_path"] == other and engine["numerics"] == "exact"
     assert engine["llama_step_path"] == "rows" and engine["llama_mma_projections"] == []
-    assert Llama.invariant_path == before
     capsys.readouterr()
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         cli(["--model", "tiny-llama", "--llama-invariant", "fast"])
@@ -406,7 +406,6 @@ def test_bench_llama_invariant_path_is_recorded_and_restored(tmp_path, capsys):
     from backend.bench.run import main
     assert main(model="tiny-llama", prompts=1, max_tokens=4, compare_hf=False, llama_invariant="fast") == 2
     assert "--llama-invariant must be glue or mma" in capsys.readouterr().err
-    assert Llama.invariant_path == before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

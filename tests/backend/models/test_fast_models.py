@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen
 
-from backend.models import FastModel, load_fast
+from backend.models import FastModel, invariant_numerics, load_fast
 from backend.models.qwen3_5_moe import CHUNKED_FROM
 from kernels.gdn_state import gdn_chunked, gdn_recurrent
 from tests import interpreter
@@ -302,13 +302,13 @@ def test_llama_decode_step_through_triton_kernels_under_interpreter():
 LLAMA_GLUE_SCRIPT = textwrap.dedent("""
     import torch
     from transformers import DynamicCache
-    from backend.models import load_fast
+    from backend.models import invariant_numerics, load_fast
     from tests.backend.models.test_fast_models import TOL, count_calls, hf_step, seeded, tiny_llama
     seeded()
     hf = tiny_llama(tie=False)
-    fast = load_fast(hf, max_context=64)
+    fast = load_fast(hf, max_context=64, numerics=invariant_numerics("test", "glue"))  # llama_invariant_path "glue"
+    assert fast.model.step_path == "glue" and not fast.model.glue_steps  # on the CPU the cuBLAS check is not passed
     fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
-    fast.model.set_step_path("glue")  # the speculative engines' path, where the cuBLAS check passes
     fast.model.glue_invariant = True  # CPU BLAS fails that check (row counts round differently): this checks the math
     assert fast.model.glue_steps
     calls = count_calls(fast.model, ["_padded_glue"])
@@ -409,13 +409,15 @@ QWEN_TRITON_SCRIPT = textwrap.dedent("""
 QWEN_PADDED_SCRIPT = textwrap.dedent("""
     import importlib
     import torch
-    from backend.models import load_fast
+    from dataclasses import replace
+    from backend.models import invariant_numerics, load_fast
+    from backend.models.numerics import QwenNumerics
     from tests.backend.models.test_fast_models import count_calls, seeded, tiny_qwen
     seeded()
     hf = tiny_qwen()
-    ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128)
-    fast.model.use_invariant_verify()
-    fast.model.wide_projections = frozenset({"in", "out"})  # both kinds of projection through kernels/wide_linear.py
+    # the invariant numerics' padded rows, both kinds of projection through kernels/wide_linear.py
+    numerics = replace(invariant_numerics("test"), qwen=QwenNumerics(padded_rows=True, wide_projections={"in", "out"}))
+    ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128, numerics=numerics)
     fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
     calls = count_calls(fast.model, ["_padded_rows"], count_calls(importlib.import_module(
         "backend.models.qwen3_5_moe"), ["wide_linear"]))
@@ -440,8 +442,8 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
 
 
 def test_qwen_padded_rows_compute_what_the_model_does_under_interpreter():
-    """use_invariant_verify's path (_padded_rows: glue and the projections of kernels/wide_linear.py on 16 padded
-    rows, attention, recurrence and experts on the real ones, written into the padded buffers) gives the regular
+    """The invariant numerics' path (QwenNumerics.padded_rows: _padded_rows, glue and the projections of
+    kernels/wide_linear.py on 16 padded rows, attention, recurrence and experts on the real ones, written into the padded buffers) gives the regular
     forward's logits and states (fp32, every kernel interpreted) for decode steps, a verify and the accept after it."""
     pytest.importorskip("triton")
     done = interpreter.run(QWEN_PADDED_SCRIPT, timeout=600)  # usually computed in the background already
@@ -697,14 +699,14 @@ def test_cuda_compiled_glue_matches_eager(arch):
 
 @cuda
 def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant():
-    """A speculative engine's Qwen3.5-MoE numerics (use_invariant_verify: _padded_rows), with CUDA graphs and the
+    """A CUDA engine's Qwen3.5-MoE numerics (the invariant record: _padded_rows), with CUDA graphs and the
     compiled glue as the engine runs them: a position's logits are bitwise the same from a plain decode step and from
     inside a verify block of every size 2..16, from a restored prompt checkpoint and after an accept cut a block
     short (the conv window and recurrent states handed over)."""
     seeded()
-    fm = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 600, compile=True)
-    fm.model.use_invariant_verify()
-    assert fm.model.batch_invariant
+    fm = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 600, compile=True,
+                   numerics=invariant_numerics("test", compile=True))
+    assert fm.model.numerics.qwen.padded_rows and fm.model.batch_invariant
     prompt = torch.randint(0, 320, (CHUNKED_FROM,)).tolist()  # the chunked prefill, as real prompts take
     logits, _ = fm.prefill(prompt)
     snap = fm.snapshot()
