@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from backend.bench.report import cpu_model  # noqa: E402
 from backend.bench.routing import install_routing_trace, trace_distinct_experts  # noqa: E402
+from backend.models import invariant_numerics  # noqa: E402
 from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa: E402
 
 # first match wins; the names are our Triton kernels' function names, cuBLAS's and torch.compile's families
@@ -221,8 +222,8 @@ def main() -> None:
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16)
-    model.use_invariant_verify()
-    fast = fast_cls(model, max(contexts) + args.prefill + 64, cuda_graphs=True, compile=True)
+    numerics = invariant_numerics("bench/step_budget.py: the numerics `reviewer serve` runs on the GPU", compile=True)
+    fast = fast_cls(model, max(contexts) + args.prefill + 64, cuda_graphs=True, compile=True, numerics=numerics)
     tables = install_routing_trace(fast, hot=args.hot_experts)
     distinct = trace_distinct_experts(tables)
     record = {"benchmark": "step_budget", "model": "qwen3.6-35b-a3b shape, random weights (bf16)",
