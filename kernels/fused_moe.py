@@ -413,6 +413,19 @@ def num_blocks_bound(num_slots: int, num_experts: int, block_m: int) -> int:
     return num_slots // block_m + min(num_experts, num_slots)
 
 
+def align_workspace(num_blocks: int, num_slots: int, padded_experts: int, device):
+    """align_slots' int32 outputs and scratch as slices of one allocation, each starting on a 16-byte boundary.
+    Triton specialises a pointer argument on 16-byte alignment, so slices at offsets that follow the token count
+    gave the align, gate_up and down kernels new variants to compile for new prompt lengths while serving (3 on
+    the first turn of the 35B-A3B replay of 2026-12-03, all _align_kernel). Returns (block_expert, block_start,
+    block_count, sorted_slots, cursor)."""
+    up = lambda n: -(-n // 4) * 4  # noqa: E731  (4 int32 = 16 bytes)
+    nb, ns = up(num_blocks), up(num_slots)
+    work = torch.empty(3 * nb + ns + padded_experts, dtype=torch.int32, device=device)
+    return (work[:num_blocks], work[nb:nb + num_blocks], work[2 * nb:2 * nb + num_blocks],
+            work[3 * nb:3 * nb + num_slots], work[3 * nb + ns:3 * nb + ns + padded_experts])
+
+
 def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, block_m: int):
     """Sort (token, expert) slots by expert and cut them into blocks of <= block_m rows, on the device.
 
@@ -424,10 +437,8 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
     num_slots = num_routed + (num_tokens if has_shared else 0)
     num_blocks = num_blocks_bound(num_slots, num_experts + int(has_shared), block_m)
     padded_experts = triton.next_power_of_2(num_experts + 1)
-    work = torch.empty(3 * num_blocks + num_slots + padded_experts, dtype=torch.int32, device=topk_ids.device)
-    bexp, bstart, bcount = work[:num_blocks], work[num_blocks:2 * num_blocks], work[2 * num_blocks:3 * num_blocks]
-    sorted_slots = work[3 * num_blocks:3 * num_blocks + num_slots]
-    cursor = work[3 * num_blocks + num_slots:]
+    bexp, bstart, bcount, sorted_slots, cursor = align_workspace(num_blocks, num_slots, padded_experts,
+                                                                 topk_ids.device)
     _align_kernel[(1,)](topk_ids.contiguous(), cursor, sorted_slots, bexp, bstart, bcount,
                         num_routed, num_tokens, num_blocks, num_experts,
                         HAS_SHARED=has_shared, EP=padded_experts, CH=64, BM=block_m, num_warps=8)

@@ -210,6 +210,20 @@ def test_residual_is_added_by_the_sum_kernel_with_pytorch_rounding():
         fused_moe(*inputs, residual=res[:2])
 
 
+def test_align_workspace_slices_start_on_16_byte_boundaries_for_every_token_count():
+    """Triton specialises pointers on 16-byte alignment: slices at token-count-dependent offsets compiled new kernel
+    variants for new prompt lengths while serving (the 35B-A3B replay's compilations after ready)."""
+    from kernels.fused_moe import align_workspace, num_blocks_bound
+    for tokens in range(1, 70):
+        slots = tokens * 9  # top-8 + the shared expert
+        blocks = num_blocks_bound(slots, 257, 16)
+        parts = align_workspace(blocks, slots, 512, "cpu")
+        assert [p.numel() for p in parts] == [blocks, blocks, blocks, slots, 512]
+        assert all(p.data_ptr() % 16 == 0 for p in parts), tokens
+        ends = sorted((p.data_ptr(), p.data_ptr() + 4 * p.numel()) for p in parts)
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # no two overlap
+
+
 ALIGN_SCRIPT = r"""
 import importlib, json, sys
 import torch

@@ -105,6 +105,7 @@ def test_cuda_drafter_graph_replays_eager_bits_at_every_length(window):
     drafter = windowed(unwindowed, window) if window else unwindowed
     drafter, unwindowed = drafter.to("cuda", torch.bfloat16), unwindowed.to("cuda", torch.bfloat16)
     drafter.check_target(model)
+    unwindowed.check_target(model)  # the SDPA reference below drafts with it too (binds the target's embedding)
     width = len(drafter.target_layer_ids) * drafter.cfg.hidden_size
     fd = FastDrafter(drafter, max_context=2048)
     assert fd.block_kernel
