@@ -103,8 +103,12 @@ def random_gdn(T, hk=2, hv=4, dk=16, dv=8, dtype=torch.float32):
 def test_recurrence_matches_transformers(T):
     seeded()
     q, k, v, g, beta, s0 = random_gdn(T)
+    # each key head serves consecutive value heads, expanded before the reference as transformers' layer does (its
+    # function takes grouped heads itself only in some releases: 5.17 does not)
+    group = v.shape[1] // q.shape[1]
+    qe, ke = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     ref_out, ref_state = hf_qwen.torch_recurrent_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None], output_final_state=True,
+        qe[None], ke[None], v[None], g[None], beta[None], initial_state=s0[None], output_final_state=True,
         use_qk_l2norm_in_kernel=True)
     state = s0.clone()
     out = gdn_recurrent(q, k, v, g, beta, state, state, every_position=False)
