@@ -53,5 +53,5 @@ def load_fast(hf_model, max_context: int | None = None, max_block: int = 16, *,
                      numerics=numerics)
 
 
-__all__ = ["ARCHITECTURES", "FastModel", "Llama", "Numerics", "Qwen35Moe", "Snapshot", "fast_class", "invariant_numerics",
-           "load_fast", "no_fast_path", "resolve_numerics"]
+__all__ = ["ARCHITECTURES", "FastModel", "Llama", "Numerics", "Qwen35Moe", "Snapshot", "fast_class",
+           "invariant_numerics", "load_fast", "no_fast_path", "resolve_numerics"]

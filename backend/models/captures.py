@@ -89,7 +89,8 @@ def install_compile_hooks() -> None:
 
         def hook(*args, **kwargs):
             # repr: the specialisation (signature and constants), which says why a kernel compiled again
-            note_compilation(f"Triton kernel {getattr(kwargs.get('fn'), 'name', '?')} {str(kwargs.get('repr', ''))[:1200]}")
+            name = getattr(kwargs.get("fn"), "name", "?")
+            note_compilation(f"Triton kernel {name} {str(kwargs.get('repr', ''))[:1200]}")
             return previous(*args, **kwargs) if previous else None
 
         runtime.jit_post_compile_hook = hook

@@ -53,7 +53,7 @@ class FastModel:
         self.min_span = min_span
         self.vocab_size = model.config.vocab_size
         model.setup_caches(self.max_context, self.max_block, numerics)
-        self.span_multiple = EXACT_SPAN if self.numerics.exact else 0  # the record's exact mode (its padding: target.py)
+        self.span_multiple = EXACT_SPAN if self.numerics.exact else 0  # exact mode's padding (decoding/target.py)
         self.length = 0
         self._pending = 0  # block size of a verify awaiting accept()
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
@@ -81,9 +81,9 @@ class FastModel:
 
     @property
     def span_multiple(self) -> int:
-        """> 0 (exact mode: EXACT_SPAN where the record's kind is "exact"; decoding/target.py): every eager call attends over a multiple of this many cache columns
-        (the masked ones add exact zeros), so a position's logits do not depend on how far the cache happened to
-        reach. It also turns off kernels/block_attention, whose block tokens take another path than cached ones."""
+        """> 0 (exact mode: EXACT_SPAN where the record's kind is "exact"; decoding/target.py): every eager call
+        attends over a multiple of this many cache columns (the masked ones add exact zeros), so a position's logits
+        do not depend on how far the cache happened to reach. It also turns off kernels/block_attention, whose block tokens take another path than cached ones."""
         return self._span_multiple
 
     @span_multiple.setter
