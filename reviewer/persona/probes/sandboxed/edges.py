@@ -12,25 +12,18 @@ import tempfile
 import traceback
 
 from .commands import run_cli
-from .prelude import consume, emit, exception_line, held_builtin, internal, limit, quiet, resolve
+from .prelude import consume, emit, exception_line, limit, quiet, target_of
 
 
 def check(target, doc_named, base, cases, doc_text, limit_s, rules):
     """The check script's entry for one function: `base` is (args, kwargs) of the documented call, `cases` are
     (label, kind, build() -> (args, kwargs)), `rules` the contracts that excuse an exception (patterns and names);
     exit 1 when one case crashes."""
-    func = resolve(target)
-    if held_builtin(func):
-        emit({"crashes": [], "skipped": "a method of a built-in object, not the project's code"})
-        return 0
-    if internal(func, target, doc_named):
-        emit({"crashes": [], "skipped": "the project's internals: not exported, not in the docs"})
+    func, skipped, where = target_of(target, doc_named)
+    if skipped:
+        emit({"crashes": [], "skipped": skipped})
         return 0
     doc = (inspect.getdoc(func) or "") + "\n" + doc_text
-    try:
-        where = [os.path.relpath(inspect.getsourcefile(func)), inspect.getsourcelines(func)[1]]
-    except Exception:  # noqa: BLE001 - a builtin or a generated function has no source to point at
-        where = [None, None]
     try:
         with quiet(), limit(limit_s):
             consume(func(*base[0], **base[1]), 10000)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import itertools
 import json
 import math
@@ -60,6 +61,21 @@ def internal(func, target, doc_named):
         return False
     module = sys.modules.get(getattr(func, "__module__", None) or "")
     return owner not in (getattr(module, "__all__", None) or ())
+
+
+def target_of(target, doc_named):
+    """A probe's function by name, and why the probe leaves it alone (None: it probes it) and where it is defined:
+    (func, skipped, [file relative to the working directory, line] or [None, None])."""
+    func = resolve(target)
+    if held_builtin(func):
+        return func, "a method of a built-in object, not the project's code", [None, None]
+    if internal(func, target, doc_named):
+        return func, "the project's internals: not exported, not in the docs", [None, None]
+    try:
+        where = [os.path.relpath(inspect.getsourcefile(func)), inspect.getsourcelines(func)[1]]
+    except Exception:  # noqa: BLE001 - a builtin or a generated function has no source to point at
+        where = [None, None]
+    return func, None, where
 
 
 class Overtime(BaseException):

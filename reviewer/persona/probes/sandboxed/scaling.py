@@ -4,12 +4,10 @@ and of its output's growth fitted (what is grown, and the thresholds: reviewer/p
 from __future__ import annotations
 
 import gc
-import inspect
-import os
 import time
 from statistics import median
 
-from .prelude import Overtime, consume, emit, exception_line, held_builtin, internal, limit, quiet, resolve, slope
+from .prelude import Overtime, consume, emit, exception_line, limit, quiet, slope, target_of
 
 
 def measure(func, build, ref, cfg):
@@ -77,17 +75,10 @@ def measure(func, build, ref, cfg):
 def check(target, doc_named, cfg, variants):
     """The check script's entry: `variants` are (label, reference length, build(f) -> (args, kwargs)); exit 1 when
     one of them grows too fast."""
-    func = resolve(target)
-    if held_builtin(func):
-        emit({"variants": [], "skipped": "a method of a built-in object, not the project's code"})
+    func, skipped, where = target_of(target, doc_named)
+    if skipped:
+        emit({"variants": [], "skipped": skipped})
         return 0
-    if internal(func, target, doc_named):
-        emit({"variants": [], "skipped": "the project's internals: not exported, not in the docs"})
-        return 0
-    try:
-        where = [os.path.relpath(inspect.getsourcefile(func)), inspect.getsourcelines(func)[1]]
-    except Exception:  # noqa: BLE001 - a builtin or a generated function has no source to point at
-        where = [None, None]
     results = [dict(measure(func, build, ref, cfg), variant=label) for label, ref, build in variants]
     emit({"variants": results, "where": where})
     return 1 if any(r["flagged"] for r in results) else 0
