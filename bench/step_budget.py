@@ -40,14 +40,14 @@ from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa
 
 # first match wins; the names are our Triton kernels' function names, cuBLAS's and torch.compile's families
 PARTS = [
-    ("attention", r"_partial_kernel|_combine_kernel|_write_block_kernel|flash|fmha|attention|sdpa|softmax"),
+    ("routing", r"router|_route|topk|radix"),  # before attention: _router_partial_kernel is no attention kernel
+    ("attention", r"^_partial_kernel|^_combine_kernel|^_write_block_kernel|flash|fmha|sdpa"),
     ("recurrence", r"gdn|trsm|triangular|_chunk_|getrs|trsv"),
     ("experts", r"_gate_up_kernel|_down_kernel|_sum_slots|_align_kernel|_block_rows|_chunk_ranks|moe"),
-    ("routing", r"router|_route|topk|sort|radix"),
     ("projections", r"_wide_kernel|gemm|gemv|nvjet|cutlass|xmma|_rows_linear|_norm_gemv|sm90_|sm80_"),
     ("glue", r"^triton_"),
 ]
-MOE = re.compile(PARTS[2][1])
+MOE = re.compile(dict(PARTS)["experts"])
 
 
 def part_of(name: str) -> str:
@@ -68,7 +68,7 @@ def window_kernels(call, device) -> tuple[list[dict], float]:
         wall = (time.perf_counter() - t) * 1e6
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     kernels = sorted(({"name": e["name"], "ts": e["ts"], "us": e["dur"]} for e in events
                       if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     return kernels, wall
@@ -98,7 +98,8 @@ def budget(windows: list[list[dict]], kinds: list[str]) -> dict:
         for kind, layer in zip(kinds + ["head"], layers):
             sums = {}
             for k in layer:
-                sums[part_of(k["name"])] = sums.get(part_of(k["name"]), 0.0) + k["us"]
+                part = part_of(k["name"])
+                sums[part] = sums.get(part, 0.0) + k["us"]
             for part, us in sums.items():
                 per.setdefault((kind, part), []).append(us)
     out = {}

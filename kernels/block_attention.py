@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import triton, triton_usable
+from kernels.fused_moe import dot_size, triton, triton_usable
 
 MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (prefill) use SDPA
 # cached K+V bytes per program (per key head): small slices, many programs, each a short dependent chain (on the H200
@@ -183,7 +183,7 @@ if triton is not None:
 
 def supports(head_dim: int) -> bool:
     """The Triton kernel takes power-of-two head dims >= 16 (tl.arange and tl.dot shapes)."""
-    return head_dim >= 16 and not head_dim & (head_dim - 1)
+    return dot_size(head_dim)
 
 
 def _check(q, k_new, v_new, k_cache, v_cache, start):

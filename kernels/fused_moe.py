@@ -52,6 +52,11 @@ def triton_usable(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def dot_size(n: int) -> bool:
+    """Whether n can be a tile side of tl.arange and tl.dot: a power of two, at least 16."""
+    return n >= 16 and not n & (n - 1)
+
+
 def fused_moe(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,

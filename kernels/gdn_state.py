@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import triton, triton_usable
+from kernels.fused_moe import dot_size, triton, triton_usable
 
 L2_EPS = 1e-6  # transformers' / flash-linear-attention's l2norm epsilon
 # launch shape of the Triton kernel (value columns per program, warps, next-token prefetch): the per-token chain of
@@ -417,8 +417,7 @@ def _chunk_loop_torch(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, sta
 
 def _chunks_fit(dk: int, dv: int, chunk: int) -> bool:
     """The Triton walk takes power-of-two key dims and chunks >= 16 (tl.dot shapes) and value dims in CHUNK_V."""
-    pow2 = lambda x: x >= 16 and not x & (x - 1)  # noqa: E731
-    return pow2(dk) and pow2(chunk) and dv % CHUNK_V == 0
+    return dot_size(dk) and dot_size(chunk) and dv % CHUNK_V == 0
 
 
 def _chunk_loop_triton(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state):

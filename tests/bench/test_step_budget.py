@@ -1,0 +1,82 @@
+"""bench/step_budget.py's trace arithmetic on the CPU: kernels put in parts by name (with the names the H200 traces
+hold), a forward's kernels cut into layers where each layer's experts end, and the per-layer medians. The profiling
+itself needs a GPU (the script refuses without one)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import step_budget  # noqa: E402
+
+# names as the 2026-12-03 H200 traces have them (bench/results/step_budget_*.json)
+NAMES = {
+    "_router_partial_kernel": "routing",  # once counted as attention: "_partial_kernel" is inside its name
+    "_route_kernel": "routing",
+    "_partial_kernel": "attention",
+    "_combine_kernel": "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x": "attention",
+    "_gdn_recurrent_kernel": "recurrence",
+    "_gdn_chunks_kernel": "recurrence",
+    "void batch_trsm_left_kernel<float, 64, 4, 3, false, true, true>(cublas": "recurrence",
+    "_gate_up_kernel": "experts",
+    "_align_kernel": "experts",
+    "_sum_slots_kernel": "experts",
+    "nvjet_sm90_tst_128x16_64x11_4x1_v_bz_TNT": "projections",
+    "_wide_kernel": "projections",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "glue",
+    "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel": "other",
+    "memcpy32_post": "other",
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kernels_go_to_their_parts(name):
+    assert step_budget.part_of(name) == NAMES[name]
+
+
+def kernels(*names):
+    return [{"name": n, "ts": i, "us": 1.0 + i} for i, n in enumerate(names)]
+
+
+def test_a_forward_is_cut_where_each_layer_s_experts_end():
+    forward = kernels("embedding", "nvjet_in", "_partial_kernel", "_gate_up_kernel", "_down_kernel",
+                      "nvjet_in", "_gdn_recurrent_kernel", "_gate_up_kernel", "_sum_slots_kernel",
+                      "triton_red_norm", "nvjet_lm_head")
+    layers = step_budget.split_layers(forward, 2)
+    assert [[k["name"] for k in layer] for layer in layers] == [
+        ["embedding", "nvjet_in", "_partial_kernel", "_gate_up_kernel", "_down_kernel"],
+        ["nvjet_in", "_gdn_recurrent_kernel", "_gate_up_kernel", "_sum_slots_kernel"],
+        ["triton_red_norm", "nvjet_lm_head"]]
+
+
+def test_budget_takes_medians_per_layer_kind_and_counts_a_missing_part_as_zero():
+    # two linear-attention layers: only the first has a recurrence kernel, only the second a projection, so each
+    # part's median over the two is half its one value
+    forward = [{"name": n, "ts": 0, "us": us} for n, us in [
+        ("_partial_kernel", 10.0), ("_gate_up_kernel", 4.0),
+        ("_gdn_recurrent_kernel", 6.0), ("_gate_up_kernel", 2.0),
+        ("nvjet_in", 1.0), ("_gate_up_kernel", 8.0),
+        ("nvjet_lm_head", 5.0)]]
+    got = step_budget.budget([forward], ["full_attention", "linear_attention", "linear_attention"])
+    assert got["full_attention"] == {"attention": 10.0, "experts": 4.0}
+    assert got["linear_attention"] == {"recurrence": 3.0, "experts": 5.0, "projections": 0.5}
+    assert got["head"] == {"projections": 5.0}
+
+
+def test_a_forward_the_cut_does_not_fit_is_an_error_not_a_wrong_table():
+    with pytest.raises(RuntimeError, match="cut 1 layers out of 2"):
+        step_budget.budget([kernels("_partial_kernel", "_gate_up_kernel", "nvjet_lm_head")],
+                           ["full_attention", "full_attention"])
+
+
+def test_without_a_gpu_the_script_says_so_in_one_line():
+    pytest.importorskip("torch")
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_budget.py")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "needs a GPU" in proc.stderr and "Traceback" not in proc.stderr
