@@ -74,10 +74,11 @@ class GenerationStats:
 def warm_prefill_lengths(chunk: int, max_context: int) -> list[int]:
     """Prompt lengths Engine.warm_up prefills: every block size (1..16), then sizes on both sides of each power of
     two up to a prefill chunk (divisible by 16 and not), so each compiled variant a prompt can need exists; then
-    prompts longer than a chunk, whose later chunks run after a past of a whole chunk. That past is divisible by 16,
-    which Triton specialises on, and no shorter prompt makes it: the 35B-A3B replay of 2026-12-03 still compiled 3
-    kernels on its first turn, a 2.9k-token prompt (bench/results/serve_replay_qwen3.6-35b-a3b-shape_h200_20261203_
-    isolated.json; which kernels was not logged, so this is the likely cause, to be confirmed on the H200)."""
+    three prompts longer than a chunk (a later chunk after a whole chunk's past; the drafter absorbing more features
+    than one chunk's). Those were added for the 35B-A3B replay's 3 compilations after ready, which turned out to be
+    the MoE workspace's pointer alignment (kernels/fused_moe.py align_workspace); the replay that measured 0 after the
+    fix warmed them too, so they stay until a replay without them shows 0 as well (they cost three prefills at
+    start-up)."""
     lengths = list(range(1, 17))
     size = 32
     while size <= chunk:
