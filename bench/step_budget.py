@@ -13,7 +13,8 @@ forced condition: random weights route to ~100 experts per 16 tokens, a real rou
     python bench/step_budget.py --context 3000 --context 30000 --prefill 1700 --out bench/results
 
 Random weights, so nothing here says anything about text; only time. A sum of microbenchmarks would miss the gaps
-and the graph's launch chain; this is the replay itself (the window's wall beside the kernels' sum shows the gaps).
+and the graph's launch chain; this is the replay itself. (No wall times: the profiler's own start and stop sit inside
+a window, so only the kernels' times are figures.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -57,21 +57,18 @@ def part_of(name: str) -> str:
     return "other"
 
 
-def window_kernels(call, device) -> tuple[list[dict], float]:
-    """The kernels one call launches (name, start, duration in us, in launch order) and the window's wall in us."""
+def window_kernels(call, device) -> list[dict]:
+    """The kernels one call launches (name, start, duration in us), in launch order."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
         call()
         torch.cuda.synchronize(device)
-        wall = (time.perf_counter() - t) * 1e6
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
-    kernels = sorted(({"name": e["name"], "ts": e["ts"], "us": e["dur"]} for e in events
-                      if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    return kernels, wall
+    return sorted(({"name": e["name"], "ts": e["ts"], "us": e["dur"]} for e in events if e.get("cat") == "kernel"),
+                  key=lambda e: e["ts"])
 
 
 def split_layers(kernels: list[dict], layers: int) -> list[list[dict]]:
@@ -170,39 +167,24 @@ def measure_context(fast, model, context: int, args, bandwidth: float, distinct:
     fast.verify(block)
     fast.accept(1)
     fast.restore(start)
-    decode, verify, accept = [], [], []
-    walls = {"decode": [], "verify16": [], "accept": []}
+    windows = {"decode": [], "verify16": [], "accept": [], "prefill": []}  # one list of kernels per call
     for _ in range(args.reps):
-        k, w = window_kernels(lambda: fast.decode(7), dev)
-        decode.append(k)
-        walls["decode"].append(w)
+        windows["decode"].append(window_kernels(lambda: fast.decode(7), dev))
         fast.restore(start)
-        k, w = window_kernels(lambda: fast.verify(block), dev)
-        verify.append(k)
-        walls["verify16"].append(w)
-        k, w = window_kernels(lambda: fast.accept(1), dev)
-        accept.append(k)
-        walls["accept"].append(w)
+        windows["verify16"].append(window_kernels(lambda: fast.verify(block), dev))
+        windows["accept"].append(window_kernels(lambda: fast.accept(1), dev))
         fast.restore(start)
     piece = torch.randint(0, fast.vocab_size, (args.prefill,), generator=g).to(dev)
-    prefill = []
     for _ in range(max(1, args.reps // 3)):
-        k, w = window_kernels(lambda: fast.prefill(piece), dev)
-        prefill.append(k)
-        walls.setdefault("prefill", []).append(w)
+        windows["prefill"].append(window_kernels(lambda: fast.prefill(piece), dev))
         fast.restore(start)
     out = {"context": context}
-    for name, windows, tokens in [("decode", decode, 1), ("verify16", verify, 16)]:
-        out[name] = {"wall_us": statistics.median(walls[name]),
-                     "kernel_us": statistics.median(sum(k["us"] for k in ks) for ks in windows),
-                     "launches": statistics.median(len(ks) for ks in windows),
-                     "per_layer": with_floor(budget(windows, kinds), layer_bytes(model, tokens, context, distinct),
-                                             bandwidth),
-                     "top_kernels": top_kernels(windows)}
-    for name, windows in [("accept", accept), ("prefill", prefill)]:
-        out[name] = {"wall_us": statistics.median(walls[name]),
-                     "kernel_us": statistics.median(sum(k["us"] for k in ks) for ks in windows),
-                     "launches": statistics.median(len(ks) for ks in windows), "top_kernels": top_kernels(windows)}
+    for name, calls in windows.items():
+        out[name] = {"kernel_us": statistics.median(sum(k["us"] for k in ks) for ks in calls),
+                     "launches": statistics.median(len(ks) for ks in calls), "top_kernels": top_kernels(calls)}
+    for name, tokens in [("decode", 1), ("verify16", 16)]:
+        out[name]["per_layer"] = with_floor(budget(windows[name], kinds), layer_bytes(model, tokens, context, distinct),
+                                            bandwidth)
     out["prefill"]["tokens"] = args.prefill
     return out
 
@@ -240,7 +222,7 @@ def main() -> None:
         r = measure_context(fast, model, context, args, bandwidth, distinct)
         record["contexts"].append(r)
         for name in ("decode", "verify16", "accept", "prefill"):
-            print(f"  {name}: wall {r[name]['wall_us']:.0f} us, kernels {r[name]['kernel_us']:.0f} us, "
+            print(f"  {name}: kernels {r[name]['kernel_us']:.0f} us, "
                   f"{r[name]['launches']:.0f} launches", flush=True)
         for name in ("decode", "verify16"):
             for kind, row in r[name]["per_layer"].items():
