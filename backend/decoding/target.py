@@ -15,18 +15,18 @@ Both keep `ids`, the token ids their cache covers, in order, and answer:
     verify(block, features)        -> (logits [T, V], features [1, T, F] or None); the cache holds the block
                                       tentatively until accept(keep) keeps its first `keep` tokens
 
-Exact mode (FastTarget over a FastModel built with the exact record, backend/models/numerics.py; the engine resolves
-it for a CPU engine with a drafter, and for the plain reference it is compared with): every forward has exactly
-max_block (16) rows: plain steps, verifies and prompt chunks are padded to it (prompt padding: pure-attention models
-only), and attention spans are rounded up to a multiple of 512 columns. A position's logits and cache entries then
-come out of the same kernels with the same shapes however it was reached (decoded alone, inside any verified block,
-as a prompt token after any prefix reuse, whatever the cache held before), so greedy speculative decoding emits exactly the tokens plain decoding emits, in bf16 too. Without it they drift
-apart: on the embedded model in bf16 a decode step and a 16-token verify give logits up to 0.8 apart (attention over
-a different span and query count), and CPU matmuls pick their algorithm by row count (1-32, 33 to a few hundred and
-more round differently), so a near-tie can flip. The price on this 2-core AMX CPU: a padded plain step 50 ms against
-39 ms unpadded (bench/results/spec_embedded_shipped_cpu.json), and prompts prefill at ~3 ms a token against ~0.5 ms
-in 1024-token chunks; speculation more than pays back the first (1.3x over the unpadded plain speed).
-"""
+Exact mode (FastTarget over a FastModel built with the exact record, backend/models/numerics.py; the engine resolves it
+for a CPU engine with a drafter, and for the plain reference it is compared with): every forward has exactly max_block
+(16) rows: plain steps, verifies and prompt chunks are padded to it (prompt padding: pure-attention models only), and
+attention spans are rounded up to a multiple of 512 columns. A position's logits and cache entries then come out of the
+same kernels with the same shapes however it was reached (decoded alone, inside any verified block, as a prompt token
+after any prefix reuse, whatever the cache held before), so greedy speculative decoding emits exactly the tokens plain
+decoding emits, in bf16 too. Without it they drift apart: on the embedded model in bf16 a decode step and a 16-token
+verify give logits up to 0.8 apart (attention over a different span and query count), and CPU matmuls pick their
+algorithm by row count (1-32, 33 to a few hundred and more round differently), so a near-tie can flip. The price on this
+2-core AMX CPU: a padded plain step 50 ms against 39 ms unpadded (bench/results/spec_embedded_shipped_cpu.json), and
+prompts prefill at ~3 ms a token against ~0.5 ms in 1024-token chunks; speculation more than pays back the first (1.3x
+over the unpadded plain speed). """
 
 from __future__ import annotations
 
