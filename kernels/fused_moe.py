@@ -6,8 +6,9 @@ A "slot" is one (token, expert) pair: slots 0..M*K-1 are the routed ones (token 
 M*K..M*K+M-1 the shared expert's (token = slot - M*K), which the kernels treat as expert number E.
 
 Launches (all shapes depend only on M, so the whole thing can be captured in a CUDA graph; nothing syncs):
-  1. `_align_kernel` (one program; skipped in direct mode): sorts slots by expert and cuts each expert's
-     slots into blocks of BM rows -> block table (expert, start, count), unused blocks marked -1.
+  1. `_align_kernel` (one program; skipped in direct mode): sorts slots by expert (in registers up to
+     ONE_CHUNK_SLOTS, else in chunks through a cursor in memory) and cuts each expert's slots into blocks of
+     BM rows -> block table (expert, start, count), unused blocks marked -1.
   2. `_gate_up_kernel`, grid (blocks, I/BN, split): one block's rows times one N-tile of gate and up,
      SiLU(gate)*up stored to `inter[slot]`. Each expert's weight tile is read once per block, i.e. once when it
      has <= BM tokens. With split > 1 (few active experts: more programs) each program covers a slice of K and
@@ -45,6 +46,8 @@ except ImportError:  # CPU-only installs: the PyTorch fallback is used
     triton = None
 
 CONFIG_PATH = Path(__file__).with_name("fused_moe_configs.json")
+# slots (tokens x top_k) up to which align_slots sorts in registers: a 16-token verify with top-8 routing
+ONE_CHUNK_SLOTS = 128
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -185,39 +188,62 @@ if triton is not None:
     # Token-count-dependent arguments are not specialised, so a new token count never recompiles while serving.
     _RUNTIME_SIZES = ["num_routed", "num_tokens", "num_blocks_max"]
 
+    @triton.jit
+    def _sort_one_chunk(ids_ptr, sorted_ptr, num_routed, EP: tl.constexpr, CH: tl.constexpr):
+        """num_routed <= CH: every slot's sorted position is the number of slots before it in (expert, slot)
+        order, from one CH x CH comparison in registers; returns the per-expert counts [EP]. The same order as
+        the chunked passes, with none of their round trips through the cursor (a 16-token verify's 128 slots took
+        7 us there, at every MoE layer)."""
+        lane = tl.arange(0, CH)
+        ok = lane < num_routed
+        ids = tl.load(ids_ptr + lane, mask=ok, other=EP - 1).to(tl.int32)  # EP - 1: past every expert and the shared
+        before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (lane[None, :] < lane[:, None]))
+        pos = tl.sum((before & ok[None, :]).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + pos, lane, mask=ok)
+        counts = tl.histogram(ids, EP)
+        return tl.where(tl.arange(0, EP) == EP - 1, 0, counts)  # the padding lanes' bin
+
     @triton.jit(do_not_specialize=_RUNTIME_SIZES)
     def _align_kernel(ids_ptr, cursor_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                       num_routed, num_tokens, num_blocks_max, E,
-                      HAS_SHARED: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BM: tl.constexpr):
+                      HAS_SHARED: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BM: tl.constexpr,
+                      ONE_CHUNK: tl.constexpr):
         """One program: stable counting sort of the slots by expert, then the block table.
 
+        ONE_CHUNK (num_routed <= CH, a verify block): _sort_one_chunk. Else two passes over chunks of CH slots:
         cursor_ptr is an [EP] int32 scratch array holding per-expert running counts, then running write
-        positions. Within a chunk of CH slots a slot's rank among same-expert slots comes from a CH x CH
-        comparison; across chunks from the cursor, which each expert's last slot in the chunk advances.
+        positions. Within a chunk a slot's rank among same-expert slots comes from a CH x CH comparison; across
+        chunks from the cursor, which each expert's last slot in the chunk advances.
         """
         experts = tl.arange(0, EP)
-        tl.store(cursor_ptr + experts, tl.zeros([EP], tl.int32))
-        tl.debug_barrier()
-        for c0 in range(0, num_routed, CH):  # count slots per expert
-            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
-            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
+        if ONE_CHUNK:
+            counts = _sort_one_chunk(ids_ptr, sorted_ptr, num_routed, EP, CH)
+            if HAS_SHARED:
+                counts += tl.where(experts == E, num_tokens, 0)
+            seg_start = tl.cumsum(counts, axis=0) - counts
+        else:
+            tl.store(cursor_ptr + experts, tl.zeros([EP], tl.int32))
             tl.debug_barrier()
-            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
+            for c0 in range(0, num_routed, CH):  # count slots per expert
+                slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
+                base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
+                tl.debug_barrier()
+                tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
+                tl.debug_barrier()
+            counts = tl.load(cursor_ptr + experts, volatile=True)
+            if HAS_SHARED:
+                counts += tl.where(experts == E, num_tokens, 0)
+            seg_start = tl.cumsum(counts, axis=0) - counts
             tl.debug_barrier()
-        counts = tl.load(cursor_ptr + experts, volatile=True)
-        if HAS_SHARED:
-            counts += tl.where(experts == E, num_tokens, 0)
-        seg_start = tl.cumsum(counts, axis=0) - counts
-        tl.debug_barrier()
-        tl.store(cursor_ptr + experts, seg_start)
-        tl.debug_barrier()
-        for c0 in range(0, num_routed, CH):  # scatter slots to their sorted positions
-            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
-            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
-            tl.store(sorted_ptr + base + rank, slot, mask=ok)
+            tl.store(cursor_ptr + experts, seg_start)
             tl.debug_barrier()
-            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
-            tl.debug_barrier()
+            for c0 in range(0, num_routed, CH):  # scatter slots to their sorted positions
+                slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
+                base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
+                tl.store(sorted_ptr + base + rank, slot, mask=ok)
+                tl.debug_barrier()
+                tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
+                tl.debug_barrier()
         lane = tl.arange(0, CH)
         if HAS_SHARED:
             shared_start = tl.sum(tl.where(experts == E, seg_start, 0), axis=0)
@@ -441,12 +467,14 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
     num_routed = num_tokens * top_k
     num_slots = num_routed + (num_tokens if has_shared else 0)
     num_blocks = num_blocks_bound(num_slots, num_experts + int(has_shared), block_m)
-    padded_experts = triton.next_power_of_2(num_experts + 1)
+    padded_experts = triton.next_power_of_2(num_experts + 2)  # + the shared expert + _sort_one_chunk's padding id
     bexp, bstart, bcount, sorted_slots, cursor = align_workspace(num_blocks, num_slots, padded_experts,
                                                                  topk_ids.device)
+    one_chunk = num_routed <= ONE_CHUNK_SLOTS
     _align_kernel[(1,)](topk_ids.contiguous(), cursor, sorted_slots, bexp, bstart, bcount,
                         num_routed, num_tokens, num_blocks, num_experts,
-                        HAS_SHARED=has_shared, EP=padded_experts, CH=64, BM=block_m, num_warps=8)
+                        HAS_SHARED=has_shared, EP=padded_experts, CH=ONE_CHUNK_SLOTS, BM=block_m, ONE_CHUNK=one_chunk,
+                        num_warps=8)
     return sorted_slots, bexp, bstart, bcount
 
 

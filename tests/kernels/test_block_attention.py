@@ -203,6 +203,25 @@ def test_cuda_bf16_sliding_window_matches_fallback_at_every_span(case, causal):
     assert torch.equal(out, block_attention(*c, span=c[3].shape[1], causal=causal, window=window))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("start", [37, 3000, 30000])
+def test_cuda_verify_rows_are_the_decode_steps_bits(start):
+    """Batch invariance at the 35B-A3B shape (16 query heads, 2 key heads, 256 dims, a 32k cache passed whole, as
+    CUDA graphs do): each row of a 16-token verify equals, bit for bit, a decode step at that position. Every
+    verify size's rows too (T = 2..15 share the tiles). What lossless speculation needs of this kernel."""
+    q, k_new, v_new, k_cache, v_cache, pos = make_case(16, 2, 256, 16, start, max_context=32768,
+                                                       dtype=torch.bfloat16, device="cuda", seed=1)
+    whole = k_cache.shape[1]
+    verify = block_attention(q, k_new, v_new, k_cache, v_cache, pos, whole)
+    for t in range(16):  # the cache now holds the block's keys: step t sees columns < start + t as the verify did
+        step = block_attention(q[:, t:t + 1], k_new[:, t:t + 1], v_new[:, t:t + 1], k_cache, v_cache, pos + t,
+                               whole)
+        assert torch.equal(step[0], verify[t]), t
+    for T in (2, 5, 15):
+        assert torch.equal(block_attention(q[:, :T], k_new[:, :T], v_new[:, :T], k_cache, v_cache, pos, whole),
+                           verify[:T]), T
+
+
 MODEL_SCRIPT = r"""
 import json, sys
 import torch

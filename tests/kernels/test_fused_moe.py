@@ -229,7 +229,9 @@ import importlib, json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 fm = importlib.import_module("kernels.fused_moe")
-for m, e, k, shared, bm in [(1, 8, 2, True, 16), (37, 6, 3, True, 16), (100, 16, 4, False, 32), (70, 8, 2, True, 64)]:
+# up to 128 slots: sorted in registers (a 16-token verify at top-8 of 256 among them); above: in chunks
+for m, e, k, shared, bm in [(1, 8, 2, True, 16), (37, 6, 3, True, 16), (16, 256, 8, True, 16), (5, 63, 8, False, 16),
+                            (43, 6, 3, True, 16), (100, 16, 4, False, 32), (70, 8, 2, True, 64)]:
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)])
     ids[: m // 2, 0] = 0  # one crowded expert: several blocks
     sorted_slots, bexp, bstart, bcount = fm.align_slots(ids, e, shared, bm)
@@ -238,26 +240,32 @@ for m, e, k, shared, bm in [(1, 8, 2, True, 16), (37, 6, 3, True, 16), (100, 16,
 """
 
 
+def check_alignment(r: dict) -> None:
+    """align_slots' outputs (r: ids, e, shared, bm, sorted, bexp, bstart, bcount as lists) are a stable sort of
+    the slots by expert, cut into blocks that cover every slot once."""
+    flat = [x for row in r["ids"] for x in row]
+    m, k = len(r["ids"]), len(r["ids"][0])
+    expert_of = flat + ([r["e"]] * m if r["shared"] else [])
+    expected = sorted(range(len(expert_of)), key=lambda s: (expert_of[s], s))  # stable sort by expert
+    assert r["sorted"] == expected
+    covered = []
+    for e, start, count in zip(r["bexp"], r["bstart"], r["bcount"]):
+        if e < 0:
+            assert count == 0
+            continue
+        assert 0 < count <= r["bm"]
+        rows = r["sorted"][start:start + count]
+        assert all(expert_of[s] == e for s in rows)
+        covered += rows
+    assert sorted(covered) == list(range(len(expert_of)))  # every slot in exactly one block
+    assert len(r["bexp"]) >= sum(-(-expert_of.count(e) // r["bm"]) for e in set(expert_of))
+    assert m * k == len(flat)
+
+
 def test_align_kernel_sorts_slots_and_builds_the_block_table():
     pytest.importorskip("triton")
     for r in run_interpreted(ALIGN_SCRIPT):
-        flat = [x for row in r["ids"] for x in row]
-        m, k = len(r["ids"]), len(r["ids"][0])
-        expert_of = flat + ([r["e"]] * m if r["shared"] else [])
-        expected = sorted(range(len(expert_of)), key=lambda s: (expert_of[s], s))  # stable sort by expert
-        assert r["sorted"] == expected
-        covered = []
-        for e, start, count in zip(r["bexp"], r["bstart"], r["bcount"]):
-            if e < 0:
-                assert count == 0
-                continue
-            assert 0 < count <= r["bm"]
-            rows = r["sorted"][start:start + count]
-            assert all(expert_of[s] == e for s in rows)
-            covered += rows
-        assert sorted(covered) == list(range(len(expert_of)))  # every slot in exactly one block
-        assert len(r["bexp"]) >= sum(-(-expert_of.count(e) // r["bm"]) for e in set(expert_of))
-        assert m * k == len(flat)
+        check_alignment(r)
 
 
 ROUTE_SCRIPT = r"""
@@ -551,3 +559,19 @@ def test_invariant_tiles_compute_each_row_as_alone_on_gpu():
     for m in range(2, 17):
         together = fused_moe(x[:m], gate_up, down, weights[:m], ids[:m], shared, config=config)
         assert torch.equal(together, alone[:m]), m
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_align_slots_sorts_in_registers_and_in_chunks():
+    """The compiled align kernel on both of its paths (<= 128 slots in registers, more in chunks), hot-set routing
+    so experts hold several slots."""
+    from kernels.fused_moe import align_slots
+
+    g = torch.Generator().manual_seed(5)
+    hot = torch.randperm(256, generator=g)[:50]
+    for m, shared in [(1, True), (5, True), (16, True), (16, False), (17, True), (300, True), (1700, True)]:
+        ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(m)]).cuda()
+        sorted_slots, bexp, bstart, bcount = align_slots(ids, 256, shared, 16)
+        check_alignment({"ids": ids.tolist(), "e": 256, "shared": shared, "bm": 16, "sorted": sorted_slots.tolist(),
+                         "bexp": bexp.tolist(), "bstart": bstart.tolist(), "bcount": bcount.tolist()})
