@@ -7,8 +7,8 @@ M*K..M*K+M-1 the shared expert's (token = slot - M*K), which the kernels treat a
 
 Launches (all shapes depend only on M, so the whole thing can be captured in a CUDA graph; nothing syncs):
   1. `_align_kernel` (one program; skipped in direct mode): sorts slots by expert (in registers up to
-     ONE_CHUNK_SLOTS, else in chunks through a cursor in memory) and cuts each expert's slots into blocks of
-     BM rows -> block table (expert, start, count), unused blocks marked -1.
+     ONE_CHUNK_SLOTS; above, torch.sort sorts them first) and cuts each expert's slots into blocks of BM rows
+     -> block table (expert, start, count), unused blocks marked -1.
   2. `_gate_up_kernel`, grid (blocks, I/BN, split): one block's rows times one N-tile of gate and up,
      SiLU(gate)*up stored to `inter[slot]`. Each expert's weight tile is read once per block, i.e. once when it
      has <= BM tokens. With split > 1 (few active experts: more programs) each program covers a slice of K and
@@ -48,6 +48,8 @@ except ImportError:  # CPU-only installs: the PyTorch fallback is used
 CONFIG_PATH = Path(__file__).with_name("fused_moe_configs.json")
 # slots (tokens x top_k) up to which align_slots sorts in registers: a 16-token verify with top-8 routing
 ONE_CHUNK_SLOTS = 128
+# more slots (a prefill piece): "given" (torch.sort, then the kernel builds the table) or "chunks" (the kernel sorts)
+LARGE_SORT = "given"
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -203,47 +205,60 @@ if triton is not None:
         counts = tl.histogram(ids, EP)
         return tl.where(tl.arange(0, EP) == EP - 1, 0, counts)  # the padding lanes' bin
 
+    @triton.jit
+    def _count_chunks(ids_ptr, cursor_ptr, num_routed, EP: tl.constexpr, CH: tl.constexpr):
+        """The chunked sort's first pass: slots per expert, counted through the cursor."""
+        experts = tl.arange(0, EP)
+        tl.store(cursor_ptr + experts, tl.zeros([EP], tl.int32))
+        tl.debug_barrier()
+        for c0 in range(0, num_routed, CH):
+            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
+            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
+            tl.debug_barrier()
+            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
+            tl.debug_barrier()
+        return tl.load(cursor_ptr + experts, volatile=True)
+
+    @triton.jit
+    def _scatter_chunks(ids_ptr, cursor_ptr, sorted_ptr, seg_start, num_routed, EP: tl.constexpr, CH: tl.constexpr):
+        """The chunked sort's second pass: each slot to its sorted position, the cursor now the write positions."""
+        tl.debug_barrier()
+        tl.store(cursor_ptr + tl.arange(0, EP), seg_start)
+        tl.debug_barrier()
+        for c0 in range(0, num_routed, CH):
+            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
+            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
+            tl.store(sorted_ptr + base + rank, slot, mask=ok)
+            tl.debug_barrier()
+            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
+            tl.debug_barrier()
+
     @triton.jit(do_not_specialize=_RUNTIME_SIZES)
     def _align_kernel(ids_ptr, cursor_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                       num_routed, num_tokens, num_blocks_max, E,
                       HAS_SHARED: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BM: tl.constexpr,
-                      ONE_CHUNK: tl.constexpr):
+                      SORT: tl.constexpr):
         """One program: stable counting sort of the slots by expert, then the block table.
 
-        ONE_CHUNK (num_routed <= CH, a verify block): _sort_one_chunk. Else two passes over chunks of CH slots:
-        cursor_ptr is an [EP] int32 scratch array holding per-expert running counts, then running write
-        positions. Within a chunk a slot's rank among same-expert slots comes from a CH x CH comparison; across
-        chunks from the cursor, which each expert's last slot in the chunk advances.
+        SORT "registers" (num_routed <= CH, a verify block): _sort_one_chunk. "given": the caller sorted the
+        routed slots into sorted_ptr and left each expert's count in cursor_ptr (align_slots, by torch.sort for a
+        prefill's thousands of slots); only the table is built here. "chunks": two passes over chunks of CH slots,
+        cursor_ptr an [EP] int32 scratch array holding per-expert running counts, then running write positions;
+        within a chunk a slot's rank among same-expert slots comes from a CH x CH comparison, across chunks from
+        the cursor, which each expert's last slot in the chunk advances.
         """
         experts = tl.arange(0, EP)
-        if ONE_CHUNK:
+        if SORT == "registers":
             counts = _sort_one_chunk(ids_ptr, sorted_ptr, num_routed, EP, CH)
-            if HAS_SHARED:
-                counts += tl.where(experts == E, num_tokens, 0)
-            seg_start = tl.cumsum(counts, axis=0) - counts
+        elif SORT == "given":
+            counts = tl.load(cursor_ptr + experts, mask=experts < E, other=0)
         else:
-            tl.store(cursor_ptr + experts, tl.zeros([EP], tl.int32))
-            tl.debug_barrier()
-            for c0 in range(0, num_routed, CH):  # count slots per expert
-                slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
-                base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
-                tl.debug_barrier()
-                tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
-                tl.debug_barrier()
-            counts = tl.load(cursor_ptr + experts, volatile=True)
-            if HAS_SHARED:
-                counts += tl.where(experts == E, num_tokens, 0)
-            seg_start = tl.cumsum(counts, axis=0) - counts
-            tl.debug_barrier()
-            tl.store(cursor_ptr + experts, seg_start)
-            tl.debug_barrier()
-            for c0 in range(0, num_routed, CH):  # scatter slots to their sorted positions
-                slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
-                base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
-                tl.store(sorted_ptr + base + rank, slot, mask=ok)
-                tl.debug_barrier()
-                tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
-                tl.debug_barrier()
+            counts = _count_chunks(ids_ptr, cursor_ptr, num_routed, EP, CH)
+        if HAS_SHARED:
+            counts += tl.where(experts == E, num_tokens, 0)
+        seg_start = tl.cumsum(counts, axis=0) - counts
+        if SORT == "chunks":
+            _scatter_chunks(ids_ptr, cursor_ptr, sorted_ptr, seg_start, num_routed, EP, CH)
         lane = tl.arange(0, CH)
         if HAS_SHARED:
             shared_start = tl.sum(tl.where(experts == E, seg_start, 0), axis=0)
@@ -470,11 +485,16 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
     padded_experts = triton.next_power_of_2(num_experts + 2)  # + the shared expert + _sort_one_chunk's padding id
     bexp, bstart, bcount, sorted_slots, cursor = align_workspace(num_blocks, num_slots, padded_experts,
                                                                  topk_ids.device)
-    one_chunk = num_routed <= ONE_CHUNK_SLOTS
-    _align_kernel[(1,)](topk_ids.contiguous(), cursor, sorted_slots, bexp, bstart, bcount,
-                        num_routed, num_tokens, num_blocks, num_experts,
-                        HAS_SHARED=has_shared, EP=padded_experts, CH=ONE_CHUNK_SLOTS, BM=block_m, ONE_CHUNK=one_chunk,
-                        num_warps=8)
+    ids = topk_ids.contiguous()
+    sort = "registers" if num_routed <= ONE_CHUNK_SLOTS else LARGE_SORT
+    if sort == "given":  # a stable sort by expert is the (expert, slot) order; the counts by an exact integer scatter
+        flat = ids.reshape(-1)
+        sorted_slots[:num_routed].copy_(torch.sort(flat, stable=True).indices)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        cursor[:num_experts].copy_(counts.scatter_add_(0, flat, torch.ones_like(flat)))
+    _align_kernel[(1,)](ids, cursor, sorted_slots, bexp, bstart, bcount, num_routed, num_tokens, num_blocks,
+                        num_experts, HAS_SHARED=has_shared, EP=padded_experts, CH=ONE_CHUNK_SLOTS if sort ==
+                        "registers" else 64, BM=block_m, SORT=sort, num_warps=8)
     return sorted_slots, bexp, bstart, bcount
 
 
