@@ -47,6 +47,11 @@ MAX_SPLITS = 127  # + the block's own program: 128 partial sums per row at most,
 SPLIT_TILE = 128
 BLOCK_ROWS = 16  # query rows per program, whatever T: the same tile shapes for a decode step and a verify block
 COMBINE_COLS = 64  # head-dim columns per combine program
+# warps per _partial_kernel program, every head size: at the 35B-A3B shape (head_dim 256) 4 warps against the 8 used
+# until 2026-12-03 took the 16-token verify from 131 to 93 us a layer at 30k cached tokens and the decode step from 26
+# to 25 (H200; tiles of 64 query rows or 64 columns gained more for the verify but cost the decode step up to 9 us:
+# bench/results/block_attention_tiles_h200_20261203.json). Decode steps and verifies share it: the same bits.
+PARTIAL_WARPS = 4
 
 if triton is not None:
     import triton.language as tl
@@ -270,7 +275,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
         N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, WINDOW=int(window or 0),
-        num_warps=8 if D > 128 else 4)
+        num_warps=PARTIAL_WARPS, num_stages=3)
     dc = min(D, COMBINE_COLS)
     _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, start, T, out.stride(0), GROUP=group, D=D, DC=dc,
                                           BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,

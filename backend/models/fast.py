@@ -227,14 +227,16 @@ class FastModel:
                 end = self.max_context
             if self.model.kv is not None:
                 self.model.kv.reserve(end)  # a CPU cache grows with use (static_cache.KVCache); CUDA's is whole
-            out = self._run(ids, positions, end, record, all_logits, hidden_ids, compiled)
+            out = self._run(ids, positions, end, record, all_logits, hidden_ids, compiled,
+                            lower_right=end == self.length + T)
         else:
             out = self._replay(ids, record, all_logits, hidden_ids, compiled, fresh)
         self.length += T
         return out
 
-    def _run(self, ids, positions, kv_len, record, all_logits, hidden_ids, compiled):
-        """One model forward; `compiled` (a decode step or verify of a compiling FastModel) picks the compile mode."""
+    def _run(self, ids, positions, kv_len, record, all_logits, hidden_ids, compiled, lower_right: bool = False):
+        """One model forward; `compiled` (a decode step or verify of a compiling FastModel) picks the compile mode.
+        lower_right: positions end at kv_len - 1 (an eager call over exactly the filled columns)."""
         if compiled == "full":
             if self._full_forward is None:
                 import torch._dynamo
@@ -243,9 +245,9 @@ class FastModel:
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
                 self._full_forward = torch.compile(self.model.forward, dynamic=False)
             return self._full_forward(ids, positions, kv_len, record=record, all_logits=all_logits,
-                                      hidden_ids=hidden_ids, compiled=False)
+                                      hidden_ids=hidden_ids, compiled=False, lower_right=lower_right)
         return self.model(ids, positions, kv_len, record=record, all_logits=all_logits, hidden_ids=hidden_ids,
-                          compiled=bool(compiled))
+                          compiled=bool(compiled), lower_right=lower_right)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from backend.models.cublas_rows import linear_rows_invariant
 from backend.models.numerics import Numerics
@@ -84,17 +86,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((out, xp), dim=-1) if xp.shape[-1] else out
 
 
-def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+def causal_mask(positions: torch.Tensor, kv_len: int, lower_right: bool = False):
     """[1, 1, T, kv_len] bool: query at positions[t] sees cache columns <= it, so columns past the current length
-    (stale or unwritten) are never attended. Built once per forward and shared by every attention layer."""
+    (stale or unwritten) are never attended. Built once per forward and shared by every attention layer.
+
+    lower_right: the caller guarantees that positions are the last T of the kv_len columns (a prefill piece, as
+    FastModel runs it). On CUDA the mask is then torch's lower-right causal bias, which attention() hands to
+    FlashAttention: no mask tensor, and none of the plan cuDNN's attention builds for every new (prompt, context)
+    shape (47-80 ms each on the H200 at the 35B-A3B shape, 1.2 s of a cold server's first agent turn, and every
+    later turn brings new shapes; bench/results/prefill_attention_h200_20261203.json)."""
+    if lower_right and positions.is_cuda:
+        return causal_lower_right(positions.numel(), kv_len)
     return (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[None, None]
+
+
+# (device, dtype, head_dim) where FlashAttention could not run: the bool mask there (checked once, not per call)
+_NO_FLASH: set = set()
 
 
 def attention(q, k, v, mask) -> torch.Tensor:
     """q [Hq, T, D]; k, v [Hkv, kv_len, D] (cache columns 0..kv_len-1); mask from causal_mask. Returns [T, Hq * D]."""
     T = q.shape[1]
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                         enable_gqa=q.shape[0] != k.shape[0])
+    gqa = q.shape[0] != k.shape[0]
+    if isinstance(mask, CausalBias):
+        key = (q.device, q.dtype, q.shape[-1])
+        if q.dtype in (torch.float16, torch.bfloat16) and key not in _NO_FLASH:
+            try:
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa)
+                return out[0].transpose(0, 1).reshape(T, -1)
+            except RuntimeError as exc:  # no FlashAttention for this GPU, dtype or head size
+                if isinstance(exc, torch.OutOfMemoryError):
+                    raise
+                _NO_FLASH.add(key)
+        cols = torch.arange(mask.seq_len_kv, device=q.device)
+        mask = (cols[None, :] <= cols[mask.seq_len_kv - T:, None])[None, None]
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1).reshape(T, -1)
 
 
@@ -217,9 +244,10 @@ class Llama(nn.Module):
     # ---- forward --------------------------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,
-                all_logits: bool = False, hidden_ids: tuple[int, ...] = (), compiled: bool = False):
+                all_logits: bool = False, hidden_ids: tuple[int, ...] = (), compiled: bool = False,
+                lower_right: bool = False):
         """tokens, positions [T] (device tensors; positions consecutive). Writes K/V at `positions`, attends over cache
-        columns < kv_len.
+        columns < kv_len (lower_right: positions end at kv_len - 1; see causal_mask).
         Returns (logits [T or 1, V] in the model dtype, features [T, len(hidden_ids) * H] or None): features are the
         outputs of decoder layers `hidden_ids` (transformers' hidden_states[i + 1]; the last layer's is after the final
         norm, as there). `record` has no meaning without linear-attention state. compiled: run the per-layer glue
@@ -234,7 +262,7 @@ class Llama(nn.Module):
             return self._rows(x, positions, kv_len, hidden_ids)
         attn_in, attn_out_mlp = glue(attention_in, compiled), glue(attention_out_mlp, compiled)
         cos, sin = self.cos[positions], self.sin[positions]
-        mask = None if self.kv.block_kernel(tokens.numel()) else causal_mask(positions, kv_len)
+        mask = None if self.kv.block_kernel(tokens.numel()) else causal_mask(positions, kv_len, lower_right)
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):

@@ -362,12 +362,14 @@ class Qwen35Moe(nn.Module):
         self.cos, self.sin = rope_tables(self.inv_freq, 1.0, max_context, w.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, *, record: bool = False,
-                all_logits: bool = False, hidden_ids: tuple[int, ...] = (), compiled: bool = False):
+                all_logits: bool = False, hidden_ids: tuple[int, ...] = (), compiled: bool = False,
+                lower_right: bool = False):
         """tokens, positions [T] (device tensors). Attention layers write K/V at `positions` and attend over cache
         columns < kv_len. Gated DeltaNet layers advance their live state (record=False), or leave it and write the
         block's conv window and per-position states (record=True: a verify; LinearStateCache.accept picks one).
         Returns (logits [T or 1, V], features [T, len(hidden_ids) * H] or None) as in backend/models/llama.py.
-        compiled: run the per-layer glue through torch.compile (llama.glue)."""
+        compiled: run the per-layer glue through torch.compile (llama.glue). lower_right: positions end at kv_len - 1
+        (llama.causal_mask)."""
         c = self.config
         T = tokens.numel()
         if self.numerics.qwen.padded_rows and T <= PADDED_ROWS and triton_usable(self.embed) and (
@@ -377,7 +379,7 @@ class Qwen35Moe(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]
         mask = None  # none needed without attention layers, or with kernels/block_attention (see KVCache)
         if self.num_attention_layers and not self.kv.block_kernel(tokens.numel()):
-            mask = causal_mask(positions, kv_len)
+            mask = causal_mask(positions, kv_len, lower_right)
         feats = {}
         last = c.num_layers - 1
         for i, layer in enumerate(self.layers):

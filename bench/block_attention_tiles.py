@@ -1,0 +1,119 @@
+"""kernels/block_attention.py's tiles at the 35B-A3B shape: one tile set serves decode steps and verifies alike (batch
+invariance), so each candidate is timed on both, and checked: every verify row must keep the decode step's bits.
+
+    python bench/block_attention_tiles.py [--out bench/results]      (H200)
+
+16 query heads, 2 key heads, 256 dims, a 32k cache passed whole (as the CUDA graphs pass it), 3k and 30k cached
+tokens; each call timed as a CUDA graph of 20 calls. `cross` rows: a decode step in one tile set against verifies in
+another (whether they could differ by row count and keep the bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels.block_attention as ba  # noqa: E402
+from tests.kernels.test_block_attention import make_case  # noqa: E402
+
+
+def launch(q, kn, vn, kc, vc, start, tiles):
+    """block_attention's launch with tiles (BLOCK_M, BLOCK_N, warps, stages) in place of its constants."""
+    bm, bn, warps, stages = tiles
+    H, T, D = q.shape
+    hkv = kn.shape[0]
+    group = H // hkv
+    split_cols = max(bn, ba.SPLIT_BYTES // (4 * D) // bn * bn)
+    split_cols = max(split_cols, math.ceil(kc.shape[1] / ba.MAX_SPLITS / bn) * bn)
+    n_splits = max(1, math.ceil(kc.shape[1] / split_cols))
+    rows = group * T
+    n_chunks = math.ceil(rows / bm)
+    if T > 1:
+        ba.write_block(kn, vn, kc, vc, start)
+    out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
+    part = hkv * (n_splits + 1) * n_chunks * bm
+    po = torch.empty(part, D, device=q.device, dtype=torch.float32)
+    pm = torch.empty(part, device=q.device, dtype=torch.float32)
+    pl = torch.empty(part, device=q.device, dtype=torch.float32)
+    ba._partial_kernel[(n_chunks, hkv, n_splits + 1)](
+        q, kn, vn, kc, vc, start, po, pm, pl, T, D ** -0.5, q.stride(0), q.stride(1), kn.stride(0), kn.stride(1),
+        vn.stride(0), vn.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), GROUP=group, D=D,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits, N_CHUNKS=n_chunks, CAUSAL=True,
+        IEEE=False, WINDOW=0, num_warps=warps, num_stages=stages)
+    ba._combine_kernel[(hkv, rows, D // 64)](out, po, pm, pl, start, T, out.stride(0), GROUP=group, D=D, DC=64,
+                                             BLOCK_M=bm, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=ba.SPLIT_TILE,
+                                             SPLIT_COLS=split_cols, CAUSAL=True, num_warps=4)
+    return out
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / reps
+
+
+def measure(step_tiles, verify_tiles, contexts) -> dict:
+    row = {"decode_tiles": step_tiles, "verify_tiles": verify_tiles, "invariant": True}
+    for start in contexts:
+        q, kn, vn, kc, vc, pos = make_case(16, 2, 256, 16, start, max_context=32768, dtype=torch.bfloat16,
+                                           device="cuda", seed=1)
+        verify = launch(q, kn, vn, kc, vc, pos, verify_tiles)
+        for t in (0, 5, 15):
+            step = launch(q[:, t:t + 1], kn[:, t:t + 1], vn[:, t:t + 1], kc, vc, pos + t, step_tiles)
+            row["invariant"] &= bool(torch.equal(step[0], verify[t]))
+        ref = ba.block_attention_torch(q.clone(), kn, vn, kc.clone(), vc.clone(), pos, 32768)
+        row[f"err_{start}"] = (verify.float() - ref.float()).abs().max().item()
+        row[f"decode_us_{start}"] = graph_us(lambda: launch(q[:, :1], kn[:, :1], vn[:, :1], kc, vc, pos, step_tiles))
+        row[f"verify16_us_{start}"] = graph_us(lambda: launch(q, kn, vn, kc, vc, pos, verify_tiles))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("block_attention_tiles times Triton kernels on a GPU")
+    contexts = (3000, 30000)
+    rows = []
+    for tiles in itertools.product([16, 64], [32, 64], [4, 8], [1, 2, 3]):
+        row = measure(list(tiles), list(tiles), contexts)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cross = []
+    for verify_tiles in ([64, 32, 4, 3], [64, 64, 4, 3]):  # one-token steps in the shipped set, verifies in another
+        row = measure([16, 32, ba.PARTIAL_WARPS, 3], verify_tiles, contexts)
+        cross.append(row)
+        print("cross", json.dumps(row), flush=True)
+    record = {"benchmark": "block_attention_tiles", "machine": {"gpu": torch.cuda.get_device_name()},
+              "command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "torch": torch.__version__, "shape": "16 query heads, 2 key heads, head_dim 256, 32k cache whole",
+              "timing": "us per call, CUDA graph of 20 calls", "tiles": "[BLOCK_M, BLOCK_N, warps, stages]",
+              "shipped": [16, 32, ba.PARTIAL_WARPS, 3], "rows": rows, "cross": cross}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"block_attention_tiles_h200_{datetime.date.today():%Y%m%d}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
