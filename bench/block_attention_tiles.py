@@ -101,14 +101,16 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     cross = []
     for verify_tiles in ([64, 32, 4, 3], [64, 64, 4, 3]):  # one-token steps in the shipped set, verifies in another
-        row = measure([16, 32, ba.PARTIAL_WARPS, 3], verify_tiles, contexts)
+        row = measure([ba.BLOCK_ROWS, 32, ba.PARTIAL_WARPS, 3], verify_tiles, contexts)
         cross.append(row)
         print("cross", json.dumps(row), flush=True)
     record = {"benchmark": "block_attention_tiles", "machine": {"gpu": torch.cuda.get_device_name()},
               "command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__, "shape": "16 query heads, 2 key heads, head_dim 256, 32k cache whole",
               "timing": "us per call, CUDA graph of 20 calls", "tiles": "[BLOCK_M, BLOCK_N, warps, stages]",
-              "shipped": [16, 32, ba.PARTIAL_WARPS, 3], "rows": rows, "cross": cross}
+              "shipped": {"decode": [ba.BLOCK_ROWS, 32, ba.PARTIAL_WARPS, 3],
+                          "verify": [ba.VERIFY_ROWS.get(256, ba.BLOCK_ROWS), 32, ba.PARTIAL_WARPS, 3]},
+              "rows": rows, "cross": cross}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"block_attention_tiles_h200_{datetime.date.today():%Y%m%d}.json"
     path.write_text(json.dumps(record, indent=1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from backend.models.llama import attention, causal_mask
 
@@ -38,7 +38,7 @@ def test_cuda_flash_prefill_matches_the_masked_attention(shape, T, L):
     q, k, v = qkv(heads, kv_heads, T, L, D, dtype=torch.bfloat16, device="cuda")
     positions = torch.arange(L - T, L, device="cuda")
     bias = causal_mask(positions, L, lower_right=True)
-    assert not isinstance(bias, torch.Tensor)  # the bias, not a mask tensor
+    assert isinstance(bias, CausalBias)  # the bias (a tensor subclass), not a bool mask
     flash = attention(q, k, v, bias)
     masked = attention(q, k, v, causal_mask(positions, L))
     assert flash.shape == masked.shape == (T, heads * D) and flash.dtype == torch.bfloat16
