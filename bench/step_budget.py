@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend.bench.report import cpu_model  # noqa: E402
 from backend.bench.routing import install_routing_trace, trace_distinct_experts  # noqa: E402
 from backend.models import invariant_numerics  # noqa: E402
+from kernels import moe_routing as routing  # noqa: E402
 from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa: E402
 
 # first match wins; the names are our Triton kernels' function names, cuBLAS's and torch.compile's families
@@ -196,12 +197,16 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=1700, help="tokens of the timed prefill piece (an agent turn)")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--hot-experts", type=int, default=50)
+    ap.add_argument("--route-in-matmul", action="store_true", help="route inside the router matmul's launch "
+                    "(kernels/moe_routing.py ROUTE_IN_MATMUL)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("step_budget traces CUDA-graph replays: it needs a GPU")
     contexts = args.context or [3000]
+    if args.route_in_matmul:
+        routing.ROUTE_IN_MATMUL = True  # read at each call; set before the graphs are captured
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16)

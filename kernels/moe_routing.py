@@ -28,9 +28,10 @@ ROUTER_MAX_TOKENS = 16  # route_topk_from_hidden's own matmul up to this many to
 ROUTER_K_SPLIT = 4  # K slices of the router matmul
 ROUTER_BLOCK_E = 16  # experts per program
 # Route inside the router matmul's launch (its last program to finish adds the K slices and routes all tokens as one
-# [16, E] tile) instead of a second launch. Off: not yet timed on a GPU (written 2026-12-02, issue 26; the two launches
-# cost 3.1 + 2.6 us a layer on the H200). A token's bits then differ from the two-launch path's (another reduction
-# layout), but not between a decode step and a verify block, which is what speculative decoding needs.
+# [16, E] tile) instead of a second launch. Off: timed on the H200 on 2026-12-03 it took 13.3 us a layer against 5.7
+# for the two launches (the last program's serial top-k outweighs the launch it saves; bench/step_budget.py
+# --route-in-matmul, bench/results/step_budget_qwen3.6-35b-a3b-shape_route_in_matmul_20261203.json). A token's bits then
+# differ from the two-launch path's (another reduction layout), but not between a decode step and a verify block.
 ROUTE_IN_MATMUL = False
 
 if triton is not None:
