@@ -108,8 +108,7 @@ def main() -> None:
               "command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__, "shape": "16 query heads, 2 key heads, head_dim 256, 32k cache whole",
               "timing": "us per call, CUDA graph of 20 calls", "tiles": "[BLOCK_M, BLOCK_N, warps, stages]",
-              "shipped": {"decode": [ba.BLOCK_ROWS, 32, ba.PARTIAL_WARPS, 3],
-                          "verify": [ba.VERIFY_ROWS.get(256, ba.BLOCK_ROWS), 32, ba.PARTIAL_WARPS, 3]},
+              "shipped": [ba.BLOCK_ROWS, 32, ba.PARTIAL_WARPS, 3],
               "rows": rows, "cross": cross}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"block_attention_tiles_h200_{datetime.date.today():%Y%m%d}.json"

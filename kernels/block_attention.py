@@ -45,12 +45,7 @@ MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (pref
 SPLIT_BYTES = 16 * 1024
 MAX_SPLITS = 127  # + the block's own program: 128 partial sums per row at most, the combine kernel's fixed tile
 SPLIT_TILE = 128
-BLOCK_ROWS = 16  # query rows per program of a decode step (and of a verify block where VERIFY_ROWS has no entry)
-# query rows per program of a verify block (T > 1), by head_dim, where measured to keep the decode step's bits: the
-# 35B-A3B shape's 16-token verify at 30k cached tokens takes 59 us a layer in 64-row tiles against 93 in 16-row ones,
-# every row bitwise its decode step (bench/results/block_attention_tiles_h200_20261203.json, "cross"; with 64 columns
-# a tile as well the bits changed). tests/kernels/test_block_attention.py checks it on the GPU.
-VERIFY_ROWS = {256: 64}
+BLOCK_ROWS = 16  # query rows per program, whatever T: the same tile shapes for a decode step and a verify block
 COMBINE_COLS = 64  # head-dim columns per combine program
 # warps per _partial_kernel program, every head size: at the 35B-A3B shape (head_dim 256) 4 warps against the 8 used
 # until 2026-12-03 took the 16-token verify from 131 to 93 us a layer at 30k cached tokens and the decode step from 26
@@ -260,7 +255,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     split_cols = max(split_cols, math.ceil(k_cache.shape[1] / MAX_SPLITS / block_n) * block_n)
     n_splits = max(1, math.ceil(int(span) / split_cols))
     rows = group * T
-    block_m = BLOCK_ROWS if T == 1 else VERIFY_ROWS.get(D, BLOCK_ROWS)
+    block_m = BLOCK_ROWS
     n_chunks = math.ceil(rows / block_m)
     if T > 1 and causal:  # the block's keys and values go to the cache first: later rows read them as cached columns
         _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
