@@ -93,8 +93,8 @@ def causal_mask(positions: torch.Tensor, kv_len: int, lower_right: bool = False)
     lower_right: the caller guarantees that positions are the last T of the kv_len columns (a prefill piece, as
     FastModel runs it). On CUDA the mask is then torch's lower-right causal bias, which attention() hands to
     FlashAttention: no mask tensor, and none of the plan cuDNN's attention builds for every new (prompt, context)
-    shape (47-80 ms each on the H200 at the 35B-A3B shape, 1.2 s of a cold server's first agent turn, and every
-    later turn brings new shapes; bench/results/prefill_attention_h200_20261203.json)."""
+    shape (on the H200 at the 35B-A3B shape 1.1-1.7 s for a process's first shapes and ~45 ms later, 1.2 s of a cold
+    server's first agent turn; every later turn brings new shapes; bench/results/prefill_attention_h200_20261203.json)."""
     if lower_right and positions.is_cuda:
         return causal_lower_right(positions.numel(), kv_len)
     return (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[None, None]
