@@ -566,8 +566,8 @@ def test_invariant_tiles_compute_each_row_as_alone_on_gpu():
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_align_slots_sorts_in_registers_and_in_chunks():
-    """The compiled align kernel on its paths (<= 128 slots in registers, more sorted by torch or in chunks), hot-set routing
-    so experts hold several slots."""
+    """The compiled align kernel on its paths (<= 128 slots in registers, more sorted by torch or in chunks),
+    hot-set routing so experts hold several slots."""
     import importlib
     from unittest.mock import patch
 
