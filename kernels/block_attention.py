@@ -70,10 +70,8 @@ if triton is not None:
                         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_T: tl.constexpr, SPLIT_COLS: tl.constexpr, N_SPLITS: tl.constexpr,
                         N_CHUNKS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
-        # the row chunk varies fastest: the chunks of one slice run side by side and share its K/V reads through
-        # L2 instead of each chunk re-reading the cache later. Which program computes what is unchanged: the same
-        # bits. It gained little (a 16-token verify at 30k: ~146 -> 134 us a layer on the H200): the kernel is
-        # bound by each program's dependent chain, not by bytes; fewer warps a program gained more (PARTIAL_WARPS).
+        # the row chunk varies fastest, so a slice's chunks share its K/V reads through L2 (same programs, same bits);
+        # it gained little (verify at 30k ~146 -> 134 us a layer, H200): each program's dependent chain binds it.
         chunk = tl.program_id(0)  # slice of the GROUP * T query rows
         h = tl.program_id(1)  # key/value head
         split = tl.program_id(2)  # slice of cached columns; split N_SPLITS: the block's own tokens
