@@ -11,10 +11,10 @@ another (whether they could differ by row count and keep the bits).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -27,32 +27,8 @@ from tests.kernels.test_block_attention import make_case  # noqa: E402
 
 
 def launch(q, kn, vn, kc, vc, start, tiles):
-    """block_attention's launch with tiles (BLOCK_M, BLOCK_N, warps, stages) in place of its constants."""
-    bm, bn, warps, stages = tiles
-    H, T, D = q.shape
-    hkv = kn.shape[0]
-    group = H // hkv
-    split_cols = max(bn, ba.SPLIT_BYTES // (4 * D) // bn * bn)
-    split_cols = max(split_cols, math.ceil(kc.shape[1] / ba.MAX_SPLITS / bn) * bn)
-    n_splits = max(1, math.ceil(kc.shape[1] / split_cols))
-    rows = group * T
-    n_chunks = math.ceil(rows / bm)
-    if T > 1:
-        ba.write_block(kn, vn, kc, vc, start)
-    out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
-    part = hkv * (n_splits + 1) * n_chunks * bm
-    po = torch.empty(part, D, device=q.device, dtype=torch.float32)
-    pm = torch.empty(part, device=q.device, dtype=torch.float32)
-    pl = torch.empty(part, device=q.device, dtype=torch.float32)
-    ba._partial_kernel[(n_chunks, hkv, n_splits + 1)](
-        q, kn, vn, kc, vc, start, po, pm, pl, T, D ** -0.5, q.stride(0), q.stride(1), kn.stride(0), kn.stride(1),
-        vn.stride(0), vn.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), GROUP=group, D=D,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits, N_CHUNKS=n_chunks, CAUSAL=True,
-        IEEE=False, WINDOW=0, num_warps=warps, num_stages=stages)
-    ba._combine_kernel[(hkv, rows, D // 64)](out, po, pm, pl, start, T, out.stride(0), GROUP=group, D=D, DC=64,
-                                             BLOCK_M=bm, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=ba.SPLIT_TILE,
-                                             SPLIT_COLS=split_cols, CAUSAL=True, num_warps=4)
-    return out
+    """block_attention over the whole cache (as the CUDA graphs call it) with tiles [rows, cols, warps, stages]."""
+    return ba.block_attention(q, kn, vn, kc, vc, start, kc.shape[1], use_triton=True, tiles=ba.Tiles(*tiles))
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -100,15 +76,16 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     cross = []
+    shipped = list(dataclasses.astuple(ba.default_tiles(256)))
     for verify_tiles in ([64, 32, 4, 3], [64, 64, 4, 3]):  # one-token steps in the shipped set, verifies in another
-        row = measure([ba.BLOCK_ROWS, 32, ba.PARTIAL_WARPS, 3], verify_tiles, contexts)
+        row = measure(shipped, verify_tiles, contexts)
         cross.append(row)
         print("cross", json.dumps(row), flush=True)
     record = {"benchmark": "block_attention_tiles", "machine": {"gpu": torch.cuda.get_device_name()},
               "command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__, "shape": "16 query heads, 2 key heads, head_dim 256, 32k cache whole",
               "timing": "us per call, CUDA graph of 20 calls", "tiles": "[BLOCK_M, BLOCK_N, warps, stages]",
-              "shipped": [ba.BLOCK_ROWS, 32, ba.PARTIAL_WARPS, 3],
+              "shipped": shipped,
               "rows": rows, "cross": cross}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"block_attention_tiles_h200_{datetime.date.today():%Y%m%d}.json"

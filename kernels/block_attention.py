@@ -33,6 +33,7 @@ same thing with index_copy_ and SDPA.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,22 @@ COMBINE_COLS = 64  # head-dim columns per combine program
 # to 25 (H200; tiles of 64 query rows or 64 columns gained more for the verify but cost the decode step up to 9 us:
 # bench/results/block_attention_tiles_h200_20261203.json). Decode steps and verifies share it: the same bits.
 PARTIAL_WARPS = 4
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """_partial_kernel's tile set: query rows and cached columns a program, its warps and pipeline stages. One set
+    for decode steps and verifies alike (their rows must get the same bits); bench/block_attention_tiles.py passes
+    others to time them."""
+    rows: int
+    cols: int
+    warps: int = PARTIAL_WARPS
+    stages: int = 3
+
+
+def default_tiles(head_dim: int) -> Tiles:
+    return Tiles(rows=BLOCK_ROWS, cols=64 if head_dim <= 64 else 32)
+
 
 if triton is not None:
     import triton.language as tl
@@ -225,12 +242,13 @@ def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | 
 
 
 def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_triton: bool | None = None,
-                    out: torch.Tensor | None = None, causal: bool = True, window: int = 0):
+                    out: torch.Tensor | None = None, causal: bool = True, window: int = 0, tiles: Tiles | None = None):
     """See the module docstring. span >= start + T (a host number; the caller's attention span). out: a [T, H * D]
     tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one. causal=False: every
     block token sees all of the block (a DFlash drafter's bidirectional layers) and the cached columns before it.
     window > 0: a sliding window, position p sees the columns after p - window (at least MAX_BLOCK, so that a
-    block's own tokens are always in it)."""
+    block's own tokens are always in it). tiles: the Triton kernel's tile set (default_tiles(head_dim); a benchmark's
+    other candidates)."""
     if window and window < MAX_BLOCK:
         raise ValueError(f"a sliding window spans at least {MAX_BLOCK} columns here, got {window}")
     if use_triton is None:
@@ -247,14 +265,15 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     for x in (q, k_new, v_new, k_cache, v_cache):
         if x.stride(-1) != 1:
             raise ValueError("the last dimension of every tensor must be contiguous")
-    block_n = 64 if D <= 64 else 32
+    tiles = tiles or default_tiles(D)
+    block_n = tiles.cols
     split_cols = max(block_n, SPLIT_BYTES // (4 * D) // block_n * block_n)  # K and V, 2 bytes each
     # long caches: wider slices, fixed by the cache's size (not the span or T), so every position of the cache sees
     # the same slice boundaries however it is reached
     split_cols = max(split_cols, math.ceil(k_cache.shape[1] / MAX_SPLITS / block_n) * block_n)
     n_splits = max(1, math.ceil(int(span) / split_cols))
     rows = group * T
-    block_m = BLOCK_ROWS
+    block_m = tiles.rows
     n_chunks = math.ceil(rows / block_m)
     if T > 1 and causal:  # the block's keys and values go to the cache first: later rows read them as cached columns
         _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
@@ -274,7 +293,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
         N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, WINDOW=int(window or 0),
-        num_warps=PARTIAL_WARPS, num_stages=3)
+        num_warps=tiles.warps, num_stages=tiles.stages)
     dc = min(D, COMBINE_COLS)
     _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, start, T, out.stride(0), GROUP=group, D=D, DC=dc,
                                           BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,
