@@ -48,8 +48,6 @@ except ImportError:  # CPU-only installs: the PyTorch fallback is used
 CONFIG_PATH = Path(__file__).with_name("fused_moe_configs.json")
 # slots (tokens x top_k) up to which align_slots sorts in registers: a 16-token verify with top-8 routing
 ONE_CHUNK_SLOTS = 128
-# more slots (a prefill piece): "given" (torch.sort, then the kernel builds the table) or "chunks" (the kernel sorts)
-LARGE_SORT = "given"
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -175,27 +173,14 @@ def invariant_config(device_name: str, key: str, top_k: int) -> dict:
 
 if triton is not None:
 
-    @triton.jit
-    def _chunk_ranks(ids_ptr, c0, num_routed, CH: tl.constexpr):
-        """For CH slots from c0: expert ids, rank among same-expert slots of the chunk, last-of-its-expert flag."""
-        lane = tl.arange(0, CH)
-        slot = c0 + lane
-        ok = slot < num_routed
-        ids = tl.load(ids_ptr + slot, mask=ok, other=-1).to(tl.int32)
-        same = (ids[:, None] == ids[None, :]) & ok[None, :]
-        rank = tl.sum((same & (lane[None, :] < lane[:, None])).to(tl.int32), axis=1)
-        last = ok & (tl.sum((same & (lane[None, :] > lane[:, None])).to(tl.int32), axis=1) == 0)
-        return slot, ok, ids, rank, last
-
     # Token-count-dependent arguments are not specialised, so a new token count never recompiles while serving.
     _RUNTIME_SIZES = ["num_routed", "num_tokens", "num_blocks_max"]
 
     @triton.jit
     def _sort_one_chunk(ids_ptr, sorted_ptr, num_routed, EP: tl.constexpr, CH: tl.constexpr):
         """num_routed <= CH: every slot's sorted position is the number of slots before it in (expert, slot)
-        order, from one CH x CH comparison in registers; returns the per-expert counts [EP]. The same order as
-        the chunked passes, with none of their round trips through the cursor (a 16-token verify's 128 slots took
-        7 us there, at every MoE layer)."""
+        order, from one CH x CH comparison in registers; returns the per-expert counts [EP]. (Two passes through
+        a cursor in memory took a 16-token verify's 128 slots 7 us, at every MoE layer.)"""
         lane = tl.arange(0, CH)
         ok = lane < num_routed
         ids = tl.load(ids_ptr + lane, mask=ok, other=EP - 1).to(tl.int32)  # EP - 1: past every expert and the shared
@@ -205,60 +190,25 @@ if triton is not None:
         counts = tl.histogram(ids, EP)
         return tl.where(tl.arange(0, EP) == EP - 1, 0, counts)  # the padding lanes' bin
 
-    @triton.jit
-    def _count_chunks(ids_ptr, cursor_ptr, num_routed, EP: tl.constexpr, CH: tl.constexpr):
-        """The chunked sort's first pass: slots per expert, counted through the cursor."""
-        experts = tl.arange(0, EP)
-        tl.store(cursor_ptr + experts, tl.zeros([EP], tl.int32))
-        tl.debug_barrier()
-        for c0 in range(0, num_routed, CH):
-            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
-            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
-            tl.debug_barrier()
-            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
-            tl.debug_barrier()
-        return tl.load(cursor_ptr + experts, volatile=True)
-
-    @triton.jit
-    def _scatter_chunks(ids_ptr, cursor_ptr, sorted_ptr, seg_start, num_routed, EP: tl.constexpr, CH: tl.constexpr):
-        """The chunked sort's second pass: each slot to its sorted position, the cursor now the write positions."""
-        tl.debug_barrier()
-        tl.store(cursor_ptr + tl.arange(0, EP), seg_start)
-        tl.debug_barrier()
-        for c0 in range(0, num_routed, CH):
-            slot, ok, ids, rank, last = _chunk_ranks(ids_ptr, c0, num_routed, CH)
-            base = tl.load(cursor_ptr + ids, mask=ok, other=0, volatile=True)
-            tl.store(sorted_ptr + base + rank, slot, mask=ok)
-            tl.debug_barrier()
-            tl.store(cursor_ptr + ids, base + rank + 1, mask=last)
-            tl.debug_barrier()
-
     @triton.jit(do_not_specialize=_RUNTIME_SIZES)
-    def _align_kernel(ids_ptr, cursor_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
+    def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                       num_routed, num_tokens, num_blocks_max, E,
                       HAS_SHARED: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BM: tl.constexpr,
-                      SORT: tl.constexpr):
-        """One program: stable counting sort of the slots by expert, then the block table.
+                      IN_REGISTERS: tl.constexpr):
+        """One program: the block table of slots sorted by expert (stable: by slot within an expert).
 
-        SORT "registers" (num_routed <= CH, a verify block): _sort_one_chunk. "given": the caller sorted the
-        routed slots into sorted_ptr and left each expert's count in cursor_ptr (align_slots, by torch.sort for a
-        prefill's thousands of slots); only the table is built here. "chunks": two passes over chunks of CH slots,
-        cursor_ptr an [EP] int32 scratch array holding per-expert running counts, then running write positions;
-        within a chunk a slot's rank among same-expert slots comes from a CH x CH comparison, across chunks from
-        the cursor, which each expert's last slot in the chunk advances.
-        """
+        IN_REGISTERS (num_routed <= CH, a verify block): _sort_one_chunk sorts them here. Else the caller
+        sorted the routed slots into sorted_ptr and left each expert's count in counts_ptr (align_slots, by
+        torch.sort, for a prefill piece's thousands of slots: a one-program sort over chunks took 21 ms of a
+        1,700-token piece's 212 ms at the 35B-A3B shape)."""
         experts = tl.arange(0, EP)
-        if SORT == "registers":
+        if IN_REGISTERS:
             counts = _sort_one_chunk(ids_ptr, sorted_ptr, num_routed, EP, CH)
-        elif SORT == "given":
-            counts = tl.load(cursor_ptr + experts, mask=experts < E, other=0)
         else:
-            counts = _count_chunks(ids_ptr, cursor_ptr, num_routed, EP, CH)
+            counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)
         if HAS_SHARED:
             counts += tl.where(experts == E, num_tokens, 0)
         seg_start = tl.cumsum(counts, axis=0) - counts
-        if SORT == "chunks":
-            _scatter_chunks(ids_ptr, cursor_ptr, sorted_ptr, seg_start, num_routed, EP, CH)
         lane = tl.arange(0, CH)
         if HAS_SHARED:
             shared_start = tl.sum(tl.where(experts == E, seg_start, 0), axis=0)
@@ -464,7 +414,7 @@ def align_workspace(num_blocks: int, num_slots: int, padded_experts: int, device
     Triton specialises a pointer argument on 16-byte alignment, so slices at offsets that follow the token count
     gave the align, gate_up and down kernels new variants to compile for new prompt lengths while serving (3 on
     the first turn of the 35B-A3B replay of 2026-12-03, all _align_kernel). Returns (block_expert, block_start,
-    block_count, sorted_slots, cursor)."""
+    block_count, sorted_slots, expert_counts): expert_counts is the prefill path's per-expert counts."""
     up = lambda n: -(-n // 4) * 4  # noqa: E731  (4 int32 = 16 bytes)
     nb, ns = up(num_blocks), up(num_slots)
     work = torch.empty(3 * nb + ns + padded_experts, dtype=torch.int32, device=device)
@@ -483,18 +433,18 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
     num_slots = num_routed + (num_tokens if has_shared else 0)
     num_blocks = num_blocks_bound(num_slots, num_experts + int(has_shared), block_m)
     padded_experts = triton.next_power_of_2(num_experts + 2)  # + the shared expert + _sort_one_chunk's padding id
-    bexp, bstart, bcount, sorted_slots, cursor = align_workspace(num_blocks, num_slots, padded_experts,
+    bexp, bstart, bcount, sorted_slots, expert_counts = align_workspace(num_blocks, num_slots, padded_experts,
                                                                  topk_ids.device)
     ids = topk_ids.contiguous()
-    sort = "registers" if num_routed <= ONE_CHUNK_SLOTS else LARGE_SORT
-    if sort == "given":  # a stable sort by expert is the (expert, slot) order; the counts by an exact integer scatter
+    in_registers = num_routed <= ONE_CHUNK_SLOTS
+    if not in_registers:  # a stable sort by expert is the (expert, slot) order; the counts by an exact integer scatter
         flat = ids.reshape(-1)
         sorted_slots[:num_routed].copy_(torch.sort(flat, stable=True).indices)
         counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-        cursor[:num_experts].copy_(counts.scatter_add_(0, flat, torch.ones_like(flat)))
-    _align_kernel[(1,)](ids, cursor, sorted_slots, bexp, bstart, bcount, num_routed, num_tokens, num_blocks,
-                        num_experts, HAS_SHARED=has_shared, EP=padded_experts, CH=ONE_CHUNK_SLOTS if sort ==
-                        "registers" else 64, BM=block_m, SORT=sort, num_warps=8)
+        expert_counts[:num_experts].copy_(counts.scatter_add_(0, flat, torch.ones_like(flat)))
+    _align_kernel[(1,)](ids, expert_counts, sorted_slots, bexp, bstart, bcount, num_routed, num_tokens, num_blocks,
+                        num_experts, HAS_SHARED=has_shared, EP=padded_experts, CH=ONE_CHUNK_SLOTS if in_registers
+                        else 64, BM=block_m, IN_REGISTERS=in_registers, num_warps=8)
     return sorted_slots, bexp, bstart, bcount
 
 
