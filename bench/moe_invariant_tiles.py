@@ -100,13 +100,17 @@ def rows_alone_equal(layer, x, w, ids, config, m: int) -> bool:
 
 
 def candidates() -> list[dict]:
-    base = fm.get_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), 16, K)
+    """(today's entry, gate_up candidates, down candidates). K splits give a decode step's 9 active experts ~1,000
+    short programs instead of ~144 long ones (one wave and a bit over 132 SMs); the gate_up splits are finished by
+    the last program of a tile, the down splits added by the slot sum (kernels/fused_moe.py)."""
+    base = fm.invariant_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), K)
     gate_up = [dict(base["gate_up"])] + [
         dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [
-            (32, 128, 4, 3, 2), (32, 128, 4, 3, 4), (64, 128, 4, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 3, 4),
-            (16, 256, 4, 3, 1), (16, 256, 4, 3, 2), (32, 256, 4, 3, 1), (64, 64, 4, 4, 2), (128, 128, 8, 3, 4)]]
-    down = [dict(base["down"])] + [dict(BN=bn, BK=bk, warps=wp, stages=st) for bn, bk, wp, st in [
-        (32, 128, 4, 3), (128, 64, 4, 3), (64, 256, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3)]]
+            (32, 256, 4, 1, 8), (32, 256, 4, 2, 4), (64, 256, 4, 1, 8), (16, 256, 4, 1, 8), (32, 128, 4, 2, 8),
+            (32, 512, 8, 1, 4), (64, 128, 4, 3, 4)]]
+    down = [dict(base["down"])] + [dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [
+        (64, 256, 4, 1, 2), (32, 256, 4, 1, 2), (64, 128, 4, 1, 4), (128, 256, 4, 1, 2), (32, 512, 4, 1, 1),
+        (64, 512, 8, 1, 1)]]
     return base, gate_up, down
 
 
@@ -128,6 +132,7 @@ def main() -> None:
     print(f"hot set {args.hot}: {distinct:.1f} distinct experts per 16 tokens", flush=True)
     tokens = [int(t) for t in args.tokens.split(",")]
     base, gate_up, down = candidates()
+    base = {k: v for k, v in base.items() if k != "decode"}
 
     def measure(gu, dn, mode: str, ms, routes) -> dict:
         cfg = dict(base, gate_up=gu, down=dn, decode=False, direct=mode == "direct",

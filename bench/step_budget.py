@@ -46,7 +46,7 @@ PARTS = [
     ("recurrence", r"gdn|trsm|triangular|_chunk_|getrs|trsv"),
     ("experts", r"_gate_up_kernel|_down_kernel|_sum_slots|_align_kernel|_block_rows|_chunk_ranks|moe"),
     ("projections", r"_wide_kernel|gemm|gemv|nvjet|cutlass|xmma|_rows_linear|_norm_gemv|sm90_|sm80_"),
-    ("glue", r"^triton_"),
+    ("glue", r"^triton_|^_conv_kernel"),  # _conv_kernel: the Gated DeltaNet convolution (kernels/gdn_conv.py)
 ]
 MOE = re.compile(dict(PARTS)["experts"])
 

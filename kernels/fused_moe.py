@@ -11,13 +11,17 @@ Launches (all shapes depend only on M, so the whole thing can be captured in a C
      -> block table (expert, start, count), unused blocks marked -1.
   2. `_gate_up_kernel`, grid (blocks, I/BN, split): one block's rows times one N-tile of gate and up,
      SiLU(gate)*up stored to `inter[slot]`. Each expert's weight tile is read once per block, i.e. once when it
-     has <= BM tokens. With split > 1 (few active experts: more programs) each program covers a slice of K and
-     stores fp32 partial sums, which the down kernel adds up before the SiLU. One program also computes the
-     shared expert's sigmoid gate.
-  3. `_down_kernel`, grid (blocks, H/BN): inter @ down^T, scaled by the routing weight in the epilogue,
-     stored in fp32 to `rows[slot]`.
-  4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows in a fixed order. No atomics: results are
-     deterministic, which greedy decoding relies on.
+     has <= BM tokens. With split > 1 each program covers a slice of K and stores fp32 partial sums; the last
+     program of a (block, N-tile) to finish (an atomic counter, as kernels/wide_linear.py) adds them in split
+     order and stores SiLU(gate)*up. One program also computes the shared expert's sigmoid gate.
+  3. `_down_kernel`, grid (blocks, H/BN, split): inter @ down^T over a slice of I, scaled by the routing weight
+     in the epilogue, stored in fp32 to `rows[split, slot]`.
+  4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows (each over the down splits) in a fixed order. The
+     order of every addition is fixed whoever finishes first: results are deterministic, which greedy decoding
+     relies on.
+Why splits: at one token (a decode step in the batch-invariant numerics, which must use the verify's tiles) the
+9 active experts give ~144 programs of 256 KB over 132 SMs, a wave and a bit; K splits make ~1,000 short programs
+that spread evenly (docs/kernels.md "The experts of a decode step").
 One token (a decode step) takes kernels/moe_decode.py instead: two GEMV-shaped launches, no block table.
 Direct mode (small M, as vLLM does for small tokens*top_k): block b < M*K is slot b alone, the last block holds
 the shared expert's M slots; no sorting launch. Each expert is then read once per token routed to it, which
@@ -38,6 +42,7 @@ import torch
 
 from kernels.moe_decode import decode_moe
 from kernels.moe_reference import SharedExpert, fused_moe_torch, shared_expert_torch
+from kernels.rows_linear import split_workspace
 
 try:
     import triton
@@ -250,17 +255,36 @@ if triton is not None:
             slots = tl.load(sorted_ptr + start + r, mask=valid, other=0)
         return e, slots, valid
 
+    @triton.jit
+    def _finish_splits(acc_g, acc_u, part, own, stride_split, mask, count, I, SPLIT_K: tl.constexpr):
+        """Store this split's fp32 partials (gate at part, up at part + I, split s at s * stride_split) and count
+        the arrival; the last program of the tile to arrive gets every split's sums added in split order (whatever
+        order the programs finished in: the bits are fixed) and last=True, and leaves the counter at zero."""
+        tl.store(part + own, acc_g, mask=mask)
+        tl.store(part + own + I, acc_u, mask=mask)
+        # acq_rel: this program's partials are visible before the count; the last one sees all of them
+        arrived = tl.atomic_add(count, 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        if last:
+            acc_g = tl.zeros_like(acc_g)
+            acc_u = tl.zeros_like(acc_u)
+            for r in tl.static_range(SPLIT_K):
+                acc_g += tl.load(part + r * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(part + r * stride_split + I, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count, 0)  # ready for the next call (launches on a stream run in order)
+        return acc_g, acc_u, last
+
     @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
-    def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, inter_ptr, sgate_ptr,
+    def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, inter_ptr, part_ptr, count_ptr, sgate_ptr,
                         ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                         num_routed, num_tokens, top_k, E, H, I, k_per_split,
                         stride_x, stride_we, stride_wn, stride_sn, stride_inter, stride_split,
                         HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_K: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Grid (block, N-tile, K-split). SPLIT_K == 1: inter[slot] = silu(x@g) * (x@u) in x's dtype.
-        SPLIT_K > 1 (more programs when few experts are active): fp32 partial g | u sums per split,
-        which the down kernel adds up (fixed order) before applying SiLU."""
+        """Grid (block, N-tile, K-split): inter[slot] = silu(x@g) * (x@u) in x's dtype. SPLIT_K > 1: each
+        program stores fp32 partial g | u sums [split, slot, 2I] to part_ptr, and the last of the tile's splits to
+        finish adds them in split order and stores inter (_finish_splits)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -302,14 +326,17 @@ if triton is not None:
             wg += BK
             wu += BK
         out_mask = valid[:, None] & n_ok[None, :]
-        if SPLIT_K == 1:
+        if SPLIT_K > 1:
+            part = part_ptr + slots64[:, None] * (2 * I) + offs_n[None, :]
+            acc_g, acc_u, last = _finish_splits(acc_g, acc_u, part, pid_s.to(tl.int64) * stride_split,
+                                                stride_split, out_mask, count_ptr + pid_b * tl.num_programs(1) + pid_n,
+                                                I, SPLIT_K)
+        else:
+            last = True
+        if last:
             h = acc_g * tl.sigmoid(acc_g) * acc_u
             tl.store(inter_ptr + slots64[:, None] * stride_inter + offs_n[None, :],
                      h.to(inter_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            part = inter_ptr + pid_s.to(tl.int64) * stride_split + slots64[:, None] * stride_inter + offs_n[None, :]
-            tl.store(part, acc_g, mask=out_mask)
-            tl.store(part + I, acc_u, mask=out_mask)
         if HAS_SHARED_GATE:  # sigmoid(x @ shared_gate) for the shared expert's rows, by one program
             if (e == E) & (pid_n == 0) & (pid_s == 0):
                 acc_s = tl.zeros([BM], tl.float32)
@@ -324,14 +351,16 @@ if triton is not None:
     @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
     def _down_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, rows_ptr,
                      ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
-                     num_routed, num_tokens, E, H, I,
-                     stride_inter, stride_split, stride_we, stride_wn, stride_sn, stride_rows,
-                     HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, GATE_UP_SPLIT: tl.constexpr,
+                     num_routed, num_tokens, E, H, I, k_per_split,
+                     stride_inter, stride_we, stride_wn, stride_sn, stride_rows, stride_split,
+                     HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Grid (block, N-tile): rows[slot] = routing weight * (inter[slot] @ down^T), fp32."""
+        """Grid (block, N-tile, K-split): rows[split, slot] = routing weight * (inter[slot] @ down^T) over the
+        split's slice of I, fp32 (_sum_slots_kernel adds the splits)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
         e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                                       num_routed, num_tokens, E, DIRECT, BM)
         if e < 0:
@@ -340,24 +369,17 @@ if triton is not None:
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < H
+        k_lo = pid_s * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, I)
         if e == E:
-            wp = sd_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
+            wp = sd_ptr + offs_n[None, :] * stride_sn + (k_lo + offs_k)[:, None]
         else:
-            wp = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
-        hp = inter_ptr + slots64[:, None] * stride_inter + offs_k[None, :]
+            wp = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + (k_lo + offs_k)[:, None]
+        hp = inter_ptr + slots64[:, None] * stride_inter + (k_lo + offs_k)[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, I, BK):
-            k_ok = (k0 + offs_k < I) | EVEN_K
-            h_mask = valid[:, None] & k_ok[None, :]
-            if GATE_UP_SPLIT == 1:
-                ht = tl.load(hp, mask=h_mask, other=0.0)
-            else:  # add the gate_up kernel's split-K partial sums, then SiLU(gate) * up
-                g = tl.zeros([BM, BK], tl.float32)
-                u = tl.zeros([BM, BK], tl.float32)
-                for s in tl.static_range(GATE_UP_SPLIT):
-                    g += tl.load(hp + s * stride_split, mask=h_mask, other=0.0)
-                    u += tl.load(hp + s * stride_split + I, mask=h_mask, other=0.0)
-                ht = (g * tl.sigmoid(g) * u).to(w_ptr.dtype.element_ty)
+        for k0 in range(k_lo, k_hi, BK):
+            k_ok = (k0 + offs_k < k_hi) | EVEN_K
+            ht = tl.load(hp, mask=valid[:, None] & k_ok[None, :], other=0.0)
             if EVEN_N and EVEN_K:
                 wt = tl.load(wp)
             else:
@@ -372,22 +394,27 @@ if triton is not None:
             scale = tl.where(routed, scale, sg)
         else:
             scale = tl.where(routed, scale, 1.0)
-        tl.store(rows_ptr + slots64[:, None] * stride_rows + offs_n[None, :], acc * scale[:, None],
-                 mask=valid[:, None] & n_ok[None, :])
+        tl.store(rows_ptr + pid_s.to(tl.int64) * stride_split + slots64[:, None] * stride_rows + offs_n[None, :],
+                 acc * scale[:, None], mask=valid[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["num_routed"])
     def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, num_routed, top_k, H, stride_rows, stride_out, stride_res,
-                          HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr):
-        """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once; then
-        (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of `res + out` in PyTorch."""
+                          stride_split, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
+                          BH: tl.constexpr):
+        """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot, each slot's down splits in
+        split order; fp32, cast once; then (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of
+        `res + out` in PyTorch."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BH + tl.arange(0, BH)
         ok = offs < H
         acc = tl.zeros([BH], tl.float32)
         for k in range(0, top_k):
-            acc += tl.load(rows_ptr + (t * top_k + k) * stride_rows + offs, mask=ok, other=0.0)
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(rows_ptr + s * stride_split + (t * top_k + k) * stride_rows + offs, mask=ok, other=0.0)
         if HAS_SHARED:
-            acc += tl.load(rows_ptr + (num_routed + t) * stride_rows + offs, mask=ok, other=0.0)
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(rows_ptr + s * stride_split + (num_routed + t) * stride_rows + offs, mask=ok,
+                               other=0.0)
         out = acc.to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
             res = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0)
@@ -489,32 +516,33 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_blocks = bexp.numel()
 
     gu, dn = cfg["gate_up"], cfg["down"]
-    split = gu.get("split", 1)
-    if split == 1:
-        inter_buf = torch.empty(num_slots, inter, dtype=x.dtype, device=dev)
-    else:  # fp32 partial sums [split, slot, gate | up]
-        inter_buf = torch.empty(split, num_slots, 2 * inter, dtype=torch.float32, device=dev)
-    stride_split = num_slots * 2 * inter
+    split, down_split = gu.get("split", 1), dn.get("split", 1)
+    inter_buf = torch.empty(num_slots, inter, dtype=x.dtype, device=dev)
+    # fp32 partial sums [split, slot, gate | up] and one arrival counter per (block, N-tile): split > 1 only
+    part = torch.empty(split, num_slots, 2 * inter, dtype=torch.float32, device=dev) if split > 1 else inter_buf
+    n_tiles = triton.cdiv(inter, gu["BN"])
+    count = split_workspace(dev, 0, 0, num_blocks * n_tiles)[2] if split > 1 else inter_buf
     k_per_split = triton.cdiv(hidden, split * gu["BK"]) * gu["BK"]
-    rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=dev)
+    rows = torch.empty(down_split, num_slots, hidden, dtype=torch.float32, device=dev)
     has_gate = has_shared and shared.gate is not None
     sgate = torch.empty(num_tokens if has_gate else 1, dtype=torch.float32, device=dev)
     sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
         gate_up_proj, gate_up_proj, down_proj)
     sgw = shared.gate.reshape(-1) if has_gate else x
 
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, gu["BN"]), split)](
-        x, gate_up_proj, sg, su, sgw, inter_buf, sgate, ids, sorted_slots, bexp, bstart, bcount,
+    _gate_up_kernel[(num_blocks, n_tiles, split)](
+        x, gate_up_proj, sg, su, sgw, inter_buf, part, count, sgate, ids, sorted_slots, bexp, bstart, bcount,
         num_routed, num_tokens, top_k, num_experts, hidden, inter, k_per_split,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(-2), stride_split,
-        HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split, EVEN_K=hidden % (gu["BK"] * split) == 0,
-        EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m, BN=gu["BN"], BK=gu["BK"],
-        num_warps=gu["warps"], num_stages=gu["stages"])
-    _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]))](
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(0),
+        num_slots * 2 * inter, HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split,
+        EVEN_K=hidden % (gu["BK"] * split) == 0, EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m,
+        BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"], num_stages=gu["stages"])
+    down_k = triton.cdiv(inter, down_split * dn["BK"]) * dn["BK"]
+    _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]), down_split)](
         inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount,
-        num_routed, num_tokens, num_experts, hidden, inter,
-        inter_buf.stride(-2), stride_split, down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0),
-        HAS_SHARED_GATE=has_gate, DIRECT=direct, GATE_UP_SPLIT=split, EVEN_K=inter % dn["BK"] == 0,
+        num_routed, num_tokens, num_experts, hidden, inter, down_k,
+        inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(1), rows.stride(0),
+        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % (dn["BK"] * down_split) == 0,
         EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
         num_warps=dn["warps"], num_stages=dn["stages"])
     if out is None:
@@ -522,6 +550,6 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
     block_h = min(256, triton.next_power_of_2(hidden))
     res = residual if residual is not None else out  # unused without a residual
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        rows, out, res, num_routed, top_k, hidden, rows.stride(0), out.stride(0), res.stride(0),
-        HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, BH=block_h, num_warps=4)
+        rows, out, res, num_routed, top_k, hidden, rows.stride(1), out.stride(0), res.stride(0), rows.stride(0),
+        HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, SPLITS=down_split, BH=block_h, num_warps=4)
     return out

@@ -36,6 +36,7 @@ from backend.models.static_cache import KVCache, LinearStateCache
 from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
 from kernels.block_attention import block_attention
 from kernels.fused_moe import invariant_config, shape_key
+from kernels.gdn_conv import gdn_conv
 from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
 from kernels.gemv import gemv
 from kernels.wide_linear import wide_linear
@@ -251,18 +252,22 @@ class GatedDeltaNet(nn.Module):
         """padded_rows: as GatedAttention.padded. The convolution runs over all padded rows (it is causal: the
         first T see only real inputs); the caches keep what the first T rows leave."""
         c, cache, i = model.config, model.linear, self.slot
-        window, q, k, v, z, a, b = glue(deltanet_conv, compiled)(
-            model.padded_in_projection(x, norm, self.w_in, compiled), cache.conv[i], self.conv_w,
-            c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        hv, hk = c.linear_num_value_heads, c.linear_num_key_heads
+        proj = model.padded_in_projection(x, norm, self.w_in, compiled)
+        mixed, z, b, a = proj.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        # the convolution and its cache update in one launch: a verify keeps the whole window for accept(), a decode
+        # step moves the conv state on
+        qkv = gdn_conv(mixed, cache.conv[i], self.conv_w, T, window_out=cache.conv_window[i] if record else None)
+        R = qkv.shape[0]
+        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k = q.view(R, hk, c.linear_key_head_dim), k.view(R, hk, c.linear_key_head_dim)
+        v, z = v.view(R, hv, c.linear_value_head_dim), z.reshape(R, hv, c.linear_value_head_dim)
         core = v.new_empty(v.shape)
         gates = (self.neg_A, self.dt_bias)
-        width = cache.width
         if record:
-            cache.conv_window[i, :width + T].copy_(window[:width + T])
             gdn_verify(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.record.layer(i), gates=gates,
                        out=core[:T])
         else:
-            cache.conv[i].copy_(window[T:T + width])  # the last width real inputs
             gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.state[i], every_position=False,
                           gates=gates, out=core[:T])
         return model.padded_linear(glue(deltanet_gate, compiled)(core, z, self.norm, c.rms_norm_eps), self.w_out,

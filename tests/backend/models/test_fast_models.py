@@ -424,7 +424,7 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128, numerics=numerics)
     fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
     calls = count_calls(fast.model, ["_padded_rows"], count_calls(importlib.import_module(
-        "backend.models.qwen3_5_moe"), ["wide_linear"]))
+        "backend.models.qwen3_5_moe"), ["wide_linear", "gdn_conv"]))
     prompt = torch.randint(0, 320, (12,))
     for model in (ref, fast):
         model.prefill(prompt)
@@ -439,8 +439,9 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(fast.decode(7)[0], ref.decode(7)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast.model.linear.state, ref.model.linear.state, rtol=1e-4, atol=1e-5)
     # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step; each through the 4 layers'
-    # output projections (kernels/wide_linear.py; and the input projections too when asked)
-    assert calls == {"_padded_rows": 5, "wide_linear": 5 * 4 * 2}, calls
+    # output projections (kernels/wide_linear.py; and the input projections too when asked), each DeltaNet layer's
+    # convolution with its cache update in one launch (kernels/gdn_conv.py)
+    assert calls == {"_padded_rows": 5, "wide_linear": 5 * 4 * 2, "gdn_conv": 5 * 3}, calls
     print("ok")
 """)
 
