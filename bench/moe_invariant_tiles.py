@@ -100,9 +100,11 @@ def rows_alone_equal(layer, x, w, ids, config, m: int) -> bool:
 
 
 def candidates() -> list[dict]:
-    """(today's entry, gate_up candidates, down candidates). K splits give a decode step's 9 active experts ~1,000
-    short programs instead of ~144 long ones (one wave and a bit over 132 SMs); the gate_up splits are finished by
-    the last program of a tile, the down splits added by the slot sum (kernels/fused_moe.py)."""
+    """(today's entry, gate_up candidates, down candidates). Today's is the shipped invariant entry (until 2026-12-04
+    the 16-token tuned entry stood in for it, whose gate_up BK differs). The K splits give a decode step's 9 active
+    experts ~600-2,300 short programs instead of ~144 long ones; the gate_up splits are finished by the last program
+    of a tile, the down splits added by the slot sum (kernels/fused_moe.py). Measured on 2026-12-04: none beat the
+    entry (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json)."""
     base = fm.invariant_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), K)
     gate_up = [dict(base["gate_up"])] + [
         dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [

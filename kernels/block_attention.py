@@ -46,12 +46,7 @@ MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (pref
 SPLIT_BYTES = 16 * 1024
 MAX_SPLITS = 127  # + the block's own program: 128 partial sums per row at most, the combine kernel's fixed tile
 SPLIT_TILE = 128
-BLOCK_ROWS = 16  # query rows per program of a decode step (and of a verify block where VERIFY_ROWS has no entry)
-# query rows per program of a verify block (T > 1), by head_dim, where measured to keep the decode step's bits: the
-# 35B-A3B shape's 16-token verify at 30k cached tokens took 53-60 us a layer in 64-row tiles against 93 in 16-row
-# ones, every row bitwise its decode step (bench/results/block_attention_tiles_h200_20261203.json "cross": with 64
-# columns a tile as well the bits changed). tests/kernels/test_block_attention.py checks every row on the GPU.
-VERIFY_ROWS = {256: 64}
+BLOCK_ROWS = 16  # query rows per program, whatever T: the same tile shapes for a decode step and a verify block
 COMBINE_COLS = 64  # head-dim columns per combine program
 # warps per _partial_kernel program, every head size: at the 35B-A3B shape (head_dim 256) 4 warps against the 8 used
 # until 2026-12-03 took the 16-token verify from 131 to 93 us a layer at 30k cached tokens and the decode step from 26
@@ -62,19 +57,17 @@ PARTIAL_WARPS = 4
 
 @dataclass(frozen=True)
 class Tiles:
-    """_partial_kernel's tile set: query rows and cached columns a program, its warps and pipeline stages. A
-    verify's set differs from the decode step's only where measured to give its rows the same bits (VERIFY_ROWS);
-    bench/block_attention_tiles.py passes others to time them."""
+    """_partial_kernel's tile set: query rows and cached columns a program, its warps and pipeline stages. One set
+    for decode steps and verifies alike (their rows must get the same bits); bench/block_attention_tiles.py passes
+    others to time them."""
     rows: int
     cols: int
     warps: int = PARTIAL_WARPS
     stages: int = 3
 
 
-def default_tiles(head_dim: int, verify: bool = False) -> Tiles:
-    """The shipped tiles of a decode step, or of a verify block (T > 1)."""
-    rows = VERIFY_ROWS.get(head_dim, BLOCK_ROWS) if verify else BLOCK_ROWS
-    return Tiles(rows=rows, cols=64 if head_dim <= 64 else 32)
+def default_tiles(head_dim: int) -> Tiles:
+    return Tiles(rows=BLOCK_ROWS, cols=64 if head_dim <= 64 else 32)
 
 
 if triton is not None:
@@ -254,7 +247,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one. causal=False: every
     block token sees all of the block (a DFlash drafter's bidirectional layers) and the cached columns before it.
     window > 0: a sliding window, position p sees the columns after p - window (at least MAX_BLOCK, so that a
-    block's own tokens are always in it). tiles: the Triton kernel's tile set (default_tiles(head_dim, T > 1); a benchmark's
+    block's own tokens are always in it). tiles: the Triton kernel's tile set (default_tiles(head_dim); a benchmark's
     other candidates)."""
     if window and window < MAX_BLOCK:
         raise ValueError(f"a sliding window spans at least {MAX_BLOCK} columns here, got {window}")
@@ -272,7 +265,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     for x in (q, k_new, v_new, k_cache, v_cache):
         if x.stride(-1) != 1:
             raise ValueError("the last dimension of every tensor must be contiguous")
-    tiles = tiles or default_tiles(D, verify=T > 1)
+    tiles = tiles or default_tiles(D)
     block_n = tiles.cols
     split_cols = max(block_n, SPLIT_BYTES // (4 * D) // block_n * block_n)  # K and V, 2 bytes each
     # long caches: wider slices, fixed by the cache's size (not the span or T), so every position of the cache sees

@@ -19,9 +19,11 @@ Launches (all shapes depend only on M, so the whole thing can be captured in a C
   4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows (each over the down splits) in a fixed order. The
      order of every addition is fixed whoever finishes first: results are deterministic, which greedy decoding
      relies on.
-Why splits: at one token (a decode step in the batch-invariant numerics, which must use the verify's tiles) the
-9 active experts give ~144 programs of 256 KB over 132 SMs, a wave and a bit; K splits make ~1,000 short programs
-that spread evenly (docs/kernels.md "The experts of a decode step").
+K splits were meant for one token (a decode step in the batch-invariant numerics, which must use the verify's tiles:
+9 active experts, ~144 programs of 256 KB over 132 SMs, a wave and a bit). Measured on the H200 they do not pay: 4 or
+8 splits took 26-38 us a layer at one token against 25 unsplit, and far longer at 16 tokens (bench/results/
+moe_invariant_tiles_split_finish_h200_20261204_170057.json), so no shipped entry splits; the tuner may still try them.
+(Before 2026-12-04 the down kernel added the partials, in every one of its programs: 52-83 us at one token.)
 One token (a decode step) takes kernels/moe_decode.py instead: two GEMV-shaped launches, no block table.
 Direct mode (small M, as vLLM does for small tokens*top_k): block b < M*K is slot b alone, the last block holds
 the shared expert's M slots; no sorting launch. Each expert is then read once per token routed to it, which
