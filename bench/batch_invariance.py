@@ -1,6 +1,7 @@
 """Is a position's logits row the same, bit for bit, when the target computes it in a plain decode step and inside a
 verify block of each size 2..16? That is what greedy speculative decoding needs to be token-identical to plain
-decoding in bf16 (backend/models/llama.py `_rows`, kernels/norm_gemv.py, kernels/gemv.py, kernels/block_attention.py).
+decoding in bf16 (backend/models/llama.py `_rows`, reviewer_kernels/norm_gemv.py, reviewer_kernels/gemv.py,
+reviewer_kernels/block_attention.py).
 
     python bench/batch_invariance.py --model embedded --device cuda --json bench/results/batch_invariance_....json
     python bench/batch_invariance.py --model smollm2-135m --device cuda      # random weights at that shape

@@ -1,5 +1,5 @@
-"""kernels/block_attention.py's tiles at the 35B-A3B shape: one tile set serves decode steps and verifies alike (batch
-invariance), so each candidate is timed on both, and checked: every verify row must keep the decode step's bits.
+"""reviewer_kernels/block_attention.py's tiles at the 35B-A3B shape: one tile set serves decode steps and verifies alike
+(batch invariance), so each candidate is timed on both, and checked: every verify row must keep the decode step's bits.
 
     python bench/block_attention_tiles.py [--out bench/results]      (H200)
 
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels.block_attention as ba  # noqa: E402
-from tests.kernels.test_block_attention import make_case  # noqa: E402
+import reviewer_kernels.block_attention as ba  # noqa: E402
+from tests.reviewer_kernels.test_block_attention import make_case  # noqa: E402
 
 
 def launch(q, kn, vn, kc, vc, start, tiles):

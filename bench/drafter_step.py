@@ -51,8 +51,8 @@ def main(argv=None) -> int:
                     help="force one scaled_dot_product_attention backend for the drafter's layers (default: torch's "
                          "choice); with --attention sdpa")
     ap.add_argument("--attention", default="kernel", choices=["kernel", "sdpa"],
-                    help="the drafter's attention: kernels/block_attention.py (FastDrafter's default on CUDA) or SDPA "
-                         "with a device-built mask (what it ran before 2026-12-02)")
+                    help="the drafter's attention: reviewer_kernels/block_attention.py (FastDrafter's default on "
+                         "CUDA) or SDPA with a device-built mask (what it ran before 2026-12-02)")
     a = ap.parse_args(argv)
     if a.sdpa:
         from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,8 +1,8 @@
 """Benchmark (not a test) of one Qwen3.6-35B-A3B MoE layer: router + routed experts + shared expert, bf16.
 
-Compares, in one run: ours (backend.decoding.moe_patch.fused_block_forward: router linear + kernels.route_topk + the
-fused experts kernel, shared expert included), and the stock block with transformers' `eager` loop,
-`grouped_mm` and `batched_mm` experts, on the same Qwen3_5MoeSparseMoeBlock layers.
+Compares, in one run: ours (backend.decoding.moe_patch.fused_block_forward: router linear +
+reviewer_kernels.route_topk + the fused experts kernel, shared expert included), and the stock block with transformers'
+`eager` loop, `grouped_mm` and `batched_mm` experts, on the same Qwen3_5MoeSparseMoeBlock layers.
 
 Router: random weights (normal, std 0.02, like every other weight) and random normal inputs, so routing is
 close to uniform (more unique experts than a trained router: the seed saw ~48 at 16 tokens with a real one).
@@ -15,7 +15,7 @@ it is only timed by launches.
     TRITON_INTERPRET=1 python bench/fused_moe.py --smoke --check --tune --bench       # CPU, tiny, logic only
 
 --tune writes fused_moe_configs.json (device -> shape -> token count -> tiles) to --out and uses it for the
-rest of the run; copy it to kernels/fused_moe_configs.json to ship it.
+rest of the run; copy it to reviewer_kernels/fused_moe_configs.json to ship it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from transformers import Qwen3_5MoeTextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock  # noqa: E402
 
 from backend.decoding.moe_patch import _shared_expert, fused_block_forward  # noqa: E402
-from kernels import SharedExpert, fused_moe_torch, route_topk  # noqa: E402
+from reviewer_kernels import SharedExpert, fused_moe_torch, route_topk  # noqa: E402
 
-fm = importlib.import_module("kernels.fused_moe")
+fm = importlib.import_module("reviewer_kernels.fused_moe")
 BASELINES = ["eager", "grouped_mm", "batched_mm"]
 
 

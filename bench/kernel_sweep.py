@@ -3,21 +3,21 @@
 Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast path replays them), median over
 `--reps` replays, per call. What it measures:
 
-  gdn        kernels/gdn_state.gdn_recurrent at the Qwen3.6-35B-A3B shape (32 value heads, 128 x 128 state),
+  gdn        reviewer_kernels/gdn_state.gdn_recurrent at the Qwen3.6-35B-A3B shape (32 value heads, 128 x 128 state),
              T = 1 (decode) and 16 (verify, every position), over block_v x num_warps x prefetch
-  route      kernels/moe_routing.route_topk, 256 experts, top-8, T = 1 and 16, over block_t x num_warps
-  attention  kernels/block_attention.block_attention at the SmolLM2 and 35B-A3B head shapes, T = 1 and 16
+  route      reviewer_kernels/moe_routing.route_topk, 256 experts, top-8, T = 1 and 16, over block_t x num_warps
+  attention  reviewer_kernels/block_attention.block_attention at the SmolLM2 and 35B-A3B head shapes, T = 1 and 16
   gemv       x [M, K] @ W^T for the step's projection shapes, M = 1 and 16: F.linear (cuBLAS as torch picks it),
              F.linear with torch's cuBLASLt preference, and a pre-transposed weight (another cuBLAS kernel choice)
-  moe_decode kernels/moe_decode.py's tiles (one token, 35B-A3B experts, weights from HBM) vs the grouped path
-  gemv_fused kernels/gemv.py's tiles (the 35B-A3B output projections with their gated norm / sigmoid gate, one
+  moe_decode reviewer_kernels/moe_decode.py's tiles (one token, 35B-A3B experts, weights from HBM) vs the grouped path
+  gemv_fused reviewer_kernels/gemv.py's tiles (the 35B-A3B output projections with their gated norm / sigmoid gate, one
              weight per call) vs the eager prologue + F.linear
-  llama_one_token  kernels/norm_gemv.py's and kernels/gemv.py's tiles at the SmolLM2-135M decode step's five
-             projections (one weight per call) vs F.linear alone
-  rows       kernels/rows_linear.py's launch shapes against those kernels, calls of 1..16 rows
-  rows_35b   kernels/rows_linear.py against cuBLAS (and gemv) at the 35B-A3B dense projections
-  wide       kernels/wide_linear.py's launch shapes at the 35B-A3B dense projections, 16 padded rows, against cuBLAS;
-             row invariance and error checked
+  llama_one_token  reviewer_kernels/norm_gemv.py's and reviewer_kernels/gemv.py's tiles at the SmolLM2-135M decode
+             step's five projections (one weight per call) vs F.linear alone
+  rows       reviewer_kernels/rows_linear.py's launch shapes against those kernels, calls of 1..16 rows
+  rows_35b   reviewer_kernels/rows_linear.py against cuBLAS (and gemv) at the 35B-A3B dense projections
+  wide       reviewer_kernels/wide_linear.py's launch shapes at the 35B-A3B dense projections, 16 padded rows, against
+             cuBLAS; row invariance and error checked
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.block_attention import block_attention  # noqa: E402
-from kernels.gdn_state import gdn_recurrent  # noqa: E402
-from kernels.moe_routing import route_topk  # noqa: E402
+from reviewer_kernels.block_attention import block_attention  # noqa: E402
+from reviewer_kernels.gdn_state import gdn_recurrent  # noqa: E402
+from reviewer_kernels.moe_routing import route_topk  # noqa: E402
 
 
 def graph_time_us(fn, inner: int, reps: int) -> float:
@@ -159,11 +159,11 @@ def sweep_gemv(inner, reps):
 
 
 def sweep_moe_decode(inner, reps):
-    """kernels/moe_decode.py's tiles at the 35B-A3B shape (256 experts, H 2048, I 512, top-8 + shared expert), one
-    token, against the grouped path at one token. Each of the `inner` calls routes to different random experts of
+    """reviewer_kernels/moe_decode.py's tiles at the 35B-A3B shape (256 experts, H 2048, I 512, top-8 + shared expert),
+    one token, against the grouped path at one token. Each of the `inner` calls routes to different random experts of
     one layer's weights (1.5 GB), so the weights come from HBM as they do in a 40-layer step."""
-    from kernels.fused_moe import fused_moe
-    from kernels.moe_reference import SharedExpert
+    from reviewer_kernels.fused_moe import fused_moe
+    from reviewer_kernels.moe_reference import SharedExpert
     e, h, i, k = 256, 2048, 512, 8
     gate_up = torch.randn(e, 2 * i, h, device="cuda").bfloat16() / h ** 0.5
     down = torch.randn(e, h, i, device="cuda").bfloat16() / i ** 0.5
@@ -212,15 +212,15 @@ def sweep_moe_decode(inner, reps):
 
 def fm_default():
     """The tuned grouped-path config for one token at the 35B-A3B shape (what fused_moe picks on this device)."""
-    from kernels.fused_moe import get_config, shape_key
+    from reviewer_kernels.fused_moe import get_config, shape_key
     return dict(get_config(torch.cuda.get_device_name(), shape_key(256, 2048, 512, 8, True), 1, 8))
 
 
 def sweep_gemv_fused(inner, reps):
-    """kernels/gemv.py at the 35B-A3B output projections (2048 x 4096), one token, each call on its own weight (as in
-    a 40-layer step: not L2-resident), against the eager prologue + F.linear and against F.linear alone."""
+    """reviewer_kernels/gemv.py at the 35B-A3B output projections (2048 x 4096), one token, each call on its own weight
+    (as in a 40-layer step: not L2-resident), against the eager prologue + F.linear and against F.linear alone."""
     from backend.models.qwen3_5_moe import gated_rms_norm
-    from kernels.gemv import gemv
+    from reviewer_kernels.gemv import gemv
     n, kdim, d = 2048, 4096, 128
     ws = [torch.randn(n, kdim, device="cuda").bfloat16() / kdim ** 0.5 for _ in range(inner)]
     x, z = torch.randn(1, kdim, device="cuda").bfloat16(), torch.randn(1, kdim, device="cuda").bfloat16()
@@ -248,13 +248,13 @@ def sweep_gemv_fused(inner, reps):
 
 
 def sweep_llama_one_token(inner, reps):
-    """The SmolLM2-135M decode step's projections through kernels/norm_gemv.py (norm + q/k/v + RoPE, norm + gate/up
-    + SwiGLU, norm + LM head) and kernels/gemv.py (output and down projections + residual), over tiles, each call
-    on its own weight (a 30-layer step does not stay in L2), against F.linear alone on the same weights (cuBLAS:
-    what the compiled-glue path runs for the matmul, before its norm / RoPE / SiLU / residual kernels)."""
+    """The SmolLM2-135M decode step's projections through reviewer_kernels/norm_gemv.py (norm + q/k/v + RoPE, norm +
+    gate/up + SwiGLU, norm + LM head) and reviewer_kernels/gemv.py (output and down projections + residual), over tiles,
+    each call on its own weight (a 30-layer step does not stay in L2), against F.linear alone on the same weights
+    (cuBLAS: what the compiled-glue path runs for the matmul, before its norm / RoPE / SiLU / residual kernels)."""
     from backend.models.llama import rope_tables
-    from kernels.gemv import gemv
-    from kernels.norm_gemv import norm_gemv
+    from reviewer_kernels.gemv import gemv
+    from reviewer_kernels.norm_gemv import norm_gemv
     h, heads, kv_heads, d, inter, vocab = 576, 9, 3, 64, 1536, 49152
     cos, sin = rope_tables(1.0 / (100000 ** (torch.arange(0, d, 2, device="cuda").float() / d)), 1.0, 2048,
                            torch.bfloat16)
@@ -292,15 +292,16 @@ def sweep_llama_one_token(inner, reps):
 
 
 def sweep_rows(inner, reps):
-    """kernels/rows_linear.py (tensor cores, split-K in a fixed order) over launch shapes, against kernels/norm_gemv.py
-    and kernels/gemv.py at their tiles, at the SmolLM2-135M step's five projections (and gemv at the 35B-A3B output
-    projections), for calls of T = 1..16 input rows (a decode step and verify blocks), each call on its own weight;
-    and whether row 0 of a 16-row call equals the one-row call bit for bit (batch invariance). (A first version also
-    swept rows per program of the CUDA-core kernels, 1..16 rows looped inside one program over a tile loaded once:
-    no faster at any T, bench/results/kernel_sweep_20261201_144447.json, and removed.)"""
+    """reviewer_kernels/rows_linear.py (tensor cores, split-K in a fixed order) over launch shapes, against
+    reviewer_kernels/norm_gemv.py and reviewer_kernels/gemv.py at their tiles, at the SmolLM2-135M step's five
+    projections (and gemv at the 35B-A3B output projections), for calls of T = 1..16 input rows (a decode step and
+    verify blocks), each call on its own weight; and whether row 0 of a 16-row call equals the one-row call bit for bit
+    (batch invariance). (A first version also swept rows per program of the CUDA-core kernels, 1..16 rows looped inside
+    one program over a tile loaded once: no faster at any T, bench/results/kernel_sweep_20261201_144447.json, and
+    removed.)"""
     from backend.models.llama import rope_tables
-    from kernels.gemv import GEMV_TILES, gemv
-    from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES, norm_gemv
+    from reviewer_kernels.gemv import GEMV_TILES, gemv
+    from reviewer_kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES, norm_gemv
     h, heads, kv_heads, d, inter, vocab = 576, 9, 3, 64, 1536, 49152
     cos, sin = rope_tables(1.0 / (100000 ** (torch.arange(0, d, 2, device="cuda").float() / d)), 1.0, 2048,
                            torch.bfloat16)
@@ -326,8 +327,8 @@ def sweep_rows(inner, reps):
         "35b o sigmoid_gate + residual": (2048, 4096, GEMV_TILES, lambda w, t, T: gemv(
             x2[:T], w, gate=z2[:T], residual=r2[:T], use_triton=True, tiles=t)),
     }
-    from kernels.rows_linear import rows_linear
-    mma = {  # the same projections through kernels/rows_linear.py (tensor cores, split-K in a fixed order)
+    from reviewer_kernels.rows_linear import rows_linear
+    mma = {  # the same projections through reviewer_kernels/rows_linear.py (tensor cores, split-K in a fixed order)
         "mma qkv norm+rope": ((heads + 2 * kv_heads) * d, h, lambda w, t, T: rows_linear(
             x[:T], w, nw, 1e-5, rope=(cos, sin, pos, qkv), use_triton=True, tiles=t)),
         "mma gate_up norm+swiglu": (2 * inter, h, lambda w, t, T: rows_linear(
@@ -379,10 +380,10 @@ def sweep_rows(inner, reps):
 
 
 def sweep_rows_35b(inner, reps):
-    """kernels/rows_linear.py at the Qwen3.6-35B-A3B dense projections (bandwidth-bound sizes, unlike SmolLM2's)
-    against cuBLAS (F.linear) and kernels/gemv.py, T = 1 and 16, each call on its own weight."""
-    from kernels.gemv import gemv
-    from kernels.rows_linear import rows_linear
+    """reviewer_kernels/rows_linear.py at the Qwen3.6-35B-A3B dense projections (bandwidth-bound sizes, unlike
+    SmolLM2's) against cuBLAS (F.linear) and reviewer_kernels/gemv.py, T = 1 and 16, each call on its own weight."""
+    from reviewer_kernels.gemv import gemv
+    from reviewer_kernels.rows_linear import rows_linear
     cases = {  # name: (N, K, norm before it, residual after it)
         "deltanet in_proj (norm)": (12352, 2048, True, False),
         "attention q/k/v/gate (norm)": (9216, 2048, True, False),
@@ -413,11 +414,11 @@ def sweep_rows_35b(inner, reps):
 
 
 def sweep_wide(inner, reps):
-    """kernels/wide_linear.py at the Qwen3.6-35B-A3B shape's dense projections on 16 padded rows, as the invariant
-    steps call them, against cuBLAS (F.linear, what those steps ran before), each call on its own weight. Every
-    variant is checked: its rows equal the same rows computed among other neighbours (row invariance), and it is
+    """reviewer_kernels/wide_linear.py at the Qwen3.6-35B-A3B shape's dense projections on 16 padded rows, as the
+    invariant steps call them, against cuBLAS (F.linear, what those steps ran before), each call on its own weight.
+    Every variant is checked: its rows equal the same rows computed among other neighbours (row invariance), and it is
     within bf16 rounding of the float32 product."""
-    from kernels.wide_linear import wide_linear
+    from reviewer_kernels.wide_linear import wide_linear
     cases = {"deltanet in_proj": (12352, 2048), "attention q/k/v/gate": (9216, 2048), "out_proj": (2048, 4096)}
     out = []
     for name, (n, k) in cases.items():

@@ -15,8 +15,8 @@ computed alone in direct mode: the condition under which the mode may change wit
 
     python bench/moe_invariant_tiles.py --out bench/results          # H200: ~2 minutes
 
-It prints the table entry to copy into kernels/fused_moe_configs.json under the device's name
-(`E256_H2048_I512_K8_S1_invariant`; kernels.fused_moe.invariant_config reads it). bench/fused_moe.py --tune
+It prints the table entry to copy into reviewer_kernels/fused_moe_configs.json under the device's name
+(`E256_H2048_I512_K8_S1_invariant`; reviewer_kernels.fused_moe.invariant_config reads it). bench/fused_moe.py --tune
 writes a fresh table without it: merge, do not overwrite.
 """
 
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels import SharedExpert  # noqa: E402
-fm = importlib.import_module("kernels.fused_moe")
+from reviewer_kernels import SharedExpert  # noqa: E402
+fm = importlib.import_module("reviewer_kernels.fused_moe")
 
 E, H, I, K = 256, 2048, 512, 8  # Qwen3.6-35B-A3B
 
@@ -103,8 +103,8 @@ def candidates() -> list[dict]:
     """(today's entry, gate_up candidates, down candidates). Today's is the shipped invariant entry (until 2026-12-04
     the 16-token tuned entry stood in for it, whose gate_up BK differs). The K splits give a decode step's 9 active
     experts ~600-2,300 short programs instead of ~144 long ones; the gate_up splits are finished by the last program
-    of a tile, the down splits added by the slot sum (kernels/fused_moe.py). Measured on 2026-12-04: none beat the
-    entry (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json)."""
+    of a tile, the down splits added by the slot sum (reviewer_kernels/fused_moe.py). Measured on 2026-12-04: none beat
+    the entry (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json)."""
     base = fm.invariant_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), K)
     gate_up = [dict(base["gate_up"])] + [
         dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [
@@ -189,7 +189,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"moe_invariant_tiles_h200_{now.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print("table entry (kernels/fused_moe_configs.json, under this device):", json.dumps(result["entry"]),
+    print("table entry (reviewer_kernels/fused_moe_configs.json, under this device):", json.dumps(result["entry"]),
           "\nwrote", path, flush=True)
 
 

@@ -30,8 +30,8 @@ from backend.models.qwen3_5_moe import (  # noqa: E402
     deltanet_out,
     qwen_rms_norm,
 )
-from kernels.gdn_state import gdn_recurrent  # noqa: E402
-from kernels.gemv import gemv  # noqa: E402
+from reviewer_kernels.gdn_state import gdn_recurrent  # noqa: E402
+from reviewer_kernels.gemv import gemv  # noqa: E402
 
 
 def shape_config() -> Qwen35MoeConfig:
@@ -144,8 +144,8 @@ def main() -> None:
     record("deltanet out + residual (decode gemv vs verify glue)", rows_equal(
         lambda t: gemv(core[t].reshape(1, -1), d.w_out, z[t].reshape(1, -1), d.norm, eps, residual=x[t:t + 1]),
         lambda: residual_add(x, dout(core, z, d.norm, d.w_out, eps))))
-    # the MoE block: decode = norm inside the router kernel + kernels/moe_decode.py; verify = compiled moe_in norm +
-    # router kernel + the grouped fused_moe
+    # the MoE block: decode = norm inside the router kernel + reviewer_kernels/moe_decode.py; verify = compiled moe_in
+    # norm + router kernel + the grouped fused_moe
     moe = dn.moe
     xr = residual_add(x, y)
     record("MoE (decode path vs verify path)", rows_equal(
@@ -169,7 +169,7 @@ def main() -> None:
         lambda: dn.moe.padded(x, y, dn.norm2, eps, T, True, fixed)))
     # block attention at the 35B-A3B head shape (16 query heads of 256 over 2 KV heads): a 16-token verify block
     # against 16 decode steps on a copy of the same cache (a 100-token prefix), each at its own span bucket
-    from kernels.block_attention import block_attention
+    from reviewer_kernels.block_attention import block_attention
     L, start = 1024, 100
     kc = torch.zeros(c.num_kv_heads, L, c.head_dim, device="cuda", dtype=torch.bfloat16)
     kc[:, :start] = bf(c.num_kv_heads, start, c.head_dim)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend.bench.report import cpu_model  # noqa: E402
 from backend.bench.routing import install_routing_trace, trace_distinct_experts  # noqa: E402
 from backend.models import invariant_numerics  # noqa: E402
-from kernels import moe_routing as routing  # noqa: E402
+from reviewer_kernels import moe_routing as routing  # noqa: E402
 from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa: E402
 
 # first match wins; the names are our Triton kernels' function names, cuBLAS's and torch.compile's families
@@ -46,7 +46,7 @@ PARTS = [
     ("recurrence", r"gdn|trsm|triangular|_chunk_|getrs|trsv"),
     ("experts", r"_gate_up_kernel|_down_kernel|_sum_slots|_align_kernel|_block_rows|_chunk_ranks|moe"),
     ("projections", r"_wide_kernel|gemm|gemv|nvjet|cutlass|xmma|_rows_linear|_norm_gemv|sm90_|sm80_"),
-    ("glue", r"^triton_|^_conv_kernel"),  # _conv_kernel: the Gated DeltaNet convolution (kernels/gdn_conv.py)
+    ("glue", r"^triton_|^_conv_kernel"),  # _conv_kernel: the Gated DeltaNet convolution (reviewer_kernels/gdn_conv.py)
 ]
 MOE = re.compile(dict(PARTS)["experts"])
 
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--hot-experts", type=int, default=50)
     ap.add_argument("--route-in-matmul", action="store_true", help="route inside the router matmul's launch "
-                    "(kernels/moe_routing.py ROUTE_IN_MATMUL)")
+                    "(reviewer_kernels/moe_routing.py ROUTE_IN_MATMUL)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()

@@ -37,8 +37,8 @@ from backend.bench.routing import install_routing_trace  # noqa: E402
 from backend.models import load_fast  # noqa: E402
 from backend.models.numerics import LlamaNumerics, Numerics, QwenNumerics  # noqa: E402
 from backend.models.qwen3_5_moe import SparseMoE  # noqa: E402
-from kernels.gemv import GEMV_TILES  # noqa: E402
-from kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES  # noqa: E402
+from reviewer_kernels.gemv import GEMV_TILES  # noqa: E402
+from reviewer_kernels.norm_gemv import LARGE_TILES, NORM_GEMV_TILES  # noqa: E402
 
 TAU_SEED = 4.9  # tokens committed per cycle with z-lab's drafter (the seed)
 DRAFT_OVER_VERIFY_SEED = 0.12  # T_d / T_t measured in the seed
@@ -569,22 +569,23 @@ def main() -> None:
     ap.add_argument("--invariant", action="store_true",
                     help="Qwen3.5-MoE: decode steps through the verify's kernels (QwenNumerics.padded_rows)")
     ap.add_argument("--wide", default=None, metavar="SET",
-                    help="with --invariant: which padded projections take kernels/wide_linear.py, not cuBLAS "
+                    help="with --invariant: which padded projections take reviewer_kernels/wide_linear.py, not cuBLAS "
                          "(QwenNumerics.wide_projections): 'in', 'out', 'in,out' or 'none'")
     ap.add_argument("--mma", default=None, metavar="SET",
-                    help="Llama: the projections that take kernels/rows_linear.py, comma-separated from qkv, o, "
-                    "gate_up, down, lm_head ('none' for none; default: LlamaNumerics.mma_projections, none)")
+                    help="Llama: the projections that take reviewer_kernels/rows_linear.py, comma-separated from qkv, "
+                    "o, gate_up, down, lm_head ('none' for none; default: LlamaNumerics.mma_projections, none)")
     ap.add_argument("--llama-steps", choices=["rows", "glue"], default=None,
                     help="Llama: decode steps and verifies through our row kernels or the compiled glue + cuBLAS "
                     "(LlamaNumerics.step_path)")
     ap.add_argument("--route-in-matmul", action="store_true",
-                    help="Qwen3.5-MoE: route inside the router matmul's launch (kernels.moe_routing.ROUTE_IN_MATMUL)")
+                    help="Qwen3.5-MoE: route inside the router matmul's launch "
+                    "(reviewer_kernels.moe_routing.ROUTE_IN_MATMUL)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     if args.route_in_matmul:
-        import kernels.moe_routing
+        import reviewer_kernels.moe_routing
 
-        kernels.moe_routing.ROUTE_IN_MATMUL = True
+        reviewer_kernels.moe_routing.ROUTE_IN_MATMUL = True
     args.numerics = numerics_from_flags(args)
     device = torch.device(args.device)
     if args.threads:

@@ -1,4 +1,4 @@
-"""ruff finds no undefined name (F821) in reviewer/, backend/ and kernels/ (issue 44). What it checks, and the
+"""ruff finds no undefined name (F821) in reviewer/, backend/ and reviewer_kernels/ (issue 44). What it checks, and the
 temporary per-file exclusions, are pyproject.toml's [tool.ruff]: `ruff check` alone is the command, here and by hand."""
 
 import subprocess
@@ -21,7 +21,7 @@ def test_ruff_check_passes():
     assert proc.returncode == 0, proc.stdout + proc.stderr + "\n(no module named ruff: pip install -e '.[test]')"
 
 
-@pytest.mark.parametrize("package", ["reviewer", "backend", "kernels"])
+@pytest.mark.parametrize("package", ["reviewer", "backend", "reviewer_kernels"])
 def test_the_configuration_reports_an_undefined_name_in_each_package(package):
     """The project's configuration selects F821 for a module of each package (so the check above can fail)."""
     proc = ruff("check", "--output-format", "concise", "--stdin-filename", f"{package}/new_module.py", "-",
@@ -32,6 +32,6 @@ def test_the_configuration_reports_an_undefined_name_in_each_package(package):
 def test_ruff_checks_the_three_packages_and_nothing_else():
     files = ruff("check", "--show-files").stdout.splitlines()
     tops = {Path(line.strip()).relative_to(ROOT).parts[0] for line in files if line.strip().endswith(".py")}
-    assert tops == {"reviewer", "backend", "kernels"}
+    assert tops == {"reviewer", "backend", "reviewer_kernels"}
     assert len([f for f in files if f.strip().endswith(".py")]) == sum(
-        1 for p in ("reviewer", "backend", "kernels") for _ in (ROOT / p).rglob("*.py"))
+        1 for p in ("reviewer", "backend", "reviewer_kernels") for _ in (ROOT / p).rglob("*.py"))

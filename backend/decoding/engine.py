@@ -76,8 +76,8 @@ def warm_prefill_lengths(chunk: int, max_context: int) -> list[int]:
     two up to a prefill chunk (divisible by 16 and not), so each compiled variant a prompt can need exists; then
     three prompts longer than a chunk (a later chunk after a whole chunk's past; the drafter absorbing more features
     than one chunk's). Those were added for the 35B-A3B replay's 3 compilations after ready, which turned out to be
-    the MoE workspace's pointer alignment (kernels/fused_moe.py align_workspace); the replay that measured 0 after the
-    fix warmed them too, so they stay until a replay without them shows 0 as well (they cost three prefills at
+    the MoE workspace's pointer alignment (reviewer_kernels/fused_moe.py align_workspace); the replay that measured 0
+    after the fix warmed them too, so they stay until a replay without them shows 0 as well (they cost three prefills at
     start-up)."""
     lengths = list(range(1, 17))
     size = 32

@@ -1,4 +1,4 @@
-"""Patch a loaded transformers MoE model in place so its sparse-MoE blocks run `kernels.fused_moe`.
+"""Patch a loaded transformers MoE model in place so its sparse-MoE blocks run `reviewer_kernels.fused_moe`.
 
 Works for Qwen3.5/3.6-MoE (router + routed experts + sigmoid-gated shared expert) and Qwen3-MoE (no shared
 expert): any block with `gate` (the model's own router, kept as is so routing is bit-for-bit the model's),
@@ -16,7 +16,7 @@ import types
 import torch
 from torch import nn
 
-from kernels import SharedExpert, fused_moe, route_topk, triton_usable
+from reviewer_kernels import SharedExpert, fused_moe, route_topk, triton_usable
 
 _ORIGINAL_FORWARD = "_unfused_forward"
 
@@ -68,7 +68,7 @@ def _shared_expert(block: nn.Module) -> SharedExpert | None:
                         gate.weight if gate is not None else None)
 
 
-# Routers whose math kernels.route_topk reproduces: softmax, top-k, renormalise (Qwen3-MoE: if norm_topk_prob).
+# Routers whose math reviewer_kernels.route_topk reproduces: softmax, top-k, renormalise (Qwen3-MoE: if norm_topk_prob).
 FUSABLE_ROUTERS = {"Qwen3_5MoeTopKRouter", "Qwen3MoeTopKRouter"}
 
 

@@ -16,11 +16,11 @@ target steps. Here:
     context's length, so one graph serves every length; capture_graphs() takes them all before a server is ready):
     absorb the last verify's features (all its rows, written at the context's end; only `keep` of them count),
     advance the context length on the device by `keep`, then the block forward, the head over the drafted positions
-    only, in the model dtype, and argmax + confidence (kernels/argmax.py);
+    only, in the model dtype, and argmax + confidence (reviewer_kernels/argmax.py);
   - positions and the context length are device tensors and RoPE is gathered from tables, so nothing waits for the
     host: the speculative cycle reads one small result per cycle (backend/decoding/device_cycle.py);
-  - attention runs through kernels/block_attention.py on CUDA (block keys written to the cache and attended in the
-    same launches, causal or bidirectional per layer, no mask): cuDNN's SDPA with a mask built every replay and two
+  - attention runs through reviewer_kernels/block_attention.py on CUDA (block keys written to the cache and attended in
+    the same launches, causal or bidirectional per layer, no mask): cuDNN's SDPA with a mask built every replay and two
     index_copy_ a layer were ~40% of the SmolLM2 drafter's GPU time (0.39 -> 0.25 ms a draft on the H200,
     bench/drafter_step.py). Layers with a sliding window (none shipped) keep SDPA and a device-built mask.
 The arithmetic is DFlashDrafter's own (its modules are called), except that each layer's q/k/v and gate/up
@@ -39,9 +39,9 @@ from backend.dflash.model import DFlashDrafter, rope
 from backend.models.captures import note_capture
 from backend.models.llama import fuse_rows, glue
 from backend.sampling import sampling_probs
-from kernels.argmax import argmax_confidence
-from kernels.block_attention import MAX_BLOCK, block_attention, supports, write_block
-from kernels.fused_moe import triton_usable
+from reviewer_kernels.argmax import argmax_confidence
+from reviewer_kernels.block_attention import MAX_BLOCK, block_attention, supports, write_block
+from reviewer_kernels.fused_moe import triton_usable
 
 
 class FastDrafter:
@@ -66,7 +66,7 @@ class FastDrafter:
         self._pre, self._post, self._head, self._context, self._context_kv = (
             glue(f, self.compiled) for f in (_layer_pre, _layer_post, _head, _context, _context_kv))
         self.fused = [FusedProjections(layer) for layer in layers]
-        # the block's attention through kernels/block_attention.py (cache write + attention in two or three
+        # the block's attention through reviewer_kernels/block_attention.py (cache write + attention in two or three
         # launches, causal or bidirectional, no mask): on the H200 cuDNN's SDPA with a mask built per replay, and
         # two index_copy_ per layer, were ~40% of the SmolLM2 drafter's GPU time (bench/drafter_step.py --profile).
         # Eager CUDA runs (cuda_graphs=False) keep SDPA: the reference the graph test compares the kernel path with
@@ -332,5 +332,5 @@ class FusedProjections:
 
 def _head(drafter, x):
     """The drafted positions only: 15 rows of the head, in the model dtype (their argmax and the drafter's probability
-    of it come from kernels/argmax.py: compiled here, the three row reductions ran one program per row)."""
+    of it come from reviewer_kernels/argmax.py: compiled here, the three row reductions ran one program per row)."""
     return drafter.logits(drafter.norm(x)[0, 1:])

@@ -12,8 +12,8 @@ each block verify from a CUDA graph.
 Invariant: fm.length tokens are in the caches. Between verify() and accept() the caches hold the block tentatively
 (attention KV written, Gated DeltaNet states not advanced); every other call is refused until accept().
 
-CUDA graphs: one per (kind, tokens, hidden_ids). Attention (kernels/block_attention.py) reads the cache length from
-the positions, which live in a static device buffer like the tokens, and visits only the filled columns, so a graph
+CUDA graphs: one per (kind, tokens, hidden_ids). Attention (reviewer_kernels/block_attention.py) reads the cache length
+from the positions, which live in a static device buffer like the tokens, and visits only the filled columns, so a graph
 captured at one length replays at every length up to max_context: capture_graphs() captures all of them once, before
 a server says ready, and nothing is captured on the request path. (Where attention falls back to SDPA with a mask,
 e.g. a head dim the kernel does not take, graphs stay keyed by a rounded attention span: see _span.) Capturing runs
@@ -83,7 +83,8 @@ class FastModel:
     def span_multiple(self) -> int:
         """> 0 (exact mode: EXACT_SPAN where the record's kind is "exact"; decoding/target.py): every eager call
         attends over a multiple of this many cache columns (the masked ones add exact zeros), so a position's logits
-        do not depend on how far the cache happened to reach. It also turns off kernels/block_attention, whose block tokens take another path than cached ones."""
+        do not depend on how far the cache happened to reach. It also turns off reviewer_kernels/block_attention, whose
+        block tokens take another path than cached ones."""
         return self._span_multiple
 
     @span_multiple.setter

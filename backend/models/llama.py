@@ -27,12 +27,12 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from backend.models.cublas_rows import linear_rows_invariant
 from backend.models.numerics import Numerics
 from backend.models.static_cache import KVCache
-from kernels.block_attention import block_attention
-from kernels.fused_moe import triton_usable
-from kernels.gemv import gemv
-from kernels.norm_gemv import MAX_ROWS as ROW_KERNEL_ROWS
-from kernels.norm_gemv import norm_gemv
-from kernels.rows_linear import rows_linear
+from reviewer_kernels.block_attention import block_attention
+from reviewer_kernels.fused_moe import triton_usable
+from reviewer_kernels.gemv import gemv
+from reviewer_kernels.norm_gemv import MAX_ROWS as ROW_KERNEL_ROWS
+from reviewer_kernels.norm_gemv import norm_gemv
+from reviewer_kernels.rows_linear import rows_linear
 
 # RoPE variants whose frequencies do not depend on the sequence length: transformers' inv_freq buffer is exact for
 # them. "dynamic" and "longrope" rescale with the length at run time, which this file does not reproduce.
@@ -126,9 +126,9 @@ def attention(q, k, v, mask) -> torch.Tensor:
 
 
 def cached_attention(kv: KVCache, layer: int, q, k, v, positions, kv_len: int, mask) -> torch.Tensor:
-    """Store the block's k, v [Hkv, T, D] in layer `layer` of the cache and attend: through kernels/block_attention
-    when the forward chose it (mask None; positions are consecutive, as FastModel makes them), else index_copy_ + SDPA
-    over the first kv_len columns with `mask`. Returns [T, Hq * D]."""
+    """Store the block's k, v [Hkv, T, D] in layer `layer` of the cache and attend: through
+    reviewer_kernels/block_attention when the forward chose it (mask None; positions are consecutive, as FastModel makes
+    them), else index_copy_ + SDPA over the first kv_len columns with `mask`. Returns [T, Hq * D]."""
     if mask is None:
         return block_attention(q, k, v, kv.k[layer], kv.v[layer], positions[:1], kv_len, use_triton=True)
     k_all, v_all = kv.write(layer, positions, k, v, kv_len)
@@ -285,7 +285,7 @@ class Llama(nn.Module):
         ROW_KERNEL_ROWS (16) rows, the block's first, padding after them; only attention takes the real rows (and
         writes into the padded buffer). So a decode step and every verify size call the same compiled kernels and
         the same cuBLAS algorithm with the same shapes, and a row's bits cannot depend on T (separately compiled for
-        1 and 16 rows, norms can round a row differently: kernels/README.md "The Qwen3.5/3.6-MoE path", whose
+        1 and 16 rows, norms can round a row differently: reviewer_kernels/README.md "The Qwen3.5/3.6-MoE path", whose
         _padded_rows this mirrors). Padded rows hold token 0 at position 0 first, whatever the kernels leave after;
         nothing reads them."""
         c, eps = self.config, self.config.rms_norm_eps
@@ -335,8 +335,8 @@ class Llama(nn.Module):
         return not (c.attention_bias or c.mlp_bias) and self.cos.shape[-1] == c.head_dim and c.head_dim % 2 == 0
 
     def _rows(self, x, positions, kv_len: int, hidden_ids: tuple[int, ...]):
-        """A decode step or a verify block (T <= 16 rows) in five launches per layer (kernels/norm_gemv.py,
-        kernels/gemv.py, two of attention, plus the cache write for T > 1): norm + q/k/v + RoPE; cache write +
+        """A decode step or a verify block (T <= 16 rows) in five launches per layer (reviewer_kernels/norm_gemv.py,
+        reviewer_kernels/gemv.py, two of attention, plus the cache write for T > 1): norm + q/k/v + RoPE; cache write +
         attention; output projection + residual; norm + gate/up + SwiGLU; down projection + residual.
         forward()'s glue path takes ten (bench/target_step.py --profile). The residual adds sit in the projections'
         epilogues, so x is always the whole residual stream.
@@ -418,7 +418,7 @@ class Llama(nn.Module):
 
 
 def _norm_gemv(x, w, norm_weight, eps, **epilogue):
-    """kernels/norm_gemv.py with rows_linear's argument order, so _rows can pick either per projection."""
+    """reviewer_kernels/norm_gemv.py with rows_linear's argument order, so _rows can pick either per projection."""
     return norm_gemv(x, norm_weight, w, eps, **epilogue)
 
 

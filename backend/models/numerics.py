@@ -22,14 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 KINDS = ("invariant", "exact", "one_token", "transformers")
-MMA_PROJECTIONS = frozenset({"qkv", "o", "gate_up", "down", "lm_head"})  # every projection Llama._rows can put on
-# kernels/rows_linear.py
-WIDE_PROJECTIONS = frozenset({"in", "out"})  # Qwen35Moe._padded_rows' dense projections kernels/wide_linear.py can take
+# every projection Llama._rows can put on reviewer_kernels/rows_linear.py
+MMA_PROJECTIONS = frozenset({"qkv", "o", "gate_up", "down", "lm_head"})
+# Qwen35Moe._padded_rows' dense projections reviewer_kernels/wide_linear.py can take
+WIDE_PROJECTIONS = frozenset({"in", "out"})
 EXACT_SPAN = 512  # exact mode: attention spans are multiples of this (the CPU flash kernel's kv block)
 LLAMA_INVARIANT_PATHS = ("mma", "glue")
 # How a Llama's steps and verifies run in the invariant numerics:
-#   "mma":  _rows with every projection through kernels/rows_linear.py (tensor cores, the same instructions for 1 and
-#           16 rows), so plain steps and verifies cost about the same
+#   "mma":  _rows with every projection through reviewer_kernels/rows_linear.py (tensor cores, the same instructions for
+#           1 and 16 rows), so plain steps and verifies cost about the same
 #   "glue": the compiled glue + cuBLAS on 16 padded rows (_padded_glue) where cuBLAS is row-invariant, else _rows
 # "mma" by default: on the H200 the embedded model's speculative engine decoded 2240 tok/s on it against 2142 on
 # "glue" (verify 1.00 against 1.08 ms), and its plain decoding in those numerics 1085 against 1022 tok/s
@@ -44,12 +45,12 @@ class LlamaNumerics:
     step_path "rows": _rows' kernels, batch-invariant by construction; "glue": forward()'s compiled glue with cuBLAS
     projections on 16 padded rows (_padded_glue), batch-invariant where cuBLAS computes a row independently of its
     neighbours, which the model checks on its device at setup (backend/models/cublas_rows.py; where it fails, steps
-    take "rows"). mma_projections: which of _rows' projections take kernels/rows_linear.py (tensor cores: 16 rows
-    cost what one does) instead of kernels/norm_gemv.py / kernels/gemv.py (CUDA cores: cheapest for one row). Any set
-    keeps batch invariance. None outside the invariant numerics: on the H200 (SmolLM2 shape, 2026-12-01,
-    bench/target_step.py --mma) every set costs plain decoding more than 1.15x (none 0.59 ms, qkv+o+lm_head 0.74, all
-    0.93 with T_t(16) 1.15 ms flat). Where mma_projections are asked for and _rows cannot run the model (biases,
-    partial RoPE; no Triton), the model takes "glue": the batch-invariant path left."""
+    take "rows"). mma_projections: which of _rows' projections take reviewer_kernels/rows_linear.py (tensor cores: 16
+    rows cost what one does) instead of reviewer_kernels/norm_gemv.py / reviewer_kernels/gemv.py (CUDA cores: cheapest
+    for one row). Any set keeps batch invariance. None outside the invariant numerics: on the H200 (SmolLM2 shape,
+    2026-12-01, bench/target_step.py --mma) every set costs plain decoding more than 1.15x (none 0.59 ms, qkv+o+lm_head
+    0.74, all 0.93 with T_t(16) 1.15 ms flat). Where mma_projections are asked for and _rows cannot run the model
+    (biases, partial RoPE; no Triton), the model takes "glue": the batch-invariant path left."""
 
     step_path: str = "rows"
     mma_projections: frozenset = frozenset()
@@ -75,9 +76,9 @@ class QwenNumerics:
     """How backend/models/qwen3_5_moe.py runs decode steps and verify blocks. padded_rows: through _padded_rows
     (every glue call on 16 padded rows, the experts on one tile set: batch-invariant; a plain step costs ~1.2x the
     one-token kernels, bench/target_step.py --invariant). wide_projections: which of _padded_rows' dense projections
-    ("in": the mixers' input projections, "out": their output projections) run kernels/wide_linear.py instead of
-    cuBLAS (bench/target_step.py --wide measures a set). "in" is no faster than cuBLAS at the 35B-A3B shape (15.2 vs
-    15.5 us, 12.2 vs 11.8: kernels/README.md)."""
+    ("in": the mixers' input projections, "out": their output projections) run reviewer_kernels/wide_linear.py instead
+    of cuBLAS (bench/target_step.py --wide measures a set). "in" is no faster than cuBLAS at the 35B-A3B shape (15.2 vs
+    15.5 us, 12.2 vs 11.8: reviewer_kernels/README.md)."""
 
     padded_rows: bool = False
     wide_projections: frozenset = frozenset({"out"})

@@ -6,15 +6,16 @@ sparse MoE block. Same math and rounding points as transformers' Qwen3_5MoeForCa
   attention      q_proj gives a query and an output gate per head; per-head RMSNorm on q and k; RoPE on the first
                  partial_rotary_factor of each head; out = o_proj(attn * sigmoid(gate))
   Gated DeltaNet in_proj -> causal depthwise conv (kernel 4) + SiLU over [q; k; v]; beta = sigmoid(b);
-                 g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (kernels/gdn_state.py); output
+                 g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (reviewer_kernels/gdn_state.py); output
                  RMSNorm(x) * weight * SiLU(z); out_proj
-  MoE            router matmul, softmax, top-k renormalised (kernels.route_topk_from_hidden); experts and the
-                 sigmoid-gated shared expert in one fused call (kernels.fused_moe)
+  MoE            router matmul, softmax, top-k renormalised (reviewer_kernels.route_topk_from_hidden); experts and the
+                 sigmoid-gated shared expert in one fused call (reviewer_kernels.fused_moe)
 A decode step (one token) on Triton: each mixer's output gate or gated norm and the residual add run inside its
-output projection (kernels/gemv.py); the MoE's RMSNorm runs inside the router matmul kernel (which also stores the
-normed row for the experts), and the experts take fused_moe's two-launch one-token path (kernels/moe_decode.py).
-Caches: a static KVCache for the attention layers and a LinearStateCache (conv window, fp32 recurrent state, and
-the block's recurrence inputs recorded during a verify, replayed on accept) for the Gated DeltaNet layers.
+output projection (reviewer_kernels/gemv.py); the MoE's RMSNorm runs inside the router matmul kernel (which also stores
+the normed row for the experts), and the experts take fused_moe's two-launch one-token path
+(reviewer_kernels/moe_decode.py). Caches: a static KVCache for the attention layers and a LinearStateCache (conv window,
+fp32 recurrent state, and the block's recurrence inputs recorded during a verify, replayed on accept) for the Gated
+DeltaNet layers.
 
     model = Qwen35Moe.from_hf(hf_model)          # Qwen3_5MoeForCausalLM or ...ForConditionalGeneration (text only)
     model.setup_caches(max_context=8192, max_block=16)
@@ -33,13 +34,13 @@ from torch import nn
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
 from backend.models.numerics import Numerics
 from backend.models.static_cache import KVCache, LinearStateCache
-from kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
-from kernels.block_attention import block_attention
-from kernels.fused_moe import invariant_config, shape_key
-from kernels.gdn_conv import gdn_conv
-from kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
-from kernels.gemv import gemv
-from kernels.wide_linear import wide_linear
+from reviewer_kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
+from reviewer_kernels.block_attention import block_attention
+from reviewer_kernels.fused_moe import invariant_config, shape_key
+from reviewer_kernels.gdn_conv import gdn_conv
+from reviewer_kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
+from reviewer_kernels.gemv import gemv
+from reviewer_kernels.wide_linear import wide_linear
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 CHUNKED_FROM = 64  # prefill pieces this long or longer run the chunked recurrence; shorter ones the token loop
@@ -142,8 +143,8 @@ def deltanet_in(x, norm, w_in, conv_state, conv_w, eps: float, key_heads: int, v
                 value_dim: int):
     """Pre-norm, fused input projection [qkv | z | b | a], causal depthwise conv over [last K-1 inputs ; block]
     (transformers' causal_conv1d_update) + SiLU. Returns the conv window [K-1+T, C] (the caller stores what the
-    cache keeps), q, k [T, Hk, Dk], v, z [T, Hv, Dv], and the gate projections a, b [T, Hv] (kernels/gdn_state turns
-    them into g and beta: gdn_gates)."""
+    cache keeps), q, k [T, Hk, Dk], v, z [T, Hv, Dv], and the gate projections a, b [T, Hv] (reviewer_kernels/gdn_state
+    turns them into g and beta: gdn_gates)."""
     return deltanet_conv(F.linear(qwen_rms_norm(x, norm, eps), w_in), conv_state, conv_w, key_heads, value_heads,
                          key_dim, value_dim)
 
@@ -177,7 +178,7 @@ def deltanet_gate(core, z, norm, eps: float):
 
 def moe_in(x, y, norm, eps: float):
     """The mixer's residual add (x + its output y) and the post-attention norm. Returns the new residual stream and
-    the normed input of the MoE (the router matmul runs in kernels.route_topk_from_hidden)."""
+    the normed input of the MoE (the router matmul runs in reviewer_kernels.route_topk_from_hidden)."""
     x = residual_add(x, y)
     return x, qwen_rms_norm(x, norm, eps)
 
@@ -330,7 +331,7 @@ class DecoderLayer(nn.Module):
 
 class Qwen35Moe(nn.Module):
     """Decode steps and verify blocks run as the Numerics record handed to setup_caches says (its QwenNumerics:
-    through _padded_rows or the one-token kernels, which padded projections take kernels/wide_linear.py;
+    through _padded_rows or the one-token kernels, which padded projections take reviewer_kernels/wide_linear.py;
     backend/models/numerics.py)."""
 
     family = "qwen3_5_moe"
@@ -382,7 +383,7 @@ class Qwen35Moe(nn.Module):
             return self._padded_rows(tokens, positions, kv_len, record, all_logits, hidden_ids, compiled)
         x = F.embedding(tokens, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
-        mask = None  # none needed without attention layers, or with kernels/block_attention (see KVCache)
+        mask = None  # none needed without attention layers, or with reviewer_kernels/block_attention (see KVCache)
         if self.num_attention_layers and not self.kv.block_kernel(tokens.numel()):
             mask = causal_mask(positions, kv_len, lower_right)
         feats = {}
@@ -405,8 +406,8 @@ class Qwen35Moe(nn.Module):
         return self.padded_linear(glue(qwen_rms_norm, compiled)(x, norm, self.config.rms_norm_eps), w, "in")
 
     def padded_linear(self, x, w, which: str):
-        """_padded_rows' dense projections: kernels/wide_linear.py for those the record's wide_projections name, else
-        cuBLAS."""
+        """_padded_rows' dense projections: reviewer_kernels/wide_linear.py for those the record's wide_projections
+        name, else cuBLAS."""
         return wide_linear(x, w) if which in self.numerics.qwen.wide_projections else F.linear(x, w)
 
     @property

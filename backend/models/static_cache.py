@@ -8,9 +8,9 @@ KVCache           attention keys/values [layers, kv_heads, capacity, head_dim]. 
                   tokens were 361 MB in fp32).
 LinearStateCache  Gated DeltaNet layers: the causal-conv window (the last K-1 conv inputs) and the recurrent state
                   (fp32). A *recorded* forward (a speculative verify) leaves both untouched and writes instead the
-                  conv window of the whole block and the block's recurrence inputs (kernels/gdn_state.gdn_verify);
-                  `accept(n)` then runs the first n of them through the recurrence for all layers in one launch
-                  (gdn_replay) and copies the conv window's tail into place.
+                  conv window of the whole block and the block's recurrence inputs
+                  (reviewer_kernels/gdn_state.gdn_verify); `accept(n)` then runs the first n of them through the
+                  recurrence for all layers in one launch (gdn_replay) and copies the conv window's tail into place.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from backend.models.captures import note_capture
-from kernels.block_attention import MAX_BLOCK, supports
-from kernels.fused_moe import triton
-from kernels.gdn_state import GdnRecord, gdn_replay
+from reviewer_kernels.block_attention import MAX_BLOCK, supports
+from reviewer_kernels.fused_moe import triton
+from reviewer_kernels.gdn_state import GdnRecord, gdn_replay
 
 
 class KVCache:
@@ -35,8 +35,9 @@ class KVCache:
         capacity = min(max_context, self.INITIAL_COLUMNS) if self.growable else max_context
         self.k = torch.zeros(layers, kv_heads, capacity, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        # kernels/block_attention (cache write + attention in one or two launches) for blocks of up to 16 tokens on
-        # CUDA; FastModel turns it off in exact mode, whose numerics must not depend on how a position was computed
+        # reviewer_kernels/block_attention (cache write + attention in one or two launches) for blocks of up to 16
+        # tokens on CUDA; FastModel turns it off in exact mode, whose numerics must not depend on how a position
+        # was computed
         self.block_kernel_available = triton is not None and self.k.is_cuda and supports(head_dim)
         self.use_block_kernel = self.block_kernel_available
 
@@ -62,7 +63,7 @@ class KVCache:
             setattr(self, name, new)
 
     def block_kernel(self, tokens: int) -> bool:
-        """Whether a forward of `tokens` new tokens attends through kernels/block_attention (else write + SDPA)."""
+        """Whether `tokens` new tokens attend through reviewer_kernels/block_attention (else write + SDPA)."""
         return self.use_block_kernel and tokens <= MAX_BLOCK
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
@@ -92,8 +93,9 @@ class LinearStateCache:
         self.conv = torch.zeros(layers, self.width, conv_dim, device=device, dtype=dtype)
         self.state = torch.zeros(layers, value_heads, key_dim, value_dim, device=device, dtype=torch.float32)
         self.conv_window = torch.zeros(layers, self.width + max_block, conv_dim, device=device, dtype=dtype)
-        # a verify's recurrence inputs (kernels/gdn_state.gdn_verify): accept() replays the kept ones. Per-token
-        # states instead would be 1 GB of writes per 16-token verify at the 35B-A3B shape, and 960 MB of memory
+        # a verify's recurrence inputs (reviewer_kernels/gdn_state.gdn_verify): accept() replays the kept ones.
+        # Per-token states instead would be 1 GB of writes per 16-token verify at the 35B-A3B shape, and 960 MB
+        # of memory
         self.record = GdnRecord.empty(layers, max_block, key_heads, key_dim, value_heads, value_dim, device, dtype)
         self.max_block = max_block
         # accept() as a CUDA graph per keep (FastModel turns this on with its own graphs): the replay's Triton launch

@@ -19,7 +19,7 @@ NO_TORCH = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('torch', 'transformers', 'backend', 'triton', 'kernels'):
+        if name.split('.')[0] in ('torch', 'transformers', 'backend', 'triton', 'reviewer_kernels'):
             raise ImportError(f'{name} is not installed on this worker box')
 sys.meta_path.insert(0, Block())
 sys.argv = ['reviewer'] + sys.argv[1:]

@@ -249,9 +249,9 @@ def test_cuda_drafter_graph_equals_its_eager_forward():
 
 @cuda
 def test_cuda_drafter_block_kernel_drafts_what_the_eager_drafter_drafts():
-    """FastDrafter on the GPU attends through kernels/block_attention.py (causal and bidirectional layers, no mask)
-    and gathers RoPE from its tables: the same drafts as DFlashDrafter.draft's SDPA over a concatenated context, and
-    confidences to rounding (fp32), for a first draft and for drafts after absorbing verify features."""
+    """FastDrafter on the GPU attends through reviewer_kernels/block_attention.py (causal and bidirectional layers, no
+    mask) and gathers RoPE from its tables: the same drafts as DFlashDrafter.draft's SDPA over a concatenated context,
+    and confidences to rounding (fp32), for a first draft and for drafts after absorbing verify features."""
     model = tiny_model("tiny-llama").cuda()
     drafter = random_drafter(model, block_size=8, num_layers=3, block_attention="mixed")
     for layer, causal in zip(drafter.layers, [True, False, True]):

@@ -1,6 +1,6 @@
 """The fast target path: backend/models (Llama, Qwen3.5/3.6-MoE, FastModel), backend/models/static_cache.py and
-kernels/gdn_state.py, checked against transformers' own implementations on tiny random configs (CPU, fp32), and against
-the real embedded model (SmolLM2-135M) once.
+reviewer_kernels/gdn_state.py, checked against transformers' own implementations on tiny random configs (CPU, fp32), and
+against the real embedded model (SmolLM2-135M) once.
 
 What is claimed and checked here:
 - logits and drafter features equal transformers' within fp32 rounding, for prefill (both Gated DeltaNet forms), plain
@@ -24,7 +24,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_qwen
 
 from backend.models import FastModel, invariant_numerics, load_fast
 from backend.models.qwen3_5_moe import CHUNKED_FROM
-from kernels.gdn_state import gdn_chunked, gdn_recurrent
+from reviewer_kernels.gdn_state import gdn_chunked, gdn_recurrent
 from tests import interpreter
 
 TOL = dict(rtol=1e-5, atol=2e-5)
@@ -137,7 +137,7 @@ def test_per_position_states_equal_token_by_token():
 def test_replaying_a_verifys_recorded_inputs_gives_the_decode_states():
     """gdn_verify records the block's inputs and leaves the state alone; gdn_replay(n) then gives every layer the state
     plain decoding reaches after n tokens, bit for bit, and the verify's outputs are the decode steps' (PyTorch)."""
-    from kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
+    from reviewer_kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
 
     seeded()
     T, layers, hk, hv, dk, dv = 6, 2, 1, 3, 12, 20
@@ -175,7 +175,7 @@ def test_recurrence_rejects_bad_shapes():
 
 TRITON_SCRIPT = textwrap.dedent("""
     import torch
-    from kernels.gdn_state import gdn_recurrent
+    from reviewer_kernels.gdn_state import gdn_recurrent
     torch.manual_seed(0)
     for T, hk, hv, dk, dv, prefetch in [(7, 2, 4, 16, 8, True), (3, 1, 2, 12, 40, True), (5, 2, 4, 16, 8, False)]:
         q, k = torch.randn(T, hk, dk), torch.randn(T, hk, dk)
@@ -202,7 +202,7 @@ TRITON_SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(snaps, ref_snaps, rtol=1e-5, atol=1e-5)
     # a verify that records its inputs, replayed for two layers in one launch: the states of token-by-token decoding
-    from kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
+    from reviewer_kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
     record = GdnRecord.empty(2, T, hk, dk, hv, dv, "cpu", torch.float32)
     states = torch.stack([s0, s0 + 1])
     outs = [gdn_verify(q, k, v, a, b, states[i], record.layer(i), gates=gates, use_triton=True) for i in range(2)]
@@ -296,8 +296,8 @@ LLAMA_TRITON_SCRIPT = textwrap.dedent("""
 
 def test_llama_decode_step_through_triton_kernels_under_interpreter():
     """A decode step with every Triton kernel (interpreted on the CPU): norm + q/k/v + RoPE, norm + gate/up + SwiGLU
-    and the LM head through kernels/norm_gemv.py, the output and down projections with their residual add through
-    kernels/gemv.py; logits and features are transformers' (fp32)."""
+    and the LM head through reviewer_kernels/norm_gemv.py, the output and down projections with their residual add
+    through reviewer_kernels/gemv.py; logits and features are transformers' (fp32)."""
     pytest.importorskip("triton")
     done = interpreter.run(LLAMA_TRITON_SCRIPT, timeout=600)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
@@ -312,7 +312,7 @@ LLAMA_GLUE_SCRIPT = textwrap.dedent("""
     hf = tiny_llama(tie=False)
     fast = load_fast(hf, max_context=64, numerics=invariant_numerics("test", "glue"))  # llama_invariant_path "glue"
     assert fast.model.step_path == "glue" and not fast.model.glue_steps  # on the CPU the cuBLAS check is not passed
-    fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
+    fast.model.kv.use_block_kernel = True  # the block-attention kernel runs interpreted too (CUDA-only by default)
     fast.model.glue_invariant = True  # CPU BLAS fails that check (row counts round differently): this checks the math
     assert fast.model.glue_steps
     calls = count_calls(fast.model, ["_padded_glue"])
@@ -389,7 +389,8 @@ QWEN_TRITON_SCRIPT = textwrap.dedent("""
     from transformers import DynamicCache
     from backend.models import load_fast
     from tests.backend.models.test_fast_models import TOL, count_calls, hf_step, seeded, tiny_qwen, tiny_qwen_same_shared
-    qm, fm = importlib.import_module("backend.models.qwen3_5_moe"), importlib.import_module("kernels.fused_moe")
+    qm = importlib.import_module("backend.models.qwen3_5_moe")
+    fm = importlib.import_module("reviewer_kernels.fused_moe")
     calls = count_calls(fm, ["decode_moe"], count_calls(qm, ["gemv"]))
     seeded()
     for shared in (48, 32):  # the shared expert inside the kernels (same intermediate size) or beside them
@@ -419,10 +420,10 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     from tests.backend.models.test_fast_models import count_calls, seeded, tiny_qwen
     seeded()
     hf = tiny_qwen()
-    # the invariant numerics' padded rows, both kinds of projection through kernels/wide_linear.py
+    # the invariant numerics' padded rows, both kinds of projection through reviewer_kernels/wide_linear.py
     numerics = replace(invariant_numerics("test"), qwen=QwenNumerics(padded_rows=True, wide_projections={"in", "out"}))
     ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128, numerics=numerics)
-    fast.model.kv.use_block_kernel = True  # kernels/block_attention runs interpreted too (CUDA-only by default)
+    fast.model.kv.use_block_kernel = True  # the block-attention kernel runs interpreted too (CUDA-only by default)
     calls = count_calls(fast.model, ["_padded_rows"], count_calls(importlib.import_module(
         "backend.models.qwen3_5_moe"), ["wide_linear", "gdn_conv"]))
     prompt = torch.randint(0, 320, (12,))
@@ -439,8 +440,8 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(fast.decode(7)[0], ref.decode(7)[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fast.model.linear.state, ref.model.linear.state, rtol=1e-4, atol=1e-5)
     # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step; each through the 4 layers'
-    # output projections (kernels/wide_linear.py; and the input projections too when asked), each DeltaNet layer's
-    # convolution with its cache update in one launch (kernels/gdn_conv.py)
+    # output projections (reviewer_kernels/wide_linear.py; and the input projections too when asked), each DeltaNet
+    # layer's convolution with its cache update in one launch (reviewer_kernels/gdn_conv.py)
     assert calls == {"_padded_rows": 5, "wide_linear": 5 * 4 * 2, "gdn_conv": 5 * 3}, calls
     print("ok")
 """)
@@ -448,8 +449,9 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
 
 def test_qwen_padded_rows_compute_what_the_model_does_under_interpreter():
     """The invariant numerics' path (QwenNumerics.padded_rows: _padded_rows, glue and the projections of
-    kernels/wide_linear.py on 16 padded rows, attention, recurrence and experts on the real ones, written into the padded buffers) gives the regular
-    forward's logits and states (fp32, every kernel interpreted) for decode steps, a verify and the accept after it."""
+    reviewer_kernels/wide_linear.py on 16 padded rows, attention, recurrence and experts on the real ones, written into
+    the padded buffers) gives the regular forward's logits and states (fp32, every kernel interpreted) for decode steps,
+    a verify and the accept after it."""
     pytest.importorskip("triton")
     done = interpreter.run(QWEN_PADDED_SCRIPT, timeout=600)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
@@ -467,8 +469,8 @@ def tiny_qwen_same_shared():
 
 def test_qwen_decode_step_through_triton_kernels_under_interpreter():
     """A decode step with every Triton kernel (interpreted on the CPU): the output projections with their gated norm
-    or gate in one launch (kernels/gemv.py) and the one-token MoE path (kernels/moe_decode.py) are the ones taken,
-    and the logits are transformers' (fp32)."""
+    or gate in one launch (reviewer_kernels/gemv.py) and the one-token MoE path (reviewer_kernels/moe_decode.py) are the
+    ones taken, and the logits are transformers' (fp32)."""
     pytest.importorskip("triton")
     done = interpreter.run(QWEN_TRITON_SCRIPT, timeout=600)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
@@ -617,7 +619,7 @@ def test_cuda_replay_of_a_recorded_verify_is_bitwise_the_decode_states():
     """bf16 at the 35B-A3B shape (16 key heads, 32 value heads, 128 x 128), three layers: the states gdn_replay gives
     after n of a 16-token verify's tokens are bitwise those of n decode steps through the kernel, and the verify's
     outputs the decode steps' outputs (the engine's rollback after an accept)."""
-    from kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
+    from reviewer_kernels.gdn_state import GdnRecord, gdn_replay, gdn_verify
 
     seeded()
     layers, T, hk, hv, d = 3, 16, 16, 32, 128

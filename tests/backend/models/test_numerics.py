@@ -235,8 +235,8 @@ LLAMA_MMA_SCRIPT = textwrap.dedent("""
 
 def test_llama_reads_the_invariant_record_under_interpreter():
     """A Llama built with the invariant record ("mma") runs every projection of a decode step through
-    kernels/rows_linear.py; one built without takes the one-token kernels; both give transformers' logits (fp32,
-    every kernel interpreted)."""
+    reviewer_kernels/rows_linear.py; one built without takes the one-token kernels; both give transformers' logits
+    (fp32, every kernel interpreted)."""
     pytest.importorskip("triton")
     done = interpreter.run(LLAMA_MMA_SCRIPT, timeout=600)  # usually computed in the background already
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

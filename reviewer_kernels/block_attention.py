@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import dot_size, triton, triton_usable
+from reviewer_kernels.fused_moe import dot_size, triton, triton_usable
 
 MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (prefill) use SDPA
 # cached K+V bytes per program (per key head): small slices, many programs, each a short dependent chain (on the H200

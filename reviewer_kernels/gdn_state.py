@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import dot_size, triton, triton_usable
+from reviewer_kernels.fused_moe import dot_size, triton, triton_usable
 
 L2_EPS = 1e-6  # transformers' / flash-linear-attention's l2norm epsilon
 # launch shape of the Triton kernel (value columns per program, warps, next-token prefetch): the per-token chain of

@@ -1,5 +1,5 @@
-"""kernels/wide_linear.py: the invariant steps' wide projections as one [BN, BK] x [BK, 16] MMA per step with split-K
-partials added in a fixed order: a row's bits do not depend on how many rows the call has, nor on their values.
+"""reviewer_kernels/wide_linear.py: the invariant steps' wide projections as one [BN, BK] x [BK, 16] MMA per step with
+split-K partials added in a fixed order: a row's bits do not depend on how many rows the call has, nor on their values.
 
 The Triton kernel runs on the CPU through Triton's interpreter in a subprocess (fp32 and fp16); on CUDA in bf16.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.wide_linear import wide_linear, wide_linear_torch
-from tests.kernels.test_fused_moe import interpreted_by_case
+from reviewer_kernels.wide_linear import wide_linear, wide_linear_torch
+from tests.reviewer_kernels.test_fused_moe import interpreted_by_case
 
 # (dtype, N, K, BN, BK, SPLITS). N not a multiple of BN (masked tile rows), K not a multiple of BK (a masked last
 # step), several splits and one, a split count that does not divide the steps.
@@ -38,8 +38,8 @@ SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_wide_linear import CASES, inputs_for
-from kernels.wide_linear import wide_linear, wide_linear_torch
+from tests.reviewer_kernels.test_wide_linear import CASES, inputs_for
+from reviewer_kernels.wide_linear import wide_linear, wide_linear_torch
 for case in CASES:
     x, w, tiles = inputs_for(case, 5)
     y = wide_linear(x, w, use_triton=True, tiles=tiles)

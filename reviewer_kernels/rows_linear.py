@@ -7,11 +7,12 @@ input rows (batch invariance), in one launch with the norm before and the elemen
     rows_linear(x, w, nw, eps, rope=(cos, sin, pos, n)) y = RoPE on rows < n of W a       the fused q/k/v projection
     rows_linear(x, w, residual=r)                       r + W x                           output / down projection
 
-Why: kernels/norm_gemv.py and kernels/gemv.py reduce each input row on CUDA cores, so a 16-row verify costs ~16 rows
-of ALU work (bench/results/kernel_sweep_20261201_144447.json: 8.4 us against 2.5 for q/k/v, 144 us against 16 for
-the LM head, however the rows are spread over programs). Here every call is one [16, K] x [K, N] MMA: the rows past T
-are masked to zero, so a 1-row call and a 16-row call run the same instructions on the same tiles, and a row's bits
-cannot depend on T. The MMA is free at these sizes; what a launch costs is the weight read and the latency chain.
+Why: reviewer_kernels/norm_gemv.py and reviewer_kernels/gemv.py reduce each input row on CUDA cores, so a 16-row verify
+costs ~16 rows of ALU work (bench/results/kernel_sweep_20261201_144447.json: 8.4 us against 2.5 for q/k/v, 144 us
+against 16 for the LM head, however the rows are spread over programs). Here every call is one [16, K] x [K, N] MMA: the
+rows past T are masked to zero, so a 1-row call and a 16-row call run the same instructions on the same tiles, and a
+row's bits cannot depend on T. The MMA is free at these sizes; what a launch costs is the weight read and the latency
+chain.
 
 Parallelism without breaking invariance: K is split into SPLITS ranges fixed by the shape (never by T). Each program
 multiplies its range and stores an fp32 partial; the last program of an output tile to finish (an atomic counter)
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.norm_gemv import check_epilogue, rope_rows_torch
+from reviewer_kernels.norm_gemv import check_epilogue, rope_rows_torch
 
 try:
     import triton
@@ -110,7 +111,7 @@ if triton is not None:
                             BN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
         """Grid (output tiles, SPLITS): tile p, K range [s * KS, (s + 1) * KS). PLAIN tiles are rows p*BN..; SWIGLU
         gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first half with partners
-        j + HALF (as kernels/norm_gemv.py)."""
+        j + HALF (as reviewer_kernels/norm_gemv.py)."""
         p = tl.program_id(0)
         s = tl.program_id(1)
         lane = tl.arange(0, BN)
@@ -202,7 +203,7 @@ _WORKSPACES: dict = {}  # device -> (partials, sums of squares, counters); grown
 
 
 def split_workspace(device, partial_floats: int, ss_floats: int, counters: int):
-    """Scratch for the split-K partials (here and in kernels/wide_linear.py), shared by every call on a device
+    """Scratch for the split-K partials (here and in reviewer_kernels/wide_linear.py), shared by every call on a device
     (launches on a stream run one after another; each call leaves its counters at zero). Grown before CUDA-graph
     capture (the engine's warm-up runs every shape eagerly first); old buffers are kept alive because graphs captured
     earlier still point at them."""
@@ -247,9 +248,9 @@ def rows_linear_torch(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool
 def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = False, rope=None, residual=None,
                 use_triton: bool | None = None, tiles: dict | None = None):
     """x [T, K] (T <= 16), w [N, K]; norm_weight [K] for the RMSNorm before the projection. Returns [T, N] ([T, N / 2]
-    with swiglu). Row t's bits do not depend on T. rope = (cos, sin, positions, rotated) as in kernels/norm_gemv.py
-    (positions: a device tensor of at least T positions). residual [T, N]: returns residual + y. tiles overrides
-    plan()'s {"BN", "SPLITS", "KS", "warps"} and the pipeline depth "stages" (a sweep)."""
+    with swiglu). Row t's bits do not depend on T. rope = (cos, sin, positions, rotated) as in
+    reviewer_kernels/norm_gemv.py (positions: a device tensor of at least T positions). residual [T, N]: returns
+    residual + y. tiles overrides plan()'s {"BN", "SPLITS", "KS", "warps"} and the pipeline depth "stages" (a sweep)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"rows_linear takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -259,7 +260,7 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
     if residual is not None and tuple(residual.shape) != (x.shape[0], w.shape[0]):
         raise ValueError(f"residual {tuple(residual.shape)} must be [T, N] = [{x.shape[0]}, {w.shape[0]}]")
     if use_triton is None:
-        from kernels.fused_moe import triton_usable
+        from reviewer_kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
     if not use_triton:
         return rows_linear_torch(x, w, norm_weight, eps, swiglu=swiglu, rope=rope, residual=residual)

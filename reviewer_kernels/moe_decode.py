@@ -32,7 +32,7 @@ try:
 except ImportError:  # CPU-only installs: fused_moe falls back to PyTorch before reaching this module's kernels
     triton = None
 
-# Tiles chosen on the H200 at the Qwen3.6-35B-A3B shape by bench/kernel_sweep.py (see kernels/README.md).
+# Tiles chosen on the H200 at the Qwen3.6-35B-A3B shape by bench/kernel_sweep.py (see reviewer_kernels/README.md).
 DECODE_TILES = {"gate_up": {"BN": 1, "warps": 8}, "down": {"BH": 1, "warps": 1}}
 
 if triton is not None:

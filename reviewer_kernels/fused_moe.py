@@ -12,7 +12,7 @@ Launches (all shapes depend only on M, so the whole thing can be captured in a C
   2. `_gate_up_kernel`, grid (blocks, I/BN, split): one block's rows times one N-tile of gate and up,
      SiLU(gate)*up stored to `inter[slot]`. Each expert's weight tile is read once per block, i.e. once when it
      has <= BM tokens. With split > 1 each program covers a slice of K and stores fp32 partial sums; the last
-     program of a (block, N-tile) to finish (an atomic counter, as kernels/wide_linear.py) adds them in split
+     program of a (block, N-tile) to finish (an atomic counter, as reviewer_kernels/wide_linear.py) adds them in split
      order and stores SiLU(gate)*up. One program also computes the shared expert's sigmoid gate.
   3. `_down_kernel`, grid (blocks, H/BN, split): inter @ down^T over a slice of I, scaled by the routing weight
      in the epilogue, stored in fp32 to `rows[split, slot]`.
@@ -24,7 +24,7 @@ K splits were meant for one token (a decode step in the batch-invariant numerics
 8 splits took 26-38 us a layer at one token against 25 unsplit, and far longer at 16 tokens (bench/results/
 moe_invariant_tiles_split_finish_h200_20261204_170057.json), so no shipped entry splits; the tuner may still try them.
 (Before 2026-12-04 the down kernel added the partials, in every one of its programs: 52-83 us at one token.)
-One token (a decode step) takes kernels/moe_decode.py instead: two GEMV-shaped launches, no block table.
+One token (a decode step) takes reviewer_kernels/moe_decode.py instead: two GEMV-shaped launches, no block table.
 Direct mode (small M, as vLLM does for small tokens*top_k): block b < M*K is slot b alone, the last block holds
 the shared expert's M slots; no sorting launch. Each expert is then read once per token routed to it, which
 costs nothing extra while M*K is small.
@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.moe_decode import decode_moe
-from kernels.moe_reference import SharedExpert, fused_moe_torch, shared_expert_torch
-from kernels.rows_linear import split_workspace
+from reviewer_kernels.moe_decode import decode_moe
+from reviewer_kernels.moe_reference import SharedExpert, fused_moe_torch, shared_expert_torch
+from reviewer_kernels.rows_linear import split_workspace
 
 try:
     import triton
@@ -84,7 +84,7 @@ def fused_moe(
 
     gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout), topk_weights / topk_ids [M, K].
     use_triton=None picks Triton when it can run (CUDA, or TRITON_INTERPRET=1), else the PyTorch fallback.
-    config overrides the tuned tile sizes (used by the tuner); its "decode" entry holds kernels/moe_decode.py's
+    config overrides the tuned tile sizes (used by the tuner); its "decode" entry holds reviewer_kernels/moe_decode.py's
     tiles for one token (None: DECODE_TILES; False: the grouped path at one token too, for comparisons).
     residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
     the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
@@ -169,7 +169,7 @@ def invariant_config(device_name: str, key: str, top_k: int) -> dict:
     """One tile set for every call of 1..16 tokens, for batch-invariant steps (a row's bits must not depend on how
     many tokens share the call): the table's "<key>_invariant" entry, tuned under a real router's locality by
     bench/moe_invariant_tiles.py (direct mode up to `direct_tokens`, sorted above: same bits), else the 16-token
-    entry. Never the one-token kernels (kernels/moe_decode.py), whose order of additions differs."""
+    entry. Never the one-token kernels (reviewer_kernels/moe_decode.py), whose order of additions differs."""
     entry = _tuned_table().get(device_name, {}).get(key + "_invariant")
     return dict(entry if entry else get_config(device_name, key, 16, top_k), decode=False)
 

@@ -1,4 +1,4 @@
-"""kernels/gemv.py: one token's output projection with its prologue (gated RMSNorm, sigmoid gate) in one launch.
+"""reviewer_kernels/gemv.py: one token's output projection with its prologue (gated RMSNorm, sigmoid gate), one launch.
 
 The Triton kernel runs on the CPU through Triton's interpreter in a subprocess (fp32 and fp16); on CUDA in bf16.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import gemv, gemv_torch
-from tests.kernels.test_fused_moe import interpreted_by_case
+from reviewer_kernels.gemv import gemv, gemv_torch
+from tests.reviewer_kernels.test_fused_moe import interpreted_by_case
 
 # (dtype, N, K, head size for the gated norm or None, prologue, BN)
 CASES = [
@@ -26,8 +26,8 @@ SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_gemv import CASES, inputs_for
-from kernels.gemv import gemv, gemv_torch
+from tests.reviewer_kernels.test_gemv import CASES, inputs_for
+from reviewer_kernels.gemv import gemv, gemv_torch
 for case in CASES:
     x, w, kw = inputs_for(case)
     y = gemv(x, w, use_triton=True, tiles={"BN": case[5], "warps": 2}, **kw)
@@ -85,8 +85,8 @@ RESIDUAL_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_gemv import inputs_for
-from kernels.gemv import gemv
+from tests.reviewer_kernels.test_gemv import inputs_for
+from reviewer_kernels.gemv import gemv
 for case in [("float32", 40, 256, 32, "gated_norm"), ("float16", 33, 96, None, "plain"),
              ("float16", 17, 200, None, "sigmoid_gate")]:
     x, w, kw = inputs_for(case)
@@ -133,8 +133,8 @@ ROWS_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_gemv import CASES, rows_inputs
-from kernels.gemv import gemv
+from tests.reviewer_kernels.test_gemv import CASES, rows_inputs
+from reviewer_kernels.gemv import gemv
 for i, case in enumerate(CASES):
     x, w, kw, res = rows_inputs(case, 5)
     block = gemv(x, w, residual=res, use_triton=True, tiles={"BN": case[5], "warps": 2}, **kw)

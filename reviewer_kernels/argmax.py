@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fused_moe import triton, triton_usable
+from reviewer_kernels.fused_moe import triton, triton_usable
 
 BLOCK = 4096
 

@@ -1,5 +1,5 @@
-"""kernels/argmax.py: the drafter head's argmax and confidence (Triton under the interpreter in a subprocess, the
-PyTorch expression off Triton, bf16 at the Qwen3.6 vocabulary on CUDA)."""
+"""reviewer_kernels/argmax.py: the drafter head's argmax and confidence (Triton under the interpreter in a subprocess,
+the PyTorch expression off Triton, bf16 at the Qwen3.6 vocabulary on CUDA)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kernels.argmax import argmax_confidence
+from reviewer_kernels.argmax import argmax_confidence
 from tests import interpreter
 
 
@@ -33,7 +33,7 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from kernels.argmax import argmax_confidence
+from reviewer_kernels.argmax import argmax_confidence
 torch.manual_seed(0)
 logits = torch.randn(3, 10000)          # three chunks of 4096, the last one partial
 logits[1, 9000] = logits[1, 5000] = 9.0  # a tie across chunks: the first index wins

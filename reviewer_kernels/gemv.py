@@ -109,7 +109,7 @@ def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *,
     if residual is not None and tuple(residual.shape) != (x.shape[0], w.shape[0]):
         raise ValueError(f"residual {tuple(residual.shape)} must be [T, N] = [{x.shape[0]}, {w.shape[0]}]")
     if use_triton is None:
-        from kernels.fused_moe import triton_usable
+        from reviewer_kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
     if not use_triton:
         return gemv_torch(x, w, gate, norm_weight, eps, residual)

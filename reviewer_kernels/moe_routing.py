@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fused_moe import triton, triton_usable
-from kernels.moe_reference import rms_norm_scaled
-from kernels.rows_linear import split_workspace
+from reviewer_kernels.fused_moe import triton, triton_usable
+from reviewer_kernels.moe_reference import rms_norm_scaled
+from reviewer_kernels.rows_linear import split_workspace
 
 SMALL_BATCH = 64  # up to this many tokens, one token per program
 ROUTER_MAX_TOKENS = 16  # route_topk_from_hidden's own matmul up to this many tokens (a decode step or a verify block)

@@ -1,4 +1,4 @@
-"""kernels/block_attention.py: the fused cache-write + attention of a decode step / speculative block.
+"""reviewer_kernels/block_attention.py: the fused cache-write + attention of a decode step / speculative block.
 
 The fallback is checked against attention written out by hand in float64; the Triton kernel against the fallback
 under Triton's CPU interpreter (a subprocess, fp32: TRITON_INTERPRET must be set before triton is imported) and, on a
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from kernels.block_attention import block_attention, block_attention_torch
-from tests.kernels.test_fused_moe import interpreted_by_case, run_interpreted
+from reviewer_kernels.block_attention import block_attention, block_attention_torch
+from tests.reviewer_kernels.test_fused_moe import interpreted_by_case, run_interpreted
 
 
 def make_case(heads, kv_heads, head_dim, T, start, max_context=1024, dtype=torch.float32, device="cpu", seed=0):
@@ -112,8 +112,8 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_block_attention import BIDIRECTIONAL, CASES, WINDOWED, make_case
-from kernels.block_attention import block_attention, block_attention_torch
+from tests.reviewer_kernels.test_block_attention import BIDIRECTIONAL, CASES, WINDOWED, make_case
+from reviewer_kernels.block_attention import block_attention, block_attention_torch
 for case in CASES:
     heads, kv_heads, head_dim, T, start, span = case
     a = make_case(heads, kv_heads, head_dim, T, start)

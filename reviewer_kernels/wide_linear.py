@@ -11,18 +11,18 @@ their bandwidth floor, and that it computes a row the same for any row count is 
 How: every call is one [BN, BK] x [BK, 16] MMA per step with the weight as the wide operand ("swap AB": the weight
 rows fill the MMA's M, the 16 input rows its N), so Hopper's wgmma runs it and Triton pipelines both operands' loads
 (`num_stages`; nothing stands between a load and the MMA, which a prologue computed inside the loop did, costing
-the loop a round trip per step: kernels/README.md); rows past T are masked to zero. An output element is the dot
-product of one weight row with one input row, accumulated over K in a fixed order, so a row's bits do not depend on T
-or on its neighbours. K is split into SPLITS ranges fixed by the shape: each program stores its fp32 partial and the
+the loop a round trip per step: reviewer_kernels/README.md); rows past T are masked to zero. An output element is the
+dot product of one weight row with one input row, accumulated over K in a fixed order, so a row's bits do not depend on
+T or on its neighbours. K is split into SPLITS ranges fixed by the shape: each program stores its fp32 partial and the
 last program of a tile to arrive (an atomic counter) adds them in split order and applies the epilogue, as
-kernels/rows_linear.py does. y is cast once.
+reviewer_kernels/rows_linear.py does. y is cast once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.rows_linear import split_workspace
+from reviewer_kernels.rows_linear import split_workspace
 
 try:
     import triton
@@ -101,7 +101,7 @@ def wide_linear(x, w, *, use_triton: bool | None = None, tiles: dict | None = No
         raise ValueError(f"wide_linear takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
     if use_triton is None:
-        from kernels.fused_moe import triton_usable
+        from reviewer_kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
     if not use_triton:
         return wide_linear_torch(x, w)

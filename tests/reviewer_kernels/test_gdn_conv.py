@@ -1,5 +1,5 @@
-"""kernels/gdn_conv.py: the Gated DeltaNet convolution of a decode step or verify block, with its cache update, in one
-launch, against its PyTorch twin (the compiled glue's math).
+"""reviewer_kernels/gdn_conv.py: the Gated DeltaNet convolution of a decode step or verify block, with its cache update,
+in one launch, against its PyTorch twin (the compiled glue's math).
 
 Under Triton's CPU interpreter (a subprocess; fp32 and fp16) and, on a GPU, in bf16 at the 35B-A3B shape. The model
 wired through it (the padded steps against the regular forward) is tests/backend/models/test_fast_models.py's.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gdn_conv import gdn_conv, gdn_conv_torch
-from tests.kernels.test_fused_moe import interpreted_by_case
+from reviewer_kernels.gdn_conv import gdn_conv, gdn_conv_torch
+from tests.reviewer_kernels.test_fused_moe import interpreted_by_case
 
 # (dtype, rows, channels, conv width W (kernel W + 1), real rows T): a decode step, a verify cut short, a whole
 # verify, fewer rows than a padded step, a narrower kernel; channels not a multiple of the program's 64
@@ -45,7 +45,7 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from tests.kernels.test_gdn_conv import CASES, make_case, run_both
+from tests.reviewer_kernels.test_gdn_conv import CASES, make_case, run_both
 for case in CASES:
     dt, R, C, W, T = case
     mixed, state, w = make_case(R, C, W, getattr(torch, dt))

@@ -1,5 +1,5 @@
-"""kernels/rows_linear.py: projections of 1..16 rows through one [16, K] MMA with split-K partials added in a fixed
-order, so a row's bits do not depend on how many rows the call has (batch invariance).
+"""reviewer_kernels/rows_linear.py: projections of 1..16 rows through one [16, K] MMA with split-K partials added in a
+fixed order, so a row's bits do not depend on how many rows the call has (batch invariance).
 
 The Triton kernel runs on the CPU through Triton's interpreter in a subprocess (fp32 and fp16); on CUDA in bf16.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rows_linear import plan, rows_linear, rows_linear_torch
-from tests.kernels.test_fused_moe import interpreted_by_case
+from reviewer_kernels.rows_linear import plan, rows_linear, rows_linear_torch
+from tests.reviewer_kernels.test_fused_moe import interpreted_by_case
 
 # (dtype, epilogue, N, K, forced SPLITS or None, pipeline stages or None). K not a multiple of 64 (a masked last
 # step), several splits, one; the K loop unrolled (stages None: 0) and software-pipelined.
@@ -74,8 +74,8 @@ SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_rows_linear import CASES, inputs_for, one_row
-from kernels.rows_linear import rows_linear, rows_linear_torch
+from tests.reviewer_kernels.test_rows_linear import CASES, inputs_for, one_row
+from reviewer_kernels.rows_linear import rows_linear, rows_linear_torch
 for case in CASES:
     x, w, kw, tiles = inputs_for(case, 5)
     y = rows_linear(x, w, use_triton=True, tiles=tiles, **kw)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fused_moe import triton, triton_usable
+from reviewer_kernels.fused_moe import triton, triton_usable
 
 BLOCK_C = 64  # channels a program: 8,192 at the 35B-A3B shape -> 128 programs
 

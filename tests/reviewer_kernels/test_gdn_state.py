@@ -1,4 +1,4 @@
-"""kernels/gdn_state.py's prefill form: the chunk walk as one Triton launch against the PyTorch loop it replaces.
+"""reviewer_kernels/gdn_state.py's prefill form: the chunk walk as one Triton launch against the PyTorch loop.
 
 Under Triton's CPU interpreter (a subprocess, fp32) and, on a GPU, in bf16 inputs with the fp32 state. The loop itself
 is checked against transformers' token-by-token recurrence in tests/backend/models/test_fast_models.py.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gdn_state import gdn_chunked, gdn_recurrent_torch
-from tests.kernels.test_fused_moe import interpreted_by_case
+from reviewer_kernels.gdn_state import gdn_chunked, gdn_recurrent_torch
+from tests.reviewer_kernels.test_fused_moe import interpreted_by_case
 
 # (T, key heads, value heads, key dim, value dim, chunk): one partial chunk, several chunks with padding, grouped heads
 CASES = [(9, 1, 1, 16, 32, 16), (70, 1, 2, 16, 32, 16), (200, 2, 4, 32, 64, 32)]
@@ -29,8 +29,8 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from kernels.gdn_state import gdn_chunked, gdn_recurrent_torch
-from tests.kernels.test_gdn_state import CASES, make_case
+from reviewer_kernels.gdn_state import gdn_chunked, gdn_recurrent_torch
+from tests.reviewer_kernels.test_gdn_state import CASES, make_case
 for case in CASES:
     q, k, v, g, beta, s0 = make_case(*case[:5])
     loop_state, walk_state, token_state = s0.clone(), s0.clone(), s0.clone()

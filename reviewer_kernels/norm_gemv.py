@@ -8,8 +8,8 @@ layer (and its LM head) puts an RMSNorm in front of a matmul:
 Why: a decode step of the SmolLM2-135M shape is ~10 launches per layer of ~2.5 us each on the H200 (the weights of a
 layer take ~1 us to read): the norm, the cuBLAS GEMV, the RoPE or SiLU kernel each wait for the one before. Here the
 norm, the projection and its elementwise tail are one launch. Each program loads its rows of W in one go over the
-whole input (no loop over K: see kernels/README.md "One token"), then normalises all of x (a few KB from L2) while
-that load is in flight, so the norm costs no extra round trip.
+whole input (no loop over K: see reviewer_kernels/README.md "One token"), then normalises all of x (a few KB from L2)
+while that load is in flight, so the norm costs no extra round trip.
 
 The epilogues need two rows per output: SwiGLU pairs gate row n with up row n + N/2; RoPE pairs row j of a head with
 row j + D/2 (rotate_half's partner). A program owns BN rows and their partners, so the pair meets in registers.
@@ -107,7 +107,7 @@ if triton is not None:
 
 
 def rms_norm_torch(x, weight, eps: float):
-    """backend/models/llama.py's rms_norm (kept here so that kernels/ does not import backend/)."""
+    """backend/models/llama.py's rms_norm (kept here so that reviewer_kernels/ does not import backend/)."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -138,8 +138,8 @@ def rope_rows_torch(y, rope):
 
 
 def check_epilogue(w, swiglu: bool, rope, residual=None) -> None:
-    """The epilogue arguments of norm_gemv and kernels/rows_linear.py: one at a time, SwiGLU over [gate; up] rows,
-    RoPE over whole heads of w's rows."""
+    """The epilogue arguments of norm_gemv and reviewer_kernels/rows_linear.py: one at a time, SwiGLU over [gate; up]
+    rows, RoPE over whole heads of w's rows."""
     if sum([swiglu, rope is not None, residual is not None]) > 1:
         raise ValueError("one epilogue at a time: swiglu, rope or residual")
     if swiglu and w.shape[0] % 2:
@@ -167,7 +167,7 @@ def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None,
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} must be [K] = [{x.shape[1]}]")
     check_epilogue(w, swiglu, rope)
     if use_triton is None:
-        from kernels.fused_moe import triton_usable
+        from reviewer_kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
     if not use_triton:
         return norm_gemv_torch(x, norm_weight, w, eps, swiglu=swiglu, rope=rope)

@@ -1,4 +1,4 @@
-"""kernels/norm_gemv.py: one token's RMSNorm + projection + epilogue (RoPE, SwiGLU, none) in one launch.
+"""reviewer_kernels/norm_gemv.py: one token's RMSNorm + projection + epilogue (RoPE, SwiGLU, none) in one launch.
 
 The Triton kernel runs on the CPU through Triton's interpreter in a subprocess (fp32 and fp16); on CUDA in bf16.
 The reference is backend/models/llama.py's own math (rms_norm, F.linear, apply_rope, SiLU), not the kernel's twin.
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from backend.models.llama import apply_rope, rms_norm, rope_tables
-from kernels.norm_gemv import norm_gemv
-from tests.kernels.test_fused_moe import interpreted_by_case
+from reviewer_kernels.norm_gemv import norm_gemv
+from tests.reviewer_kernels.test_fused_moe import interpreted_by_case
 
 # (dtype, K, epilogue, shape, BN): shape = (heads, kv heads, head size) for rope, rows otherwise
 CASES = [
@@ -31,8 +31,8 @@ SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_norm_gemv import CASES, inputs_for, model_math
-from kernels.norm_gemv import norm_gemv, norm_gemv_torch
+from tests.reviewer_kernels.test_norm_gemv import CASES, inputs_for, model_math
+from reviewer_kernels.norm_gemv import norm_gemv, norm_gemv_torch
 for i, case in enumerate(CASES):
     x, nw, w, kw = inputs_for(case)
     y = norm_gemv(x, nw, w, 1e-5, use_triton=True, tiles={"BN": case[4], "warps": 2}, **kw)
@@ -136,8 +136,8 @@ ROWS_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_norm_gemv import CASES, rows_inputs
-from kernels.norm_gemv import norm_gemv
+from tests.reviewer_kernels.test_norm_gemv import CASES, rows_inputs
+from reviewer_kernels.norm_gemv import norm_gemv
 for i, case in enumerate(CASES):
     x, nw, w, kw = rows_inputs(case, 4)
     tiles = {"BN": case[4], "warps": 2}

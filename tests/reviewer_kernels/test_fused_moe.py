@@ -1,4 +1,5 @@
-"""The fused-MoE kernel (kernels/fused_moe.py), its PyTorch fallback, and the model patch (backend/decoding/moe_patch.py).
+"""The fused-MoE kernel (reviewer_kernels/fused_moe.py), its PyTorch fallback, and the model patch
+(backend/decoding/moe_patch.py).
 
 The Triton kernels run on the CPU through Triton's interpreter in a subprocess (TRITON_INTERPRET=1 must be set
 before triton is imported, and must not leak into other tests); fp32 and fp16 only (its bf16 is wrong).
@@ -13,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kernels import SharedExpert, fused_moe, fused_moe_torch, moe_reference
+from reviewer_kernels import SharedExpert, fused_moe, fused_moe_torch, moe_reference
 from tests import interpreter
 
 
@@ -96,8 +97,8 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_fused_moe import INTERPRETER_CASES, random_moe, reference64, rel_err
-from kernels import fused_moe
+from tests.reviewer_kernels.test_fused_moe import INTERPRETER_CASES, random_moe, reference64, rel_err
+from reviewer_kernels import fused_moe
 for case in INTERPRETER_CASES:
     dt, m, e, h, i, k, shared, direct, bm, split, down_split = case
     inputs = random_moe(m, e, h, i, k, getattr(torch, dt), shared)
@@ -147,7 +148,7 @@ def test_triton_kernel_matches_reference_in_interpreter(interpreter_results, cas
     assert result["rows_alone"] and result["repeatable"], result
 
 
-# One token takes kernels/moe_decode.py: (dtype, experts, hidden, inter, top_k, shared, gate_up BN, down BH);
+# One token takes reviewer_kernels/moe_decode.py: (dtype, experts, hidden, inter, top_k, shared, gate_up BN, down BH);
 # sizes that are not powers of two (masked tile edges), top-k below its padded size.
 DECODE_CASES = [
     (dt, *case) for dt in ("float32", "float16") for case in [
@@ -162,9 +163,9 @@ DECODE_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_fused_moe import DECODE_CASES, random_moe, reference64, rel_err
-from kernels import fused_moe
-from kernels.moe_decode import decode_moe
+from tests.reviewer_kernels.test_fused_moe import DECODE_CASES, random_moe, reference64, rel_err
+from reviewer_kernels import fused_moe
+from reviewer_kernels.moe_decode import decode_moe
 for case in DECODE_CASES:
     dt, e, h, i, k, shared, bn, bh = case
     inputs = random_moe(1, e, h, i, k, getattr(torch, dt), shared, seed=e + h)
@@ -200,8 +201,8 @@ RESIDUAL_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_fused_moe import random_moe
-from kernels import fused_moe
+from tests.reviewer_kernels.test_fused_moe import random_moe
+from reviewer_kernels import fused_moe
 for dt, m, shared in [("float32", 1, "gated"), ("float16", 5, "gated"), ("float16", 16, None)]:
     inputs = random_moe(m, 8, 64, 32, 2, getattr(torch, dt), shared, seed=m)
     res = torch.randn(m, 64).to(getattr(torch, dt))
@@ -226,7 +227,7 @@ def test_residual_is_added_by_the_sum_kernel_with_pytorch_rounding():
 def test_align_workspace_slices_start_on_16_byte_boundaries_for_every_token_count():
     """Triton specialises pointers on 16-byte alignment: slices at token-count-dependent offsets compiled new kernel
     variants for new prompt lengths while serving (the 35B-A3B replay's compilations after ready)."""
-    from kernels.fused_moe import align_workspace, num_blocks_bound
+    from reviewer_kernels.fused_moe import align_workspace, num_blocks_bound
     for tokens in range(1, 70):
         slots = tokens * 9  # top-8 + the shared expert
         blocks = num_blocks_bound(slots, 257, 16)
@@ -241,7 +242,7 @@ ALIGN_SCRIPT = r"""
 import importlib, json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-fm = importlib.import_module("kernels.fused_moe")
+fm = importlib.import_module("reviewer_kernels.fused_moe")
 # up to 128 slots: sorted in registers (a 16-token verify at top-8 of 256 among them); above, by torch.sort
 for m, e, k, shared, bm in [(1, 8, 2, True, 16), (37, 6, 3, True, 16), (16, 256, 8, True, 16), (5, 63, 8, False, 16),
                             (43, 6, 3, True, 16), (100, 16, 4, False, 32), (70, 8, 2, True, 64)]:
@@ -285,7 +286,7 @@ ROUTE_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from kernels import route_topk, route_topk_torch
+from reviewer_kernels import route_topk, route_topk_torch
 torch.manual_seed(0)
 for dt in ("float32", "float16"):
     for m, e, k, renorm in [(1, 16, 2, True), (5, 60, 8, True), (40, 256, 8, True), (33, 128, 4, False),
@@ -308,7 +309,7 @@ import json, sys
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, sys.argv[1])
-from kernels import route_topk_from_hidden, route_topk_torch
+from reviewer_kernels import route_topk_from_hidden, route_topk_torch
 torch.manual_seed(0)
 for m, e, hidden, k in [(1, 256, 640, 8), (5, 60, 96, 4), (16, 256, 640, 8), (20, 64, 96, 2)]:  # 20: F.linear path
     h, w = torch.randn(m, hidden), torch.randn(e, hidden) / hidden ** 0.5
@@ -334,8 +335,8 @@ NORM_INSIDE_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from kernels import route_topk_from_hidden
-from kernels.moe_reference import rms_norm_scaled
+from reviewer_kernels import route_topk_from_hidden
+from reviewer_kernels.moe_reference import rms_norm_scaled
 torch.manual_seed(0)
 for dt, e, h, k, m in [("float32", 16, 96, 4, 1), ("float16", 16, 96, 4, 1), ("float32", 64, 80, 2, 1),
                        ("float32", 16, 96, 4, 3)]:  # 3 tokens: normed in PyTorch first, same contract
@@ -362,7 +363,7 @@ def test_rms_norm_inside_the_one_token_router_kernel():
     for r in results:
         tol = 1e-5 if r["case"][0] == "float32" else 2e-3
         assert r["same_ids"] and r["w_err"] < tol and r["normed_err"] < tol, r
-    from kernels import route_topk_from_hidden
+    from reviewer_kernels import route_topk_from_hidden
     with pytest.raises(ValueError, match="normed_out"):
         route_topk_from_hidden(torch.randn(1, 8), torch.randn(4, 8), 2, rms_norm=(torch.ones(8), 1e-6))
 
@@ -374,7 +375,7 @@ def test_router_matmul_kernel_routes_like_linear_then_topk():
     F.linear's, whose summation order is the CPU BLAS's own (it matched the kernel's bits on an Intel machine, not on
     an AMD one), so there it is checked against the reference, not bit for bit against the one-token kernel."""
     pytest.importorskip("triton")
-    from kernels.moe_routing import ROUTER_MAX_TOKENS
+    from reviewer_kernels.moe_routing import ROUTER_MAX_TOKENS
 
     results = run_interpreted(ROUTER_SCRIPT)
     assert len(results) == 4
@@ -452,10 +453,10 @@ GREEDY_SCRIPT = r"""
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from tests.kernels.test_fused_moe import greedy, tiny_qwen3_5_moe
+from tests.reviewer_kernels.test_fused_moe import greedy, tiny_qwen3_5_moe
 from backend.decoding.moe_patch import patch_moe
 import importlib
-fm = importlib.import_module("kernels.fused_moe")
+fm = importlib.import_module("reviewer_kernels.fused_moe")
 torch.manual_seed(1)
 model = tiny_qwen3_5_moe()
 prompt = torch.randint(0, 256, (1, 9))
@@ -499,7 +500,7 @@ def test_bf16_on_gpu_matches_float64_reference(num_tokens):
 @pytest.mark.gpu
 @needs_cuda
 def test_routing_kernel_on_gpu_matches_torch_router():
-    from kernels import route_topk, route_topk_torch
+    from reviewer_kernels import route_topk, route_topk_torch
 
     logits = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
     w, ids = route_topk(logits, 8)
@@ -512,7 +513,7 @@ def test_routing_kernel_on_gpu_matches_torch_router():
 @pytest.mark.gpu
 @needs_cuda
 def test_router_matmul_kernel_on_gpu_matches_linear_then_topk():
-    from kernels import route_topk_from_hidden, route_topk_torch
+    from reviewer_kernels import route_topk_from_hidden, route_topk_torch
 
     torch.manual_seed(0)
     h = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
@@ -557,7 +558,7 @@ def test_invariant_tiles_compute_each_row_as_alone_on_gpu():
     expert above) gives every row of a 2..16-token call the bits of that token computed alone, under hot-set
     routing where tokens share experts (what sorted blocks change). Speculative output equals plain decoding
     through this."""
-    from kernels.fused_moe import invariant_config, shape_key
+    from reviewer_kernels.fused_moe import invariant_config, shape_key
 
     x, gate_up, down, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=3, device="cuda")
     g = torch.Generator().manual_seed(3)
@@ -611,7 +612,7 @@ def test_split_tiles_on_gpu_compute_each_row_as_alone_inside_graphs(gate_up, dow
 def test_cuda_align_slots_sorts_in_registers_and_by_torch():
     """The compiled align kernel on its two paths (<= 128 slots sorted in registers, more by torch.sort), hot-set
     routing so experts hold several slots."""
-    from kernels.fused_moe import align_slots
+    from reviewer_kernels.fused_moe import align_slots
 
     g = torch.Generator().manual_seed(5)
     hot = torch.randperm(256, generator=g)[:50]
