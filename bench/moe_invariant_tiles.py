@@ -101,18 +101,17 @@ def rows_alone_equal(layer, x, w, ids, config, m: int) -> bool:
 
 def candidates() -> list[dict]:
     """(today's entry, gate_up candidates, down candidates). Today's is the shipped invariant entry (until 2026-12-04
-    the 16-token tuned entry stood in for it, whose gate_up BK differs). The K splits give a decode step's 9 active
-    experts ~600-2,300 short programs instead of ~144 long ones; the gate_up splits are finished by the last program
-    of a tile, the down splits added by the slot sum (reviewer_kernels/fused_moe.py). Measured on 2026-12-04: none beat
-    the entry (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json)."""
+    the 16-token tuned entry stood in for it, whose gate_up BK differs). The gate_up K splits give a decode step's 9
+    active experts ~600-2,300 short programs instead of ~144 long ones, finished by the last program of a tile
+    (reviewer_kernels/fused_moe.py). Measured on 2026-12-04 (with down splits too, since removed): none beat the entry
+    (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json)."""
     base = fm.invariant_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), K)
     gate_up = [dict(base["gate_up"])] + [
         dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [
             (32, 256, 4, 1, 8), (32, 256, 4, 2, 4), (64, 256, 4, 1, 8), (16, 256, 4, 1, 8), (32, 128, 4, 2, 8),
             (32, 512, 8, 1, 4), (64, 128, 4, 3, 4)]]
-    down = [dict(base["down"])] + [dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [
-        (64, 256, 4, 1, 2), (32, 256, 4, 1, 2), (64, 128, 4, 1, 4), (128, 256, 4, 1, 2), (32, 512, 4, 1, 1),
-        (64, 512, 8, 1, 1)]]
+    down = [dict(base["down"])] + [dict(BN=bn, BK=bk, warps=wp, stages=st) for bn, bk, wp, st in [
+        (32, 128, 4, 3), (128, 64, 4, 3), (64, 256, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3), (32, 512, 4, 1)]]
     return base, gate_up, down
 
 

@@ -14,11 +14,10 @@ Launches (all shapes depend only on M, so the whole thing can be captured in a C
      has <= BM tokens. With split > 1 each program covers a slice of K and stores fp32 partial sums; the last
      program of a (block, N-tile) to finish (an atomic counter, as reviewer_kernels/wide_linear.py) adds them in split
      order and stores SiLU(gate)*up. One program also computes the shared expert's sigmoid gate.
-  3. `_down_kernel`, grid (blocks, H/BN, split): inter @ down^T over a slice of I, scaled by the routing weight
-     in the epilogue, stored in fp32 to `rows[split, slot]`.
-  4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows (each over the down splits) in a fixed order. The
-     order of every addition is fixed whoever finishes first: results are deterministic, which greedy decoding
-     relies on.
+  3. `_down_kernel`, grid (blocks, H/BN): inter @ down^T, scaled by the routing weight in the epilogue,
+     stored in fp32 to `rows[slot]`.
+  4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows in a fixed order. The order of every addition is
+     fixed whoever finishes first: results are deterministic, which greedy decoding relies on.
 K splits were meant for one token (a decode step in the batch-invariant numerics, which must use the verify's tiles:
 9 active experts, ~144 programs of 256 KB over 132 SMs, a wave and a bit). Measured on the H200 they do not pay: 4 or
 8 splits took 26-38 us a layer at one token against 25 unsplit, and far longer at 16 tokens (bench/results/
@@ -353,16 +352,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
     def _down_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, rows_ptr,
                      ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
-                     num_routed, num_tokens, E, H, I, k_per_split,
-                     stride_inter, stride_we, stride_wn, stride_sn, stride_rows, stride_split,
+                     num_routed, num_tokens, E, H, I,
+                     stride_inter, stride_we, stride_wn, stride_sn, stride_rows,
                      HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Grid (block, N-tile, K-split): rows[split, slot] = routing weight * (inter[slot] @ down^T) over the
-        split's slice of I, fp32 (_sum_slots_kernel adds the splits)."""
+        """Grid (block, N-tile): rows[slot] = routing weight * (inter[slot] @ down^T), fp32."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
-        pid_s = tl.program_id(2)
         e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                                       num_routed, num_tokens, E, DIRECT, BM)
         if e < 0:
@@ -371,16 +368,14 @@ if triton is not None:
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         n_ok = offs_n < H
-        k_lo = pid_s * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, I)
         if e == E:
-            wp = sd_ptr + offs_n[None, :] * stride_sn + (k_lo + offs_k)[:, None]
+            wp = sd_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
         else:
-            wp = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + (k_lo + offs_k)[:, None]
-        hp = inter_ptr + slots64[:, None] * stride_inter + (k_lo + offs_k)[None, :]
+            wp = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        hp = inter_ptr + slots64[:, None] * stride_inter + offs_k[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            k_ok = (k0 + offs_k < k_hi) | EVEN_K
+        for k0 in range(0, I, BK):
+            k_ok = (k0 + offs_k < I) | EVEN_K
             ht = tl.load(hp, mask=valid[:, None] & k_ok[None, :], other=0.0)
             if EVEN_N and EVEN_K:
                 wt = tl.load(wp)
@@ -396,27 +391,22 @@ if triton is not None:
             scale = tl.where(routed, scale, sg)
         else:
             scale = tl.where(routed, scale, 1.0)
-        tl.store(rows_ptr + pid_s.to(tl.int64) * stride_split + slots64[:, None] * stride_rows + offs_n[None, :],
-                 acc * scale[:, None], mask=valid[:, None] & n_ok[None, :])
+        tl.store(rows_ptr + slots64[:, None] * stride_rows + offs_n[None, :], acc * scale[:, None],
+                 mask=valid[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["num_routed"])
     def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, num_routed, top_k, H, stride_rows, stride_out, stride_res,
-                          stride_split, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
-                          BH: tl.constexpr):
-        """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot, each slot's down splits in
-        split order; fp32, cast once; then (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of
-        `res + out` in PyTorch."""
+                          HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr):
+        """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once; then
+        (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of `res + out` in PyTorch."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BH + tl.arange(0, BH)
         ok = offs < H
         acc = tl.zeros([BH], tl.float32)
         for k in range(0, top_k):
-            for s in tl.static_range(SPLITS):
-                acc += tl.load(rows_ptr + s * stride_split + (t * top_k + k) * stride_rows + offs, mask=ok, other=0.0)
+            acc += tl.load(rows_ptr + (t * top_k + k) * stride_rows + offs, mask=ok, other=0.0)
         if HAS_SHARED:
-            for s in tl.static_range(SPLITS):
-                acc += tl.load(rows_ptr + s * stride_split + (num_routed + t) * stride_rows + offs, mask=ok,
-                               other=0.0)
+            acc += tl.load(rows_ptr + (num_routed + t) * stride_rows + offs, mask=ok, other=0.0)
         out = acc.to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
             res = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0)
@@ -518,14 +508,14 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_blocks = bexp.numel()
 
     gu, dn = cfg["gate_up"], cfg["down"]
-    split, down_split = gu.get("split", 1), dn.get("split", 1)
+    split = gu.get("split", 1)
     inter_buf = torch.empty(num_slots, inter, dtype=x.dtype, device=dev)
     # fp32 partial sums [split, slot, gate | up] and one arrival counter per (block, N-tile): split > 1 only
     part = torch.empty(split, num_slots, 2 * inter, dtype=torch.float32, device=dev) if split > 1 else inter_buf
     n_tiles = triton.cdiv(inter, gu["BN"])
     count = split_workspace(dev, 0, 0, num_blocks * n_tiles)[2] if split > 1 else inter_buf
     k_per_split = triton.cdiv(hidden, split * gu["BK"]) * gu["BK"]
-    rows = torch.empty(down_split, num_slots, hidden, dtype=torch.float32, device=dev)
+    rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=dev)
     has_gate = has_shared and shared.gate is not None
     sgate = torch.empty(num_tokens if has_gate else 1, dtype=torch.float32, device=dev)
     sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
@@ -539,12 +529,11 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_slots * 2 * inter, HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split,
         EVEN_K=hidden % (gu["BK"] * split) == 0, EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m,
         BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"], num_stages=gu["stages"])
-    down_k = triton.cdiv(inter, down_split * dn["BK"]) * dn["BK"]
-    _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]), down_split)](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]))](
         inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount,
-        num_routed, num_tokens, num_experts, hidden, inter, down_k,
-        inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(1), rows.stride(0),
-        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % (dn["BK"] * down_split) == 0,
+        num_routed, num_tokens, num_experts, hidden, inter,
+        inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0),
+        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % dn["BK"] == 0,
         EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
         num_warps=dn["warps"], num_stages=dn["stages"])
     if out is None:
@@ -552,6 +541,6 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
     block_h = min(256, triton.next_power_of_2(hidden))
     res = residual if residual is not None else out  # unused without a residual
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        rows, out, res, num_routed, top_k, hidden, rows.stride(1), out.stride(0), res.stride(0), rows.stride(0),
-        HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, SPLITS=down_split, BH=block_h, num_warps=4)
+        rows, out, res, num_routed, top_k, hidden, rows.stride(0), out.stride(0), res.stride(0),
+        HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, BH=block_h, num_warps=4)
     return out

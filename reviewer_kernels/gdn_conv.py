@@ -70,13 +70,19 @@ if triton is not None:
         tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], act, mask=(r < R)[:, None] & c_ok[None, :])
 
 
+def causal_conv(window: torch.Tensor, conv_w: torch.Tensor, rows: int) -> torch.Tensor:
+    """The depthwise causal convolution of `rows` rows over window [W + rows, C], conv_w [C, W + 1]: the products in
+    fp32, added in tap order, rounded once to the window's dtype (a conv with fp32 accumulation, as plain elementwise
+    code, which torch.compile fuses with what surrounds it; the model's prefill glue calls this too)."""
+    return sum(window[j:j + rows].float() * conv_w[:, j].float() for j in range(conv_w.shape[1])).to(window.dtype)
+
+
 def gdn_conv_torch(mixed, conv_state, conv_w, T: int, window_out=None):
-    """The PyTorch twin (and the compiled glue's math): returns silu(conv) for every row of mixed; updates conv_state
-    or fills window_out[:W + T] as gdn_conv does."""
+    """The PyTorch twin (the prefill glue's math): returns silu(conv) for every row of mixed; updates conv_state or
+    fills window_out[:W + T] as gdn_conv does."""
     width = conv_state.shape[0]
-    R = mixed.shape[0]
     window = torch.cat([conv_state, mixed], dim=0)
-    conv = sum(window[j:j + R].float() * conv_w[:, j].float() for j in range(width + 1)).to(mixed.dtype)
+    conv = causal_conv(window, conv_w, mixed.shape[0])
     if window_out is not None:
         window_out[:width + T].copy_(window[:width + T])
     else:

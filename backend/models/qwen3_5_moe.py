@@ -37,7 +37,7 @@ from backend.models.static_cache import KVCache, LinearStateCache
 from reviewer_kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
 from reviewer_kernels.block_attention import block_attention
 from reviewer_kernels.fused_moe import invariant_config, shape_key
-from reviewer_kernels.gdn_conv import gdn_conv
+from reviewer_kernels.gdn_conv import causal_conv, gdn_conv
 from reviewer_kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
 from reviewer_kernels.gemv import gemv
 from reviewer_kernels.wide_linear import wide_linear
@@ -155,10 +155,8 @@ def deltanet_conv(proj, conv_state, conv_w, key_heads: int, value_heads: int, ke
     conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
     mixed, z, b, a = proj.split([conv_dim, value_heads * value_dim, value_heads, value_heads], dim=-1)
     window = torch.cat([conv_state, mixed], dim=0)
-    # the depthwise conv as K shifted multiply-adds in fp32, rounded once (as a conv with fp32 accumulation): plain
-    # elementwise code, which torch.compile fuses with the cat and SiLU (F.conv1d stays a separate cuDNN launch)
-    K = conv_w.shape[1]
-    conv = sum(window[j:j + T].float() * conv_w[:, j].float() for j in range(K)).to(proj.dtype)
+    # K shifted multiply-adds, which torch.compile fuses with the cat and SiLU (F.conv1d stays a separate cuDNN launch)
+    conv = causal_conv(window, conv_w, T)
     q, k, v = F.silu(conv).split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
     return (window, q.reshape(T, key_heads, key_dim), k.reshape(T, key_heads, key_dim),
             v.reshape(T, value_heads, value_dim), z.reshape(T, value_heads, value_dim), a, b)

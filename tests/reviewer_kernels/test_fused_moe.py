@@ -80,16 +80,16 @@ def test_bad_shapes_raise_clear_errors():
 
 # --- Triton kernels under the interpreter (subprocess) --------------------------------------------------------
 
-# (dtype, tokens, experts, hidden, inter, top_k, shared, direct, BM, gate_up split K, down split K)
+# (dtype, tokens, experts, hidden, inter, top_k, shared, direct, BM, gate_up split K)
 INTERPRETER_CASES = [
     (dt, *case) for dt in ("float32", "float16") for case in [
-        (1, 8, 64, 32, 2, "gated", True, 16, 1, 1),
-        (1, 8, 64, 32, 2, "gated", True, 16, 4, 2),  # a decode step in split tiles: the last split finishes
-        (3, 16, 128, 64, 4, "gated", False, 16, 2, 1),
-        (16, 8, 64, 32, 2, "ungated", True, 16, 1, 2),
-        (16, 12, 64, 32, 4, "gated", False, 16, 1, 1),
-        (40, 16, 96, 48, 4, None, False, 32, 1, 1),
-        (40, 8, 80, 40, 3, "gated", False, 16, 2, 2),  # H, I not multiples of the tiles; experts span blocks
+        (1, 8, 64, 32, 2, "gated", True, 16, 1),
+        (1, 8, 64, 32, 2, "gated", True, 16, 4),  # a decode step in split tiles: the last split finishes
+        (3, 16, 128, 64, 4, "gated", False, 16, 2),
+        (16, 8, 64, 32, 2, "ungated", True, 16, 1),
+        (16, 12, 64, 32, 4, "gated", False, 16, 1),
+        (40, 16, 96, 48, 4, None, False, 32, 1),
+        (40, 8, 80, 40, 3, "gated", False, 16, 2),  # H, I not multiples of the tiles; experts span blocks
     ]
 ]
 
@@ -100,11 +100,11 @@ sys.path.insert(0, sys.argv[1])
 from tests.reviewer_kernels.test_fused_moe import INTERPRETER_CASES, random_moe, reference64, rel_err
 from reviewer_kernels import fused_moe
 for case in INTERPRETER_CASES:
-    dt, m, e, h, i, k, shared, direct, bm, split, down_split = case
+    dt, m, e, h, i, k, shared, direct, bm, split = case
     inputs = random_moe(m, e, h, i, k, getattr(torch, dt), shared)
     config = {"direct": direct, "BM": bm, "decode": False,
               "gate_up": {"BN": 16, "BK": 32 if split == 1 else 16, "warps": 4, "stages": 2, "split": split},
-              "down": {"BN": 32, "BK": 16, "warps": 4, "stages": 2, "split": down_split}}
+              "down": {"BN": 32, "BK": 16, "warps": 4, "stages": 2}}
     out = fused_moe(*inputs, use_triton=True, config=config)
     # each token alone (a decode step, direct mode) in the same tiles: the row's bits whoever shares the call
     x, gate_up, down, weights, ids, sh = inputs
@@ -139,9 +139,8 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_triton_kernel_matches_reference_in_interpreter(interpreter_results, case):
-    """The grouped kernels against float64, with K splits in gate_up (the last split to finish adds them) and in
-    down (the slot sum adds them): a token's row is bitwise the same computed alone, and again on a second call
-    (the arrival counters are left at zero)."""
+    """The grouped kernels against float64, with K splits in gate_up (the last split to finish adds them): a token's
+    row is bitwise the same computed alone, and again on a second call (the arrival counters are left at zero)."""
     result = interpreter_results[tuple(case)]
     assert result["finite"] and result["dtype"] == f"torch.{case[0]}"
     assert result["err"] < (1e-5 if case[0] == "float32" else 2e-3), result
@@ -578,14 +577,13 @@ def test_invariant_tiles_compute_each_row_as_alone_on_gpu():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("gate_up, down", [
-    ({"BN": 32, "BK": 256, "warps": 4, "stages": 1, "split": 8}, {"BN": 64, "BK": 256, "warps": 4, "stages": 1,
-                                                                  "split": 2}),
+    ({"BN": 32, "BK": 256, "warps": 4, "stages": 1, "split": 8}, {"BN": 64, "BK": 256, "warps": 4, "stages": 1}),
     ({"BN": 64, "BK": 128, "warps": 4, "stages": 3, "split": 4}, {"BN": 32, "BK": 512, "warps": 4, "stages": 1}),
 ])
 def test_split_tiles_on_gpu_compute_each_row_as_alone_inside_graphs(gate_up, down):
-    """K-split tiles (gate_up finished by the last split of each tile through an arrival counter, down splits added
-    by the slot sum): the float64 reference's result, every row of a 2..16-token call bitwise the token alone (direct
-    and sorted blocks), and a CUDA graph replayed twice gives the eager bits (the counters are left at zero)."""
+    """K-split gate_up tiles (finished by the last split of each tile through an arrival counter): the float64
+    reference's result, every row of a 2..16-token call bitwise the token alone (direct and sorted blocks), and a CUDA
+    graph replayed twice gives the eager bits (the counters are left at zero)."""
     x, gate_up_w, down_w, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=4, device="cuda")
     g = torch.Generator().manual_seed(4)
     hot = torch.randperm(256, generator=g)[:50]

@@ -77,8 +77,8 @@ def test_conv_kernel_matches_its_twin_and_updates_the_cache(interpreter_results,
 
 
 def test_twin_is_the_compiled_glues_math_and_bad_shapes_say_why():
-    """On the CPU without the interpreter the twin runs; it is the model's deltanet_conv for the rows it returns, and
-    it moves the state to window[T:T + W]."""
+    """On the CPU without the interpreter the twin runs; its rows are the prefill glue's (deltanet_conv: the same
+    causal_conv, then its split into q, k, v), and it moves the state to window[T:T + W]."""
     from backend.models.qwen3_5_moe import deltanet_conv
 
     mixed, state, w = make_case(16, 48, 3)
