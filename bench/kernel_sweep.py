@@ -18,6 +18,9 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
   rows_35b   reviewer_kernels/rows_linear.py against cuBLAS (and gemv) at the 35B-A3B dense projections
   wide       reviewer_kernels/wide_linear.py's launch shapes at the 35B-A3B dense projections, 16 padded rows, against
              cuBLAS; row invariance and error checked
+  gdn_prefill reviewer_kernels/gdn_state.gdn_chunked (the chunk terms, the solve and the walk) at the 35B-A3B shape,
+             prefill pieces of 1,024 and 676 tokens, over the terms' product form x walk columns x warps; error
+             against the fp32 PyTorch terms and loop
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -100,6 +103,34 @@ def sweep_gdn(inner, reps):
             rows.append(dict(kernel="gdn_recurrent", T=T, block_v=block_v, num_warps=warps, prefetch=prefetch,
                              us=round(graph_time_us(run, inner, reps), 2), max_diff_vs_first=err))
             print(rows[-1], flush=True)
+    return rows
+
+
+def sweep_gdn_prefill(inner, reps):
+    from reviewer_kernels import gdn_state
+
+    rows = []
+    hk, hv, dk, dv = 16, 32, 128, 128
+    saved = gdn_state.PREP_DOT, gdn_state.CHUNK_V, gdn_state.CHUNK_WARPS, gdn_state.PREP_WARPS
+    for T in (1024, 676):
+        q, k = torch.randn(T, hk, dk, device="cuda").bfloat16(), torch.randn(T, hk, dk, device="cuda").bfloat16()
+        v = torch.randn(T, hv, dv, device="cuda").bfloat16()
+        g, beta = -torch.rand(T, hv, device="cuda") * 0.5, torch.rand(T, hv, device="cuda").bfloat16()
+        state = torch.randn(hv, dk, dv, device="cuda") * 0.1
+        ref_state = state.clone()
+        ref = gdn_state.gdn_chunked(q, k, v, g, beta, ref_state, use_triton=False).float()
+        # ("tf32x3" for the walk's products hit an illegal memory access on the H200, Triton 3.6: not swept)
+        for dot, cols, warps, prep in itertools.product(("tf32", "ieee"), (16, 32), (8,), (8, 4)):
+            gdn_state.PREP_DOT, gdn_state.CHUNK_V, gdn_state.CHUNK_WARPS, gdn_state.PREP_WARPS = dot, cols, warps, prep
+            s_out = state.clone()
+            out = gdn_state.gdn_chunked(q, k, v, g, beta, s_out, use_triton=True).float()
+            err = dict(out=(out - ref).abs().max().item(), state=(s_out - ref_state).abs().max().item())
+            s_run = state.clone()
+            run = lambda: gdn_state.gdn_chunked(q, k, v, g, beta, s_run, use_triton=True)  # noqa: E731
+            rows.append(dict(kernel="gdn_chunked", T=T, prep_dot=dot, chunk_v=cols, chunk_warps=warps, prep_warps=prep,
+                             us=round(graph_time_us(run, inner, reps), 1), max_diff_vs_fp32_loop=err))
+            print(rows[-1], flush=True)
+    gdn_state.PREP_DOT, gdn_state.CHUNK_V, gdn_state.CHUNK_WARPS, gdn_state.PREP_WARPS = saved
     return rows
 
 
@@ -453,7 +484,8 @@ def sweep_wide(inner, reps):
 
 SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv,
           "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused, "llama_one_token": sweep_llama_one_token,
-          "rows": sweep_rows, "rows_35b": sweep_rows_35b, "wide": sweep_wide}
+          "rows": sweep_rows, "rows_35b": sweep_rows_35b, "wide": sweep_wide,
+          "gdn_prefill": sweep_gdn_prefill}
 
 
 def main():

@@ -45,8 +45,15 @@ L2_EPS = 1e-6  # transformers' / flash-linear-attention's l2norm epsilon
 # loads and reductions is the cost (a verify is 16 dependent steps), bench/kernel_sweep.py measures the choices
 BLOCK_V, NUM_WARPS, PREFETCH = 16, 1, True  # H200, 35B-A3B shape: verify 29 -> 17 us, decode 3.2 -> 2.7 us
 # the prefill's chunk walk (_gdn_chunks_kernel): value columns of the state per program, warps (the state slice
-# [Dk, CHUNK_V] fp32 stays in registers across the chunks)
+# [Dk, CHUNK_V] fp32 stays in registers across the chunks); 16, 8 still the fastest in the 2026-12-04 sweep
 CHUNK_V, CHUNK_WARPS = 16, 8  # H200, 35B-A3B shape, 2048 tokens: 2.3 ms (32, 4: 12.5 ms; the PyTorch loop 5.6)
+# the prefill's per-chunk terms (_gdn_chunk_prep_kernel): warps a (head, chunk) program, and the form of its two
+# [64, Dk] x [Dk, 64] products (A and qk): "tf32" on tensor cores (10-bit mantissas in, fp32 sums: finer than the bf16
+# inputs of flash-linear-attention's kernels, which transformers runs on GPUs), since "ieee" (CUDA-core FMAs) made the
+# terms + solve + walk 2.0 ms a layer at 1,024 tokens on the H200 against 0.62 ms (bench/results/
+# kernel_sweep_gdn_prefill_h200_20261204.json; state within 1e-4 of the fp32 loop). The walk keeps fp32 FMAs ("ieee",
+# CHUNK_DOT): its products carry the state from chunk to chunk ("tf32x3" there hit an illegal memory access)
+PREP_WARPS, PREP_DOT, CHUNK_DOT = 8, "tf32", "ieee"
 
 if triton is not None:
     import triton.language as tl
@@ -149,12 +156,63 @@ if triton is not None:
         if STORE_STATE and not EVERY_POSITION:
             tl.store(states_out_ptr + s_offs, S, mask=s_mask)
 
-    @triton.jit
-    def _gdn_chunks_kernel(uf_ptr, us_ptr, qd_ptr, qk_ptr, ke_ptr, decay_ptr, s_ptr, out_ptr, n_chunks,
-                           C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-        """gdn_chunked's walk for value head h and state columns cols, chunk by chunk (inputs [Hv, n, C, *]):
+    # do_not_specialize: a piece's length and chunk count change from request to request; specialised (divisible by
+    # 16, equal to 1) they would compile new variants on the request path
+    @triton.jit(do_not_specialize=["T", "n_chunks"])
+    def _gdn_chunk_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, qd_ptr, qk_ptr, ke_ptr,
+                               decay_ptr, T, n_chunks, scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                               stride_vh, stride_gt, stride_bt, EPS: tl.constexpr, GROUP: tl.constexpr,
+                               C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOT: tl.constexpr):
+        """gdn_chunked's per-chunk terms for value head h and chunk i (see gdn_chunked), straight from the
+        projections' layout: l2-normed q, k; the cumulative log-decay c; A (strictly lower: the triangular solve
+        reads nothing else) and the solve's right-hand sides [beta v | beta e^c k]; qk, q_decayed, k_to_end and the
+        chunk's decay; written as [Hv, n, C, *]. Positions past T load as zeros (k = v = beta = g = 0), as
+        gdn_chunked's padding."""
+        h = tl.program_id(0)
+        i = tl.program_id(1)
+        r = tl.arange(0, C)
+        t = i * C + r
+        ok = t < T
+        kk = tl.arange(0, DK)
+        vv = tl.arange(0, DV)
+        hk = h // GROUP
+        q = tl.load(q_ptr + t[:, None] * stride_qt + hk * stride_qh + kk[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 1) + EPS)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+        c = tl.cumsum(g, 0)
+        decay = tl.exp(tl.where(r[:, None] >= r[None, :], c[:, None] - c[None, :], float("-inf")))  # j <= t
+        kb = k * beta[:, None]
+        chunk = (h * n_chunks + i).to(tl.int64)
+        cc_offs = chunk * C * C + r[:, None] * C + r[None, :]
+        tl.store(a_ptr + cc_offs, tl.where(r[:, None] > r[None, :],
+                                           tl.dot(kb, tl.trans(k), input_precision=DOT) * decay, 0.0))
+        tl.store(qk_ptr + cc_offs, tl.dot(q, tl.trans(k), input_precision=DOT) * decay)
+        ec = tl.exp(c)
+        c_last = tl.sum(tl.where(r == C - 1, c, 0.0), 0)
+        k_offs = chunk * C * DK + r[:, None] * DK + kk[None, :]
+        b_rows = chunk * C * (DV + DK) + r[:, None] * (DV + DK)
+        tl.store(b_ptr + b_rows + DV + kk[None, :], kb * ec[:, None])
+        tl.store(qd_ptr + k_offs, q * ec[:, None])
+        tl.store(ke_ptr + k_offs, k * tl.exp(c_last - c)[:, None])
+        tl.store(decay_ptr + chunk, tl.exp(c_last))
+        v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + vv[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        tl.store(b_ptr + b_rows + vv[None, :], v * beta[:, None])
+
+    @triton.jit(do_not_specialize=["n_chunks", "T", "stride_uh", "stride_un"])
+    def _gdn_chunks_kernel(u_ptr, qd_ptr, qk_ptr, ke_ptr, decay_ptr, s_ptr, out_ptr, n_chunks, T,
+                           stride_uh, stride_un, stride_ur, stride_uc, stride_ot, stride_oh, C: tl.constexpr,
+                           DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+        """gdn_chunked's walk for value head h and state columns cols, chunk by chunk (inputs [Hv, n, C, *]; u's
+        rows are [u_free | u_state], DV + DK wide, in the solver's layout: its strides):
             u   = u_free - u_state @ S;   out = q_decayed @ S + qk @ u;   S = S * decay + k_to_end^T @ u
-        in fp32 ("ieee": the PyTorch loop's fp32 matmuls, in another summation order)."""
+        in fp32 (DOT "ieee": CUDA-core FMAs, CHUNK_DOT); out [T, Hv, DV] in its own dtype, the rows of positions
+        past T not written."""
         h = tl.program_id(0)
         cols = tl.program_id(1) * BV + tl.arange(0, BV)
         r = tl.arange(0, C)
@@ -164,13 +222,16 @@ if triton is not None:
         for i in range(n_chunks):
             chunk = (h * n_chunks + i).to(tl.int64)
             k_offs = chunk * C * DK + r[:, None] * DK + kk[None, :]
-            v_offs = chunk * C * DV + r[:, None] * DV + cols[None, :]
-            u = tl.load(uf_ptr + v_offs) - tl.dot(tl.load(us_ptr + k_offs), S, input_precision="ieee")
+            u_rows = u_ptr + h * stride_uh + i * stride_un + r[:, None] * stride_ur
+            u_state = tl.load(u_rows + (DV + kk[None, :]) * stride_uc)
+            u = tl.load(u_rows + cols[None, :] * stride_uc) - tl.dot(u_state, S, input_precision=DOT)
             qk = tl.load(qk_ptr + chunk * C * C + r[:, None] * C + r[None, :])
-            o = tl.dot(tl.load(qd_ptr + k_offs), S, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
-            tl.store(out_ptr + v_offs, o)
+            o = tl.dot(tl.load(qd_ptr + k_offs), S, input_precision=DOT) + tl.dot(qk, u, input_precision=DOT)
+            t = i * C + r
+            tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + h * stride_oh + cols[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=(t < T)[:, None])
             ke = tl.load(ke_ptr + k_offs)
-            S = S * tl.load(decay_ptr + chunk) + tl.dot(tl.trans(ke), u, input_precision="ieee")
+            S = S * tl.load(decay_ptr + chunk) + tl.dot(tl.trans(ke), u, input_precision=DOT)
         tl.store(s_ptr + s_offs, S)
 
 
@@ -366,9 +427,24 @@ def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, *,
       the corrections u_t solve (I + A) U = beta V - beta e^c (K S0), A[t, j] = beta_t e^(c_t - c_j) k_t.k_j (j < t)
       o_t = e^(c_t) S0^T q_t + sum_{j <= t} e^(c_t - c_j) (q_t.k_j) u_j
       S'  = e^(c_last) S0 + sum_j e^(c_last - c_j) k_j u_j^T
-    Padded positions (k = v = beta = g = 0) leave the state untouched. Everything but the walk from chunk to chunk
-    is batched over the chunks; the walk is one Triton launch where Triton runs (_gdn_chunks_kernel), a loop here.
+    Padded positions (k = v = beta = g = 0) leave the state untouched. The per-chunk terms do not depend on S0, so
+    they are computed for all chunks at once; then a walk from chunk to chunk carries the state. Where Triton runs,
+    three launches (_gdn_chunk_prep_kernel reads q, k, v, g, beta where they lie; cuBLAS solves for u;
+    _gdn_chunks_kernel walks and writes the output in v's layout and dtype); elsewhere batched PyTorch and a loop.
     """
+    if use_triton is None:
+        use_triton = triton_usable(v) and _chunks_fit(q.shape[-1], v.shape[-1], chunk)
+    if use_triton:
+        return _chunked_triton(q, k, v, g, beta, state, chunk)
+    T, hv = v.shape[0], v.shape[1]
+    terms = _chunk_terms_torch(q, k, v, g, beta, chunk)
+    out = _chunk_loop_torch(*terms, state)
+    return out.reshape(hv, -1, out.shape[-1])[:, :T].transpose(0, 1).to(v.dtype)
+
+
+def _chunk_terms_torch(q, k, v, g, beta, chunk: int):
+    """gdn_chunked's per-chunk terms, batched over the chunks: u_free, u_state, q_decayed, qk, k_to_end [Hv, n, C,
+    *] and the chunks' decays [Hv, n]."""
     T, hv = v.shape[0], v.shape[1]
     q, k = _expand_heads(q.float(), k.float(), hv)
     q = (_l2norm(q) * q.shape[-1] ** -0.5).transpose(0, 1)  # [Hv, T, Dk]
@@ -393,14 +469,7 @@ def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, *,
     qk = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * c.exp()[..., None]
     k_to_end = k * (c[..., -1:] - c).exp()[..., None]
-    chunk_decay = c[..., -1].exp()  # [Hv, n]
-    if use_triton is None:
-        use_triton = triton_usable(v) and _chunks_fit(q.shape[-1], vf.shape[-1], chunk)
-    if use_triton:
-        out = _chunk_loop_triton(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state)
-    else:
-        out = _chunk_loop_torch(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state)
-    return out.reshape(hv, n * chunk, -1)[:, :T].transpose(0, 1).to(v.dtype)
+    return u_free, u_state, q_decayed, qk, k_to_end, c[..., -1].exp()
 
 
 def _chunk_loop_torch(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state):
@@ -416,21 +485,41 @@ def _chunk_loop_torch(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, sta
 
 
 def _chunks_fit(dk: int, dv: int, chunk: int) -> bool:
-    """The Triton walk takes power-of-two key dims and chunks >= 16 (tl.dot shapes) and value dims in CHUNK_V."""
-    return dot_size(dk) and dot_size(chunk) and dv % CHUNK_V == 0
+    """The Triton kernels take power-of-two key and value dims and chunks >= 16 (tl.dot shapes), value dims in
+    CHUNK_V."""
+    return dot_size(dk) and dot_size(dv) and dot_size(chunk) and dv % CHUNK_V == 0
 
 
-def _chunk_loop_triton(u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state):
-    """The same walk in one launch: a program per (value head, CHUNK_V value columns) carries its columns of the
-    state through every chunk (a state's value columns evolve independently), where the PyTorch loop launched ~10
-    kernels per chunk and layer from the host (a 2k-token prefill at the 35B-A3B shape: 32 chunks x 30 layers)."""
-    hv, n, C, dk = u_state.shape
-    dv = u_free.shape[-1]
-    u_free, u_state, q_decayed, qk, k_to_end, chunk_decay = (
-        x.contiguous() for x in (u_free, u_state, q_decayed, qk, k_to_end, chunk_decay))
-    if not state.is_contiguous():
-        raise ValueError("the state must be contiguous")
-    out = torch.empty_like(u_free)
-    _gdn_chunks_kernel[(hv, dv // CHUNK_V)](u_free, u_state, q_decayed, qk, k_to_end, chunk_decay, state, out, n,
-                                            C=C, DK=dk, DV=dv, BV=CHUNK_V, num_warps=CHUNK_WARPS, num_stages=1)
+def _chunked_triton(q, k, v, g, beta, state, chunk: int) -> torch.Tensor:
+    """gdn_chunked in three steps: the terms (one launch, parallel over heads and chunks), one batched triangular
+    solve for both right-hand sides (cuBLAS), the walk (one launch, parallel over heads and value columns). Before
+    (the terms as batched PyTorch: ~40 launches and two solves a layer), a 1,700-token prefill at the 35B-A3B shape
+    spent ~30 ms of its ~150 there (bench/results/step_budget_*). The solve stays cuBLAS's: a forward substitution
+    inside the terms kernel, 64 dependent steps of cross-warp reductions a chunk, cost 2 ms a layer on the H200."""
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv) or hv % hk:
+        raise ValueError(f"bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} "
+                         f"beta {tuple(beta.shape)}")
+    if tuple(state.shape) != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"the state must be contiguous fp32 [{hv}, {dk}, {dv}], got {state.dtype} "
+                         f"{tuple(state.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need contiguous head dims")
+    g, beta = g.contiguous(), beta.contiguous()  # [T, Hv], a head's gate at + h
+    n = triton.cdiv(T, chunk)
+    f32 = dict(dtype=torch.float32, device=v.device)
+    A, rhs = torch.empty(hv, n, chunk, chunk, **f32), torch.empty(hv, n, chunk, dv + dk, **f32)
+    q_decayed, k_to_end = torch.empty(hv, n, chunk, dk, **f32), torch.empty(hv, n, chunk, dk, **f32)
+    qk, chunk_decay = torch.empty(hv, n, chunk, chunk, **f32), torch.empty(hv, n, **f32)
+    _gdn_chunk_prep_kernel[(hv, n)](
+        q, k, v, g, beta, A, rhs, q_decayed, qk, k_to_end, chunk_decay, T, n, dk ** -0.5, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), EPS=L2_EPS,
+        GROUP=hv // hk, C=chunk, DK=dk, DV=dv, DOT=PREP_DOT, num_warps=PREP_WARPS, num_stages=1)
+    # (I + A) u = rhs; the result comes in the solver's column-major layout, which the walk reads through its strides
+    u = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    out = torch.empty(T, hv, dv, dtype=v.dtype, device=v.device)
+    _gdn_chunks_kernel[(hv, dv // CHUNK_V)](u, q_decayed, qk, k_to_end, chunk_decay, state, out, n, T, *u.stride(),
+                                            out.stride(0), out.stride(1), C=chunk, DK=dk, DV=dv, BV=CHUNK_V,
+                                            DOT=CHUNK_DOT, num_warps=CHUNK_WARPS, num_stages=1)
     return out

@@ -34,10 +34,12 @@ from torch import nn
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
 from backend.models.numerics import Numerics
 from backend.models.static_cache import KVCache, LinearStateCache
-from reviewer_kernels import SharedExpert, fused_moe, route_topk_from_hidden, triton_usable
+from reviewer_kernels import SharedExpert, fused_moe, norms, route_topk_from_hidden, triton_usable
 from reviewer_kernels.block_attention import block_attention
 from reviewer_kernels.fused_moe import invariant_config, shape_key
-from reviewer_kernels.gdn_conv import causal_conv, gdn_conv
+from reviewer_kernels.gdn_conv import causal_conv, gdn_conv, gdn_conv_prefill
+from reviewer_kernels.norms import gated_rms_norm_torch as gated_rms_norm
+from reviewer_kernels.norms import rms_norm_torch as qwen_rms_norm
 from reviewer_kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
 from reviewer_kernels.gemv import gemv
 from reviewer_kernels.wide_linear import wide_linear
@@ -94,19 +96,6 @@ class Qwen35MoeConfig:
                    moe_intermediate_size=c.moe_intermediate_size,
                    shared_intermediate_size=c.shared_expert_intermediate_size, rms_norm_eps=c.rms_norm_eps,
                    tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
-
-
-def qwen_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3_5MoeRMSNorm; `weight_plus_one` is (1 + weight) in fp32, precomputed."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3_5MoeRMSNormGated: normalise (fp32), cast, scale, then times SiLU(gate) in fp32."""
-    xf = x.float()
-    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (normed * F.silu(gate.float())).to(x.dtype)
 
 
 # ---- per-layer glue: plain tensor functions (no modules, no cache writes), compiled once for all layers (glue()) ----
@@ -200,6 +189,14 @@ class GatedAttention(nn.Module):
             return gemv(attn, self.wo, gate, residual=x), None
         return x, glue(attention_out, compiled)(attn, gate, self.wo)
 
+    def piece(self, model, x, norm, positions, kv_len, cos, sin, mask):
+        """A prefill piece on Triton (Qwen35Moe.forward): forward's math, the pre-norm in one launch."""
+        c = model.config
+        proj = F.linear(norms.rms_norm(x, norm, c.rms_norm_eps), self.wqkv)
+        q, k, v, gate = attention_heads(proj, self.q_norm, self.k_norm, cos, sin, c.rms_norm_eps, c.num_heads,
+                                        c.num_kv_heads, c.head_dim)
+        return x, attention_out(cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask), gate, self.wo)
+
     def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled):
         """padded_rows: x, cos, sin have PADDED_ROWS rows, of which the first T are the block's; returns the
         mixer's output for all of them (rows past T are never read)."""
@@ -246,6 +243,21 @@ class GatedDeltaNet(nn.Module):
             # a decode step: gated norm, projection and residual in one launch
             return gemv(core.reshape(1, -1), self.w_out, z.reshape(1, -1), self.norm, c.rms_norm_eps, residual=x), None
         return x, glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
+
+    def piece(self, model, x, norm, positions, kv_len, cos, sin, mask):
+        """A prefill piece on Triton (Qwen35Moe.forward; T >= CHUNKED_FROM): forward's math in ~8 launches
+        instead of ~130 (the norms, the convolution with its cache update, the recurrence's chunk terms and walk,
+        the gated norm: reviewer_kernels/norms.py, gdn_conv.gdn_conv_prefill, gdn_state.gdn_chunked)."""
+        c, cache, i = model.config, model.linear, self.slot
+        T, hv, hk = x.shape[0], c.linear_num_value_heads, c.linear_num_key_heads
+        proj = F.linear(norms.rms_norm(x, norm, c.rms_norm_eps), self.w_in)
+        mixed, z, b, a = proj.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        q, k, v = gdn_conv_prefill(mixed, cache.conv[i], self.conv_w).split([c.key_dim, c.key_dim, c.value_dim], -1)
+        core = gdn_chunked(q.view(T, hk, c.linear_key_head_dim), k.view(T, hk, c.linear_key_head_dim),
+                           v.view(T, hv, c.linear_value_head_dim), *gdn_gates(a, b, self.neg_A, self.dt_bias),
+                           cache.state[i])
+        gated = norms.gated_rms_norm(core, z.view(T, hv, c.linear_value_head_dim), self.norm, c.rms_norm_eps)
+        return x, F.linear(gated, self.w_out)
 
     def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled, record: bool):
         """padded_rows: as GatedAttention.padded. The convolution runs over all padded rows (it is causal: the
@@ -303,6 +315,13 @@ class SparseMoE(nn.Module):
             weights, ids = self.route(x, rms_norm=(norm, eps), normed_out=h)
             return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
+        weights, ids = self.route(h)
+        return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
+
+    def piece(self, x, y, norm, eps: float) -> torch.Tensor:
+        """A prefill piece on Triton: forward's math, the residual add and norm in one launch."""
+        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+        x, h = norms.add_rms_norm(x, y, norm, eps)
         weights, ids = self.route(h)
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
 
@@ -386,13 +405,19 @@ class Qwen35Moe(nn.Module):
             mask = causal_mask(positions, kv_len, lower_right)
         feats = {}
         last = c.num_layers - 1
+        # a prefill piece on Triton: each layer's glue as a few kernels (eagerly, the glue was ~130 launches a layer)
+        piece = not record and T >= CHUNKED_FROM and triton_usable(x)
         for i, layer in enumerate(self.layers):
             # (x, y): the mixer's output y is added inside the MoE's norm; (x + y, None) when the mixer added it
-            x, y = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
-            x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled)
+            if piece:
+                x, y = layer.mixer.piece(self, x, layer.norm1, positions, kv_len, cos, sin, mask)
+                x = layer.moe.piece(x, y, layer.norm2, c.rms_norm_eps)
+            else:
+                x, y = layer.mixer(self, x, layer.norm1, positions, kv_len, cos, sin, mask, record, compiled)
+                x = layer.moe(x, y, layer.norm2, c.rms_norm_eps, compiled)
             if i in hidden_ids and i != last:
                 feats[i] = x
-        x = qwen_rms_norm(x, self.norm, c.rms_norm_eps)
+        x = (norms.rms_norm if piece else qwen_rms_norm)(x, self.norm, c.rms_norm_eps)
         if last in hidden_ids:
             feats[last] = x
         features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None

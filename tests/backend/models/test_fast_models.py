@@ -457,6 +457,47 @@ def test_qwen_padded_rows_compute_what_the_model_does_under_interpreter():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+QWEN_PIECE_SCRIPT = textwrap.dedent("""
+    import importlib
+    import torch
+    from transformers import DynamicCache
+    from backend.models import load_fast
+    from backend.models.qwen3_5_moe import CHUNKED_FROM
+    from tests.backend.models.test_fast_models import TOL, count_calls, hf_step, seeded, tiny_qwen
+    qm = importlib.import_module("backend.models.qwen3_5_moe")
+    calls = count_calls(qm, ["gdn_conv_prefill", "gdn_chunked"],
+                        count_calls(importlib.import_module("reviewer_kernels.norms"),
+                                    ["rms_norm", "add_rms_norm", "gated_rms_norm"]))
+    seeded()
+    hf = tiny_qwen()
+    fast = load_fast(hf, max_context=320)
+    cache = DynamicCache(config=hf.config)
+    # two pieces: the second continues from the conv window and state the first left (and from a decode step's)
+    for n in (CHUNKED_FROM + 13, CHUNKED_FROM + 70):
+        prompt = torch.randint(0, 320, (n,))
+        ref = hf_step(hf, prompt, cache, hidden=True)
+        logits, feats = fast.prefill(prompt, hidden_ids=(1, 3))
+        torch.testing.assert_close(logits, ref.logits[0, -1], **TOL)
+        torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1][0] for i in (1, 3)], -1), **TOL)
+        token = int(logits.argmax())
+        torch.testing.assert_close(fast.decode(token)[0], hf_step(hf, [token], cache).logits[0, -1], **TOL)
+    # per piece: 3 DeltaNet layers' convolution, recurrence and gated norm; 4 pre-norms + the final one; 4 MoE norms
+    assert calls == {"gdn_conv_prefill": 6, "gdn_chunked": 6, "rms_norm": 10, "add_rms_norm": 8,
+                     "gated_rms_norm": 6}, calls
+    print("ok")
+""")
+
+
+def test_qwen_prefill_piece_kernels_match_transformers_under_interpreter():
+    """A prefill piece of >= CHUNKED_FROM tokens where Triton runs takes the piece path (reviewer_kernels/norms.py,
+    gdn_conv_prefill, the two-launch chunked recurrence): logits and drafter features of two pieces (the second
+    continuing the caches the first and a decode step left) and the decode step after each are transformers' (fp32,
+    every kernel interpreted)."""
+    pytest.importorskip("triton")
+    done = interpreter.run(QWEN_PIECE_SCRIPT, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 def tiny_qwen_same_shared():
     """tiny_qwen with the shared expert as wide as the routed ones (the 35B-A3B case: fused into the MoE kernels)."""
     seeded()
