@@ -13,7 +13,9 @@ sparse MoE block. Same math and rounding points as transformers' Qwen3_5MoeForCa
 A decode step (one token) on Triton: each mixer's output gate or gated norm and the residual add run inside its
 output projection (reviewer_kernels/gemv.py); the MoE's RMSNorm runs inside the router matmul kernel (which also stores
 the normed row for the experts), and the experts take fused_moe's two-launch one-token path
-(reviewer_kernels/moe_decode.py). Caches: a static KVCache for the attention layers and a LinearStateCache (conv window,
+(reviewer_kernels/moe_decode.py). A prefill piece of >= CHUNKED_FROM tokens on Triton takes each layer's `piece()`:
+the same math with its norms, convolution and chunked recurrence as a few kernels (docs/kernels.md "Prefill pieces").
+Caches: a static KVCache for the attention layers and a LinearStateCache (conv window,
 fp32 recurrent state, and the block's recurrence inputs recorded during a verify, replayed on accept) for the Gated
 DeltaNet layers.
 
@@ -38,10 +40,10 @@ from reviewer_kernels import SharedExpert, fused_moe, norms, route_topk_from_hid
 from reviewer_kernels.block_attention import block_attention
 from reviewer_kernels.fused_moe import invariant_config, shape_key
 from reviewer_kernels.gdn_conv import causal_conv, gdn_conv, gdn_conv_prefill
-from reviewer_kernels.norms import gated_rms_norm_torch as gated_rms_norm
-from reviewer_kernels.norms import rms_norm_torch as qwen_rms_norm
 from reviewer_kernels.gdn_state import gdn_chunked, gdn_gates, gdn_recurrent, gdn_verify
 from reviewer_kernels.gemv import gemv
+from reviewer_kernels.norms import gated_rms_norm_torch as gated_rms_norm
+from reviewer_kernels.norms import rms_norm_torch as qwen_rms_norm
 from reviewer_kernels.wide_linear import wide_linear
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
@@ -245,9 +247,10 @@ class GatedDeltaNet(nn.Module):
         return x, glue(deltanet_out, compiled)(core, z, self.norm, self.w_out, c.rms_norm_eps)
 
     def piece(self, model, x, norm, positions, kv_len, cos, sin, mask):
-        """A prefill piece on Triton (Qwen35Moe.forward; T >= CHUNKED_FROM): forward's math in ~8 launches
-        instead of ~130 (the norms, the convolution with its cache update, the recurrence's chunk terms and walk,
-        the gated norm: reviewer_kernels/norms.py, gdn_conv.gdn_conv_prefill, gdn_state.gdn_chunked)."""
+        """A prefill piece on Triton (Qwen35Moe.forward; T >= CHUNKED_FROM): forward's math in about a dozen launches
+        where the eager glue took ~100 (the norms, the convolution with its cache update, the recurrence's chunk
+        terms, solve and walk, the gated norm: reviewer_kernels/norms.py, gdn_conv.gdn_conv_prefill,
+        gdn_state.gdn_chunked)."""
         c, cache, i = model.config, model.linear, self.slot
         T, hv, hk = x.shape[0], c.linear_num_value_heads, c.linear_num_key_heads
         proj = F.linear(norms.rms_norm(x, norm, c.rms_norm_eps), self.w_in)
