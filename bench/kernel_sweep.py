@@ -19,8 +19,8 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
   wide       reviewer_kernels/wide_linear.py's launch shapes at the 35B-A3B dense projections, 16 padded rows, against
              cuBLAS; row invariance and error checked
   gdn_prefill reviewer_kernels/gdn_state.gdn_chunked (the chunk terms, the solve and the walk) at the 35B-A3B shape,
-             prefill pieces of 1,024 and 676 tokens, over the terms' product form x walk columns x warps; error
-             against the fp32 PyTorch terms and loop
+             prefill pieces of 1,024 and 676 tokens, over the products' form (tf32 / fp32 FMAs) in the terms and in
+             the walk, walk columns and warps (GDN_PREFILL_CASES); error against the fp32 PyTorch terms and loop
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -106,12 +106,18 @@ def sweep_gdn(inner, reps):
     return rows
 
 
+# gdn_prefill's candidates: (terms' products, walk's products, walk columns a program, walk warps, terms warps)
+GDN_PREFILL_CASES = [("tf32", "ieee", 16, 8, 8), ("tf32", "tf32", 16, 8, 8), ("tf32", "tf32", 32, 8, 8),
+                     ("tf32", "tf32", 16, 4, 8), ("tf32", "tf32", 32, 4, 8), ("ieee", "ieee", 16, 8, 8)]
+
+
 def sweep_gdn_prefill(inner, reps):
     from reviewer_kernels import gdn_state
 
     rows = []
     hk, hv, dk, dv = 16, 32, 128, 128
-    saved = gdn_state.PREP_DOT, gdn_state.CHUNK_V, gdn_state.CHUNK_WARPS, gdn_state.PREP_WARPS
+    names = ("PREP_DOT", "CHUNK_DOT", "CHUNK_V", "CHUNK_WARPS", "PREP_WARPS")
+    saved = [getattr(gdn_state, n) for n in names]
     for T in (1024, 676):
         q, k = torch.randn(T, hk, dk, device="cuda").bfloat16(), torch.randn(T, hk, dk, device="cuda").bfloat16()
         v = torch.randn(T, hv, dv, device="cuda").bfloat16()
@@ -120,17 +126,20 @@ def sweep_gdn_prefill(inner, reps):
         ref_state = state.clone()
         ref = gdn_state.gdn_chunked(q, k, v, g, beta, ref_state, use_triton=False).float()
         # ("tf32x3" for the walk's products hit an illegal memory access on the H200, Triton 3.6: not swept)
-        for dot, cols, warps, prep in itertools.product(("tf32", "ieee"), (16, 32), (8,), (8, 4)):
-            gdn_state.PREP_DOT, gdn_state.CHUNK_V, gdn_state.CHUNK_WARPS, gdn_state.PREP_WARPS = dot, cols, warps, prep
+        for case in GDN_PREFILL_CASES:
+            for name, value in zip(names, case):
+                setattr(gdn_state, name, value)
             s_out = state.clone()
             out = gdn_state.gdn_chunked(q, k, v, g, beta, s_out, use_triton=True).float()
-            err = dict(out=(out - ref).abs().max().item(), state=(s_out - ref_state).abs().max().item())
+            err = dict(out=(out - ref).abs().max().item(), out_scale=ref.abs().max().item(),
+                       state=(s_out - ref_state).abs().max().item(), state_scale=ref_state.abs().max().item())
             s_run = state.clone()
             run = lambda: gdn_state.gdn_chunked(q, k, v, g, beta, s_run, use_triton=True)  # noqa: E731
-            rows.append(dict(kernel="gdn_chunked", T=T, prep_dot=dot, chunk_v=cols, chunk_warps=warps, prep_warps=prep,
+            rows.append(dict(kernel="gdn_chunked", T=T, **{n.lower(): x for n, x in zip(names, case)},
                              us=round(graph_time_us(run, inner, reps), 1), max_diff_vs_fp32_loop=err))
             print(rows[-1], flush=True)
-    gdn_state.PREP_DOT, gdn_state.CHUNK_V, gdn_state.CHUNK_WARPS, gdn_state.PREP_WARPS = saved
+    for name, value in zip(names, saved):
+        setattr(gdn_state, name, value)
     return rows
 
 

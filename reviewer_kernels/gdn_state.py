@@ -52,7 +52,8 @@ CHUNK_V, CHUNK_WARPS = 16, 8  # H200, 35B-A3B shape, 2048 tokens: 2.3 ms (32, 4:
 # inputs of flash-linear-attention's kernels, which transformers runs on GPUs), since "ieee" (CUDA-core FMAs) made the
 # terms + solve + walk 2.0 ms a layer at 1,024 tokens on the H200 against 0.62 ms (bench/results/
 # kernel_sweep_gdn_prefill_h200_20261204.json; state within 1e-4 of the fp32 loop). The walk keeps fp32 FMAs ("ieee",
-# CHUNK_DOT): its products carry the state from chunk to chunk ("tf32x3" there hit an illegal memory access)
+# CHUNK_DOT): its products carry the state from chunk to chunk (in tf32 the prefill gained 4% and the state's error
+# grew tenfold, to 9e-4: kernel_sweep_gdn_prefill_walk_h200_20261204.json; "tf32x3" hit an illegal memory access)
 PREP_WARPS, PREP_DOT, CHUNK_DOT = 8, "tf32", "ieee"
 
 if triton is not None:
