@@ -105,14 +105,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: b
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the norm after it: (s, rms_norm(s)) with s = (x + y) added in fp32 and rounded once."""
+    if x.shape != y.shape:
+        raise ValueError(f"x and y must have one shape, got {tuple(x.shape)} and {tuple(y.shape)}")
     if use_triton is None:
         use_triton = triton_usable(x)
     if not use_triton:
         s = (x.float() + y.float()).to(x.dtype)
         return s, rms_norm_torch(s, weight, eps)
     _rows(x, "x"), _rows(y, "y")
-    if x.shape != y.shape:
-        raise ValueError(f"x and y must have one shape, got {tuple(x.shape)} and {tuple(y.shape)}")
     M, N = x.shape
     s, out = torch.empty_like(x), torch.empty_like(x)
     br, bn = _launch_shape(N)

@@ -1,5 +1,5 @@
-"""reviewer_kernels/gdn_state.py's prefill form: the chunk terms and the walk as two Triton launches against the batched
-PyTorch terms and loop.
+"""reviewer_kernels/gdn_state.py's prefill form: the chunk terms and the walk as Triton launches (around a triangular
+solve) against the batched PyTorch terms and loop.
 
 Under Triton's CPU interpreter (a subprocess, fp32) and, on a GPU, in bf16 inputs with the fp32 state. The loop itself
 is checked against transformers' token-by-token recurrence in tests/backend/models/test_fast_models.py.

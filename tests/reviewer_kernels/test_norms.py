@@ -73,7 +73,7 @@ def test_twins_are_the_models_norms_and_bad_shapes_say_why():
     assert torch.equal(gated_rms_norm(core, gate, gw, 1e-6),
                        gated_rms_norm_torch(core.reshape(-1, 16), gate.reshape(-1, 16), gw, 1e-6).reshape(5, 32))
     with pytest.raises(ValueError, match="one shape"):
-        add_rms_norm(x, y[:4], w, 1e-6, use_triton=True)
+        add_rms_norm(x, y[:4], w, 1e-6)
     with pytest.raises(ValueError, match=r"\[T, H, N\]"):
         gated_rms_norm(core.reshape(5, 32), gate, gw, 1e-6)
     with pytest.raises(ValueError, match="contiguous rows"):

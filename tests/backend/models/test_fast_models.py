@@ -490,7 +490,7 @@ QWEN_PIECE_SCRIPT = textwrap.dedent("""
 
 def test_qwen_prefill_piece_kernels_match_transformers_under_interpreter():
     """A prefill piece of >= CHUNKED_FROM tokens where Triton runs takes the piece path (reviewer_kernels/norms.py,
-    gdn_conv_prefill, the two-launch chunked recurrence): logits and drafter features of two pieces (the second
+    gdn_conv_prefill, the chunked recurrence's terms, solve and walk): logits and drafter features of two pieces (the second
     continuing the caches the first and a decode step left) and the decode step after each are transformers' (fp32,
     every kernel interpreted)."""
     pytest.importorskip("triton")
