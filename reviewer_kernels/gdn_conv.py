@@ -47,6 +47,19 @@ if triton is not None:
                     mask=from_mixed[:, None] & c_ok[None, :], other=0.0)
         return tl.where(from_state[:, None], s, m)
 
+    @triton.jit
+    def _conv_silu(state_ptr, mixed_ptr, w_ptr, r, cols, c_ok, stride_s, stride_m, W: tl.constexpr, R,
+                   BR: tl.constexpr, BC: tl.constexpr, dtype: tl.constexpr):
+        """silu(conv) of rows r [BR] for channels cols [BC]: the products in fp32, added in tap order (the glue's
+        sum), rounded to dtype, then SiLU rounded again."""
+        acc = tl.zeros([BR, BC], tl.float32)
+        for j in tl.static_range(W + 1):
+            x = _window_rows(state_ptr, mixed_ptr, r + j, cols, c_ok, stride_s, stride_m, W, R)
+            wj = tl.load(w_ptr + cols * (W + 1) + j, mask=c_ok, other=0.0).to(tl.float32)
+            acc += x.to(tl.float32) * wj[None, :]
+        conv = acc.to(dtype).to(tl.float32)
+        return (conv * tl.sigmoid(conv)).to(dtype)
+
     @triton.jit(do_not_specialize=["T"])
     def _conv_kernel(mixed_ptr, state_ptr, w_ptr, out_ptr, window_ptr, T, C, stride_m, stride_s, stride_o,
                      stride_win, R: tl.constexpr, RP: tl.constexpr, W: tl.constexpr, WS: tl.constexpr,
@@ -55,13 +68,8 @@ if triton is not None:
         cols = tl.program_id(0) * BC + tl.arange(0, BC)
         c_ok = cols < C
         r = tl.arange(0, RP)
-        acc = tl.zeros([RP, BC], tl.float32)
-        for j in tl.static_range(W + 1):  # j order, as the glue's sum
-            x = _window_rows(state_ptr, mixed_ptr, r + j, cols, c_ok, stride_s, stride_m, W, R)
-            wj = tl.load(w_ptr + cols * (W + 1) + j, mask=c_ok, other=0.0).to(tl.float32)
-            acc += x.to(tl.float32) * wj[None, :]
-        conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty)
+        act = _conv_silu(state_ptr, mixed_ptr, w_ptr, r, cols, c_ok, stride_s, stride_m, W, R, RP, BC,
+                         out_ptr.dtype.element_ty)
         if KEEP_WINDOW:  # a verify: window[:W + T] for accept()
             rows = tl.arange(0, WP)
             win = _window_rows(state_ptr, mixed_ptr, rows, cols, c_ok, stride_s, stride_m, W, R)
@@ -75,7 +83,6 @@ if triton is not None:
                      mask=(rows < W)[:, None] & c_ok[None, :])
         tl.store(out_ptr + r[:, None] * stride_o + cols[None, :], act, mask=(r < R)[:, None] & c_ok[None, :])
 
-
     @triton.jit(do_not_specialize=["T"])
     def _conv_rows_kernel(mixed_ptr, state_ptr, w_ptr, out_ptr, T, C, stride_m, stride_s, stride_o,
                           W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
@@ -84,13 +91,8 @@ if triton is not None:
         cols = tl.program_id(0) * BC + tl.arange(0, BC)
         c_ok = cols < C
         r = tl.program_id(1) * BR + tl.arange(0, BR)
-        acc = tl.zeros([BR, BC], tl.float32)
-        for j in tl.static_range(W + 1):  # j order, as the glue's sum
-            x = _window_rows(state_ptr, mixed_ptr, r + j, cols, c_ok, stride_s, stride_m, W, T)
-            wj = tl.load(w_ptr + cols * (W + 1) + j, mask=c_ok, other=0.0).to(tl.float32)
-            acc += x.to(tl.float32) * wj[None, :]
-        conv = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = (conv * tl.sigmoid(conv)).to(out_ptr.dtype.element_ty)
+        act = _conv_silu(state_ptr, mixed_ptr, w_ptr, r, cols, c_ok, stride_s, stride_m, W, T, BR, BC,
+                         out_ptr.dtype.element_ty)
         tl.store(out_ptr + r[:, None].to(tl.int64) * stride_o + cols[None, :], act,
                  mask=(r < T)[:, None] & c_ok[None, :])
 
@@ -115,15 +117,20 @@ def gdn_conv_torch(mixed, conv_state, conv_w, T: int, window_out=None):
     return F.silu(conv)
 
 
+def _check(fn: str, mixed, conv_state, conv_w, rows_ok: bool, rows_rule: str, T: int) -> None:
+    C, width = mixed.shape[1], conv_state.shape[0]
+    if conv_state.shape[1] != C or tuple(conv_w.shape) != (C, width + 1) or not rows_ok:
+        raise ValueError(f"{fn} takes mixed [R, C], conv_state [W, C], conv_w [C, W + 1] and {rows_rule}; got "
+                         f"{tuple(mixed.shape)}, {tuple(conv_state.shape)}, {tuple(conv_w.shape)}, T={T}")
+
+
 def gdn_conv(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor, T: int, *,
              window_out: torch.Tensor | None = None, use_triton: bool | None = None) -> torch.Tensor:
     """See the module docstring. mixed [R, C] (columns contiguous; a slice of the projection is fine), conv_state
     [W, C], conv_w [C, W + 1], 1 <= T <= R; window_out [>= W + T, C] or None. Returns silu(conv) [R, C]."""
     R, C = mixed.shape
     width = conv_state.shape[0]
-    if conv_state.shape[1] != C or tuple(conv_w.shape) != (C, width + 1) or not 1 <= T <= R:
-        raise ValueError(f"gdn_conv takes mixed [R, C], conv_state [W, C], conv_w [C, W + 1] and 1 <= T <= R; got "
-                         f"{tuple(mixed.shape)}, {tuple(conv_state.shape)}, {tuple(conv_w.shape)}, T={T}")
+    _check("gdn_conv", mixed, conv_state, conv_w, 1 <= T <= R, "1 <= T <= R", T)
     if window_out is not None and (window_out.shape[0] < width + T or window_out.shape[1] != C):
         raise ValueError(f"window_out must hold at least {width + T} rows of {C}, got {tuple(window_out.shape)}")
     if use_triton is None:
@@ -150,9 +157,7 @@ def gdn_conv_prefill(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torc
     instead of the glue's ~12 over [T, C] in fp32 (a 1,024-token piece at the 35B-A3B shape: 32 MB each)."""
     T, C = mixed.shape
     width = conv_state.shape[0]
-    if conv_state.shape[1] != C or tuple(conv_w.shape) != (C, width + 1) or T < 1:
-        raise ValueError(f"gdn_conv_prefill takes mixed [T >= 1, C], conv_state [W, C], conv_w [C, W + 1]; got "
-                         f"{tuple(mixed.shape)}, {tuple(conv_state.shape)}, {tuple(conv_w.shape)}")
+    _check("gdn_conv_prefill", mixed, conv_state, conv_w, T >= 1, "T >= 1", T)
     if use_triton is None:
         use_triton = triton_usable(mixed)
     if not use_triton:

@@ -497,14 +497,9 @@ def _chunked_triton(q, k, v, g, beta, state, chunk: int) -> torch.Tensor:
     (the terms as batched PyTorch: ~40 launches and two solves a layer), a 1,700-token prefill at the 35B-A3B shape
     spent ~30 ms of its ~150 there (bench/results/step_budget_*). The solve stays cuBLAS's: a forward substitution
     inside the terms kernel, 64 dependent steps of cross-warp reductions a chunk, cost 2 ms a layer on the H200."""
+    _check(q, k, v, g, beta, state, state, every_position=False)  # the state is read and written in place
     T, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv) or hv % hk:
-        raise ValueError(f"bad shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} "
-                         f"beta {tuple(beta.shape)}")
-    if tuple(state.shape) != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"the state must be contiguous fp32 [{hv}, {dk}, {dv}], got {state.dtype} "
-                         f"{tuple(state.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v need contiguous head dims")
     g, beta = g.contiguous(), beta.contiguous()  # [T, Hv], a head's gate at + h

@@ -300,6 +300,9 @@ class SparseMoE(nn.Module):
         self.shared_gate_proj, self.shared_up_proj = e(si, c.hidden_size), e(si, c.hidden_size)
         self.shared_down_proj, self.shared_gate = e(c.hidden_size, si), e(1, c.hidden_size)
 
+    def shared(self) -> SharedExpert:
+        return SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+
     def route(self, h: torch.Tensor, rms_norm=None, normed_out=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids [T, top_k] for the normed hidden states h [T, H] (or for h not normed yet,
         rms_norm=(weight, eps), the normed h written to normed_out): router matmul, softmax, top-k. (A benchmark may
@@ -312,7 +315,7 @@ class SparseMoE(nn.Module):
         call. y None (a decode step on Triton): the mixer already added its output to x, and the norm runs inside
         the router matmul kernel, which reads x anyway and stores the normed row for the experts (no launch of its
         own; normed again in each of the ~4,600 gate_up programs it cost more than the launch it saved)."""
-        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+        shared = self.shared()
         if y is None:
             h = torch.empty_like(x)
             weights, ids = self.route(x, rms_norm=(norm, eps), normed_out=h)
@@ -323,7 +326,7 @@ class SparseMoE(nn.Module):
 
     def piece(self, x, y, norm, eps: float) -> torch.Tensor:
         """A prefill piece on Triton: forward's math, the residual add and norm in one launch."""
-        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+        shared = self.shared()
         x, h = norms.add_rms_norm(x, y, norm, eps)
         weights, ids = self.route(h)
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
@@ -331,7 +334,7 @@ class SparseMoE(nn.Module):
     def padded(self, x, y, norm, eps: float, T: int, compiled, fixed_config: dict) -> torch.Tensor:
         """padded_rows: x + y + MoE(norm(x + y)) over PADDED_ROWS rows, the experts for the first T only (the
         rest of the result is left unwritten: never read)."""
-        shared = SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
+        shared = self.shared()
         x, h = glue(moe_in, compiled)(x, y, norm, eps)
         weights, ids = self.route(h[:T])
         out = torch.empty_like(x)
