@@ -196,13 +196,17 @@ def candidate_configs(num_tokens):
                     (64, 64, 4, 3, 4), (64, 256, 4, 2, 2), (128, 128, 8, 3, 4)]
     down = [(32, 128, 4, 3), (32, 256, 4, 3), (32, 512, 4, 2), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4),
             (64, 256, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)]
+    if num_tokens >= 512:  # prefill pieces: bigger tiles, more rows of a block sharing each weight tile
+        gate_up += [(128, 64, 8, 3), (128, 64, 4, 4), (64, 64, 8, 4), (128, 32, 8, 4)]
+        down += [(128, 64, 8, 4), (256, 64, 8, 3), (64, 64, 8, 4)]
     as_dicts = lambda tiles: [dict(BN=t[0], BK=t[1], warps=t[2], stages=t[3], split=(t[4] if len(t) > 4 else 1))
                               for t in tiles]  # noqa: E731
     return as_dicts(gate_up), [{k: v for k, v in d.items() if k != "split"} for d in as_dicts(down)]
 
 
 def tune(layers, cfg, device, token_counts, budget_s, max_err=4e-3):
-    """Coordinate search per token count: mode/BM, then gate_up tiles, then down tiles, then mode/BM again.
+    """Coordinate search per token count from the entry it takes now: mode/BM, then gate_up tiles, then down tiles,
+    then mode/BM again.
 
     A candidate counts only if its output on fresh inputs is within max_err of a float64 reference and
     identical on a second run. Token counts are tuned in the order given; past budget_s the remaining ones
@@ -238,10 +242,12 @@ def tune(layers, cfg, device, token_counts, budget_s, max_err=4e-3):
                 print(f"    skip {config}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 return float("inf")
 
-        modes = [(d, bm) for d in (True, False) for bm in (16, 32, 64)
-                 if (not d or m <= bm) and (d or bm == 16 or m >= 32)]
-        best = dict(fm.default_config(m, cfg.num_experts_per_tok))
+        modes = [(d, bm) for d in (True, False) for bm in (16, 32, 64, 128)
+                 if (not d or m <= bm) and (d or bm == 16 or m >= 32) and (bm < 128 or m >= 512)]
+        # from the entry this token count takes now (the table's, else the defaults): its time is the baseline
+        best = dict(fm.get_config(fm._device_name(x), key, m, cfg.num_experts_per_tok))
         best_t = cost(best)
+        print(f"M={m} now: {best_t:.1f} us/layer {json.dumps(best)}", flush=True)
         for step in ("mode", "gate_up", "down", "mode"):
             options = ([dict(best, direct=d, BM=bm) for d, bm in modes] if step == "mode"
                        else [dict(best, **{step: c}) for c in (gate_up_cands if step == "gate_up" else down_cands)])

@@ -13,8 +13,9 @@ forced condition: random weights route to ~100 experts per 16 tokens, a real rou
     python bench/step_budget.py --context 3000 --context 30000 --prefill 1700 --out bench/results
 
 Random weights, so nothing here says anything about text; only time. A sum of microbenchmarks would miss the gaps
-and the graph's launch chain; this is the replay itself. (No wall times: the profiler's own start and stop sit inside
-a window, so only the kernels' times are figures.)
+and the graph's launch chain; this is the replay itself. (No wall times inside the windows: the profiler's own start
+and stop sit inside them, so only the kernels' times are figures there. The prefill piece's wall, launches from
+Python included, is timed again outside any window: `wall_ms`.)
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -187,7 +190,23 @@ def measure_context(fast, model, context: int, args, bandwidth: float, distinct:
         out[name]["per_layer"] = with_floor(budget(windows[name], kinds), layer_bytes(model, tokens, context, distinct),
                                             bandwidth)
     out["prefill"]["tokens"] = args.prefill
+    out["prefill"]["pieces"] = math.ceil(args.prefill / fast.prefill_chunk)
+    out["prefill"]["wall_ms"] = prefill_wall_ms(fast, piece, start, reps=3)
     return out
+
+
+def prefill_wall_ms(fast, piece, start, reps: int) -> float:
+    """The prefill piece as a caller meets it, without the profiler: host wall from the call to the device's end
+    (launches from Python included), median of `reps`."""
+    walls = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fast.prefill(piece)
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        fast.restore(start)
+    return round(statistics.median(walls), 2)
 
 
 def main() -> None:
@@ -229,6 +248,7 @@ def main() -> None:
         for name in ("decode", "verify16", "accept", "prefill"):
             print(f"  {name}: kernels {r[name]['kernel_us']:.0f} us, "
                   f"{r[name]['launches']:.0f} launches", flush=True)
+        print(f"  prefill wall {r['prefill']['wall_ms']} ms in {r['prefill']['pieces']} piece(s)", flush=True)
         for name in ("decode", "verify16"):
             for kind, row in r[name]["per_layer"].items():
                 parts = ", ".join(f"{p} {v['us']:.1f}" + (f" ({v['over_floor']}x)" if v["over_floor"] else "")

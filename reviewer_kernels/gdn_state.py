@@ -55,6 +55,12 @@ CHUNK_V, CHUNK_WARPS = 16, 8  # H200, 35B-A3B shape, 2048 tokens: 2.3 ms (32, 4:
 # CHUNK_DOT): its products carry the state from chunk to chunk (in tf32 the prefill gained 4% and the state's error
 # grew tenfold, to 9e-4: kernel_sweep_gdn_prefill_walk_h200_20261204.json; "tf32x3" hit an illegal memory access)
 PREP_WARPS, PREP_DOT, CHUNK_DOT = 8, "tf32", "ieee"
+# the solve (I + A) u = rhs of every (head, chunk): "triton" (_gdn_chunk_solve_kernel: blocks of SOLVE_BLOCK rows,
+# fp32 FMAs, in place) or "cublas" (torch.linalg.solve_triangular: batched trsm after copies into its column-major
+# layout); the walk's software-pipeline stages. H200, 35B-A3B shape, a 1,700-token piece, the whole gdn_chunked:
+# cuBLAS 1,025 us, the Triton solve 846, and the walk in 2 stages 763, the same error against the fp32 loop
+# (bench/results/kernel_sweep_gdn_prefill_solve_h200_20261204.json)
+SOLVE, SOLVE_BLOCK, SOLVE_WARPS, CHUNK_STAGES = "triton", 16, 4, 2
 
 if triton is not None:
     import triton.language as tl
@@ -204,6 +210,41 @@ if triton is not None:
         v = tl.load(v_ptr + t[:, None] * stride_vt + h * stride_vh + vv[None, :], mask=ok[:, None],
                     other=0.0).to(tl.float32)
         tl.store(b_ptr + b_rows + vv[None, :], v * beta[:, None])
+
+    @triton.jit
+    def _gdn_chunk_solve_kernel(a_ptr, u_ptr, C: tl.constexpr, W: tl.constexpr, B: tl.constexpr,
+                                WB: tl.constexpr, DOT: tl.constexpr):
+        """(I + A) u = rhs for one (value head, chunk): A [C, C] strictly lower (zeros on and above the diagonal),
+        rhs [C, W] rows, overwritten by u. Block forward substitution over the C // B diagonal blocks of B rows:
+          1. each diagonal block's inverse, all blocks at once as one [C // B, B, B] tile: B - 1 steps of
+             row i <- e_i - sum_{j < i} A_ij row j (the reductions stay inside a block, B = 16 wide; the 64-step
+             substitution of whole chunks through cross-warp reductions cost 2 ms a layer);
+          2. per WB columns, block by block: u_b = inv_b (rhs_b - sum_{c < b} A_bc u_c), the u_c read back from
+             where this program stored them (a barrier after each store).
+        Products in DOT (fp32 FMAs, "ieee": the walk carries u into the state)."""
+        pid = tl.program_id(0).to(tl.int64)  # (head, chunk), flattened as A and rhs are laid out
+        a_ptr += pid * C * C
+        u_ptr += pid * C * W
+        NB: tl.constexpr = C // B
+        nb = tl.arange(0, NB)
+        rb = tl.arange(0, B)
+        X = tl.zeros([NB, B, B], tl.float32) + (rb[:, None] == rb[None, :]).to(tl.float32)[None, :, :]
+        for i in tl.static_range(1, B):
+            # row i of every diagonal block of A; its columns i.. are zeros, so the sum may run over all j
+            a = tl.load(a_ptr + (nb[:, None] * B + i) * C + nb[:, None] * B + rb[None, :])
+            X += tl.where(rb[None, :, None] == i, -tl.sum(a[:, :, None] * X, axis=1)[:, None, :], 0.0)
+        cols = tl.arange(0, WB)
+        for w in range(0, W, WB):
+            for b in tl.static_range(NB):
+                rows = b * B + rb
+                acc = tl.load(u_ptr + rows[:, None] * W + w + cols[None, :])
+                for c in tl.static_range(b):
+                    a_bc = tl.load(a_ptr + rows[:, None] * C + c * B + rb[None, :])
+                    u_c = tl.load(u_ptr + (c * B + rb)[:, None] * W + w + cols[None, :])
+                    acc -= tl.dot(a_bc, u_c, input_precision=DOT)
+                inv_b = tl.sum(tl.where(nb[:, None, None] == b, X, 0.0), axis=0)
+                tl.store(u_ptr + rows[:, None] * W + w + cols[None, :], tl.dot(inv_b, acc, input_precision=DOT))
+                tl.debug_barrier()  # the next blocks read these rows back
 
     @triton.jit(do_not_specialize=["n_chunks", "T", "stride_uh", "stride_un"])
     def _gdn_chunks_kernel(u_ptr, qd_ptr, qk_ptr, ke_ptr, decay_ptr, s_ptr, out_ptr, n_chunks, T,
@@ -430,8 +471,8 @@ def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64, *,
       S'  = e^(c_last) S0 + sum_j e^(c_last - c_j) k_j u_j^T
     Padded positions (k = v = beta = g = 0) leave the state untouched. The per-chunk terms do not depend on S0, so
     they are computed for all chunks at once; then a walk from chunk to chunk carries the state. Where Triton runs,
-    three launches (_gdn_chunk_prep_kernel reads q, k, v, g, beta where they lie; cuBLAS solves for u;
-    _gdn_chunks_kernel walks and writes the output in v's layout and dtype); elsewhere batched PyTorch and a loop.
+    three launches (_gdn_chunk_prep_kernel reads q, k, v, g, beta where they lie; _gdn_chunk_solve_kernel solves
+    for u; _gdn_chunks_kernel walks and writes the output in v's layout and dtype); elsewhere batched PyTorch and a loop.
     """
     if use_triton is None:
         use_triton = triton_usable(v) and _chunks_fit(q.shape[-1], v.shape[-1], chunk)
@@ -492,11 +533,10 @@ def _chunks_fit(dk: int, dv: int, chunk: int) -> bool:
 
 
 def _chunked_triton(q, k, v, g, beta, state, chunk: int) -> torch.Tensor:
-    """gdn_chunked in three steps: the terms (one launch, parallel over heads and chunks), one batched triangular
-    solve for both right-hand sides (cuBLAS), the walk (one launch, parallel over heads and value columns). Before
-    (the terms as batched PyTorch: ~40 launches and two solves a layer), a 1,700-token prefill at the 35B-A3B shape
-    spent ~30 ms of its ~150 there (bench/results/step_budget_*). The solve stays cuBLAS's: a forward substitution
-    inside the terms kernel, 64 dependent steps of cross-warp reductions a chunk, cost 2 ms a layer on the H200."""
+    """gdn_chunked in three steps: the terms (one launch, parallel over heads and chunks), the triangular solve for
+    both right-hand sides (_solve: one launch, parallel over heads and chunks), the walk (one launch, parallel over
+    heads and value columns). Before (the terms as batched PyTorch: ~40 launches and two solves a layer), a
+    1,700-token prefill at the 35B-A3B shape spent ~30 ms of its ~150 there (bench/results/step_budget_*)."""
     _check(q, k, v, g, beta, state, state, every_position=False)  # the state is read and written in place
     T, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -512,10 +552,21 @@ def _chunked_triton(q, k, v, g, beta, state, chunk: int) -> torch.Tensor:
         q, k, v, g, beta, A, rhs, q_decayed, qk, k_to_end, chunk_decay, T, n, dk ** -0.5, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), EPS=L2_EPS,
         GROUP=hv // hk, C=chunk, DK=dk, DV=dv, DOT=PREP_DOT, num_warps=PREP_WARPS, num_stages=1)
-    # (I + A) u = rhs; the result comes in the solver's column-major layout, which the walk reads through its strides
-    u = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    u = _solve(A, rhs)
     out = torch.empty(T, hv, dv, dtype=v.dtype, device=v.device)
     _gdn_chunks_kernel[(hv, dv // CHUNK_V)](u, q_decayed, qk, k_to_end, chunk_decay, state, out, n, T, *u.stride(),
                                             out.stride(0), out.stride(1), C=chunk, DK=dk, DV=dv, BV=CHUNK_V,
-                                            DOT=CHUNK_DOT, num_warps=CHUNK_WARPS, num_stages=1)
+                                            DOT=CHUNK_DOT, num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES)
     return out
+
+
+def _solve(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """u with (I + A) u = rhs for every (head, chunk) (A [Hv, n, C, C] strictly lower, rhs [Hv, n, C, W]): in place
+    in rhs (SOLVE "triton"), or cuBLAS's result in its column-major layout, which the walk reads through its
+    strides."""
+    if SOLVE == "cublas":
+        return torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    hv, n, chunk, width = rhs.shape
+    _gdn_chunk_solve_kernel[(hv * n,)](A, rhs, C=chunk, W=width, B=min(SOLVE_BLOCK, chunk),
+                                       WB=min(64, width & -width), DOT="ieee", num_warps=SOLVE_WARPS)
+    return rhs

@@ -31,6 +31,12 @@ from backend.models.captures import note_capture
 from backend.models.numerics import EXACT_SPAN, Numerics
 
 
+# On CUDA a prefill forward takes up to the targets' chunk (backend/decoding/target.py), so an agent turn's ~1,700 new
+# tokens go in one piece: a piece of an MoE model reads nearly every expert's weights whatever its length (1,024
+# tokens wake all 256 of the 35B-A3B shape's), and two pieces of 1,024 + 676 read them twice
+CUDA_PREFILL_CHUNK = 2048
+
+
 @dataclass
 class Snapshot:
     length: int
@@ -39,17 +45,18 @@ class Snapshot:
 
 class FastModel:
     def __init__(self, model, max_context: int, max_block: int = 16, *, cuda_graphs: bool | None = None,
-                 compile: bool | str = False, prefill_chunk: int = 1024, min_span: int = 256,
+                 compile: bool | str = False, prefill_chunk: int | None = None, min_span: int = 256,
                  numerics: Numerics | None = None):
         """numerics: which kernels decode steps and verifies run (backend/models/numerics.py; the model reads it in
-        setup_caches, once; default Numerics(): the one-token path)."""
+        setup_caches, once; default Numerics(): the one-token path). prefill_chunk: tokens a prefill forward takes
+        at most (default: CUDA_PREFILL_CHUNK on CUDA, else 1024)."""
         self.model = model
         self.config = model.config
         self.device = model.embed.device
         self.dtype = model.embed.dtype
         self.max_context = int(max_context)
         self.max_block = int(max_block)
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk or (CUDA_PREFILL_CHUNK if self.device.type == "cuda" else 1024)
         self.min_span = min_span
         self.vocab_size = model.config.vocab_size
         model.setup_caches(self.max_context, self.max_block, numerics)
