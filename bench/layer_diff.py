@@ -74,6 +74,9 @@ def rows_of(name: str, out):
         return list(out[1:])
     if name in ("cached_attention", "block_attention", "gemv", "fused_moe", "gdn_recurrent"):
         return [out]
+    if name == "attention_prep":  # q [H, T, D], k, v [Hkv, T, D], gate [T, H, D]
+        q, k, v, gate = out
+        return [q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), gate]
     if name in ("attention_out", "deltanet_out", "final_norm", "attention_out_mlp", "moe_in", "route"):
         return list(out) if isinstance(out, tuple) else [out]
     if name == "llama_attention_in":  # x, q, k, v
@@ -100,7 +103,7 @@ def install(rec: Recorder, model) -> None:
 
     qwen_mod.glue = recording_glue
     llama_mod.glue = recording_glue
-    for name in ("cached_attention", "block_attention", "gdn_recurrent", "fused_moe", "gemv"):
+    for name in ("cached_attention", "block_attention", "gdn_recurrent", "fused_moe", "gemv", "attention_prep"):
         setattr(qwen_mod, name, wrap(name, getattr(qwen_mod, name)))
     qwen_mod.gdn_verify = wrap("gdn_recurrent", qwen_mod.gdn_verify)  # a verify's recurrence: compared with a step's
     qwen_mod.route_topk_from_hidden = wrap("route", qwen_mod.route_topk_from_hidden)

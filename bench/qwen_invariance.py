@@ -164,9 +164,11 @@ def main() -> None:
         lambda: residual_add(x, dout(core, z, d.norm, d.w_out, eps))))
     fixed = model.expert_tiles(x)
     padded = lambda a: torch.cat([a, a.new_zeros(T - a.shape[0], a.shape[1])])  # noqa: E731 (16 rows, as _padded_rows)
+    # the result and the next norm computed by the slot sum, side by side
+    moe_pad = lambda a, b, n: torch.cat(dn.moe.padded(a, b, dn.norm2, eps, n, True, fixed, model.norm), 1)  # noqa
     record("MoE verify path, tiles fixed, at 1 row vs 16 (invariant mode: SparseMoE.padded)", rows_equal(
-        lambda t: dn.moe.padded(padded(x[t:t + 1]), padded(y[t:t + 1]), dn.norm2, eps, 1, True, fixed)[:1],
-        lambda: dn.moe.padded(x, y, dn.norm2, eps, T, True, fixed)))
+        lambda t: moe_pad(padded(x[t:t + 1]), padded(y[t:t + 1]), 1)[:1],
+        lambda: moe_pad(x, y, T)))
     # block attention at the 35B-A3B head shape (16 query heads of 256 over 2 KV heads): a 16-token verify block
     # against 16 decode steps on a copy of the same cache (a 100-token prefix), each at its own span bucket
     from reviewer_kernels.block_attention import block_attention

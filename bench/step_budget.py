@@ -15,7 +15,9 @@ forced condition: random weights route to ~100 experts per 16 tokens, a real rou
 Random weights, so nothing here says anything about text; only time. A sum of microbenchmarks would miss the gaps
 and the graph's launch chain; this is the replay itself. (No wall times inside the windows: the profiler's own start
 and stop sit inside them, so only the kernels' times are figures there. The prefill piece's wall, launches from
-Python included, is timed again outside any window: `wall_ms`.)
+Python included, is timed again outside any window: `wall_ms`; so are the decode step's and the verify's, graph replay
+and host work: `wall_us`.) --glue-kernels on / off times the padded steps' glue in our kernels or compiled
+(QwenNumerics.glue_kernels): run it twice in one call for a side-by-side pair.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,7 +52,8 @@ PARTS = [
     ("recurrence", r"gdn|trsm|triangular|_chunk_|getrs|trsv"),
     ("experts", r"_gate_up_kernel|_down_kernel|_sum_slots|_align_kernel|_block_rows|_chunk_ranks|moe"),
     ("projections", r"_wide_kernel|gemm|gemv|nvjet|cutlass|xmma|_rows_linear|_norm_gemv|sm90_|sm80_"),
-    ("glue", r"^triton_|^_conv_kernel"),  # _conv_kernel: the Gated DeltaNet convolution (reviewer_kernels/gdn_conv.py)
+    # _conv_kernel: the Gated DeltaNet convolution (reviewer_kernels/gdn_conv.py); norms.py's; attention_prep.py's
+    ("glue", r"^triton_|^_conv_kernel|_rms_norm_kernel|^_attention_prep_kernel"),
 ]
 MOE = re.compile(dict(PARTS)["experts"])
 
@@ -192,7 +196,23 @@ def measure_context(fast, model, context: int, args, bandwidth: float, distinct:
     out["prefill"]["tokens"] = args.prefill
     out["prefill"]["pieces"] = math.ceil(args.prefill / fast.prefill_chunk)
     out["prefill"]["wall_ms"] = prefill_wall_ms(fast, piece, start, reps=3)
+    out["decode"]["wall_us"] = call_wall_us(lambda: fast.decode(7), fast, start, args.reps)
+    out["verify16"]["wall_us"] = call_wall_us(lambda: fast.verify(block), fast, start, args.reps)
     return out
+
+
+def call_wall_us(call, fast, start, reps: int) -> float:
+    """A decode step or verify as FastModel's caller meets it (its host work, the graph replay, to the device's
+    end), without the profiler: median of `reps`, the caches restored after each."""
+    walls = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e6)
+        fast.restore(start)
+    return round(statistics.median(walls), 1)
 
 
 def prefill_wall_ms(fast, piece, start, reps: int) -> float:
@@ -218,6 +238,9 @@ def main() -> None:
     ap.add_argument("--hot-experts", type=int, default=50)
     ap.add_argument("--route-in-matmul", action="store_true", help="route inside the router matmul's launch "
                     "(reviewer_kernels/moe_routing.py ROUTE_IN_MATMUL)")
+    ap.add_argument("--glue-kernels", choices=["default", "on", "off"], default="default",
+                    help="the padded steps' glue in our Triton kernels or in compiled PyTorch (QwenNumerics."
+                         "glue_kernels; default: backend/models/numerics.py QWEN_GLUE_KERNELS)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
@@ -230,11 +253,15 @@ def main() -> None:
     bandwidth = copy_bandwidth(dev)
     model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16)
     numerics = invariant_numerics("bench/step_budget.py: the numerics `reviewer serve` runs on the GPU", compile=True)
+    if args.glue_kernels != "default":
+        numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=args.glue_kernels == "on"))
     fast = fast_cls(model, max(contexts) + args.prefill + 64, cuda_graphs=True, compile=True, numerics=numerics)
     tables = install_routing_trace(fast, hot=args.hot_experts)
     distinct = trace_distinct_experts(tables)
     record = {"benchmark": "step_budget", "model": "qwen3.6-35b-a3b shape, random weights (bf16)",
-              "numerics": "batch-invariant padded rows (serve's default), glue compiled, CUDA graphs",
+              "numerics": "batch-invariant padded rows (serve's default), glue "
+                          + ("in our kernels" if numerics.qwen.glue_kernels else "compiled") + ", CUDA graphs",
+              "glue_kernels": numerics.qwen.glue_kernels,
               "routing": f"synthetic trace, hot set {args.hot_experts}: {distinct:.1f} distinct experts per 16 "
                          "positions (a forced condition)",
               "copy_bandwidth_GBps": bandwidth / 1e9, "floor": "bytes / copy bandwidth (read + write counted)",
@@ -246,8 +273,9 @@ def main() -> None:
         r = measure_context(fast, model, context, args, bandwidth, distinct)
         record["contexts"].append(r)
         for name in ("decode", "verify16", "accept", "prefill"):
+            wall = f", wall {r[name]['wall_us']:.0f} us" if "wall_us" in r[name] else ""
             print(f"  {name}: kernels {r[name]['kernel_us']:.0f} us, "
-                  f"{r[name]['launches']:.0f} launches", flush=True)
+                  f"{r[name]['launches']:.0f} launches{wall}", flush=True)
         print(f"  prefill wall {r['prefill']['wall_ms']} ms in {r['prefill']['pieces']} piece(s)", flush=True)
         for name in ("decode", "verify16"):
             for kind, row in r[name]["per_layer"].items():

@@ -176,14 +176,16 @@ if triton is not None:
         tl.store(vc_ptr + h * svc_h + col * svc_n + d, tl.load(vn_ptr + h * svn_h + t * svn_t + d))
 
     @triton.jit(do_not_specialize=["T"])
-    def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, start_ptr, T, so_t,
+    def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, start_ptr, gate_ptr, T, so_t, sg_t, sg_h,
                         GROUP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                         N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr, SP: tl.constexpr,
-                        SPLIT_COLS: tl.constexpr, CAUSAL: tl.constexpr):
+                        SPLIT_COLS: tl.constexpr, CAUSAL: tl.constexpr, HAS_GATE: tl.constexpr):
         """One query row, DC head-dim columns: all of its partial sums in one load each (a loop over the splits
         was a chain of dependent loads: ~4 us for 13 splits on the H200). The tile is SP = SPLIT_TILE rows
         whatever the split count, so the reduction tree, and with it every bit, does not depend on the span:
-        missing splits, and the slices past the cached columns (which _partial_kernel skips), are exact zeros."""
+        missing splits, and the slices past the cached columns (which _partial_kernel skips), are exact zeros.
+        HAS_GATE: the row, rounded to the output dtype, times sigmoid(gate) in fp32, rounded again (a gated
+        attention's output gate, attn * sigmoid(gate), without a launch of its own)."""
         h = tl.program_id(0)
         r = tl.program_id(1)  # query row within the group: head h * GROUP + r // T, token r % T
         d = tl.program_id(2) * DC + tl.arange(0, DC)
@@ -201,8 +203,11 @@ if triton is not None:
         w = tl.exp(pm - m)  # 0 for missing splits; empty splits (m = -1e30, l = 0, acc = 0) add exact zeros too
         l_sum = tl.sum(w * tl.load(pl_ptr + row, mask=s_ok, other=0.0), axis=0)
         po = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
-        o = tl.sum(w[:, None] * po, axis=0) / l_sum
-        tl.store(out_ptr + (r % T) * so_t + (h * GROUP + r // T) * D + d, o.to(out_ptr.dtype.element_ty))
+        o = (tl.sum(w[:, None] * po, axis=0) / l_sum).to(out_ptr.dtype.element_ty)
+        if HAS_GATE:
+            g = tl.load(gate_ptr + (r % T) * sg_t + (h * GROUP + r // T) * sg_h + d).to(tl.float32)
+            o = (o.to(tl.float32) * tl.sigmoid(g)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (r % T) * so_t + (h * GROUP + r // T) * D + d, o)
 
 
 def supports(head_dim: int) -> bool:
@@ -242,22 +247,29 @@ def block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span: int | 
 
 
 def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_triton: bool | None = None,
-                    out: torch.Tensor | None = None, causal: bool = True, window: int = 0, tiles: Tiles | None = None):
+                    out: torch.Tensor | None = None, causal: bool = True, window: int = 0, tiles: Tiles | None = None,
+                    gate: torch.Tensor | None = None, cached: bool = False):
     """See the module docstring. span >= start + T (a host number; the caller's attention span). out: a [T, H * D]
     tensor to write the result into (Triton path; rows contiguous), e.g. rows of a larger one. causal=False: every
     block token sees all of the block (a DFlash drafter's bidirectional layers) and the cached columns before it.
     window > 0: a sliding window, position p sees the columns after p - window (at least MAX_BLOCK, so that a
     block's own tokens are always in it). tiles: the Triton kernel's tile set (default_tiles(head_dim); a benchmark's
-    other candidates)."""
+    other candidates). gate [T, H, D] (any strides, contiguous rows): return attn * sigmoid(gate), the product in
+    fp32 from the rounded attention, applied by the combine kernel. cached: the caller already wrote the block's keys
+    and values to the cache (reviewer_kernels/attention_prep.py), so a block's write launch is skipped."""
     if window and window < MAX_BLOCK:
         raise ValueError(f"a sliding window spans at least {MAX_BLOCK} columns here, got {window}")
+    H, T, D = q.shape
+    if gate is not None and (gate.shape != (T, H, D) or gate.stride(-1) != 1):
+        raise ValueError(f"gate must be [{T}, {H}, {D}] with contiguous rows, got {tuple(gate.shape)}")
     if use_triton is None:
         use_triton = triton_usable(q)
     if not use_triton:
         result = block_attention_torch(q, k_new, v_new, k_cache, v_cache, start, span, causal, window)
+        if gate is not None:
+            result = (result.float() * torch.sigmoid(gate.reshape(T, H * D).float())).to(result.dtype)
         return result if out is None else out.copy_(result)
     _check(q, k_new, v_new, k_cache, v_cache, start)
-    H, T, D = q.shape
     hkv = k_new.shape[0]
     group = H // hkv
     if not supports(D):
@@ -275,7 +287,8 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     rows = group * T
     block_m = tiles.rows
     n_chunks = math.ceil(rows / block_m)
-    if T > 1 and causal:  # the block's keys and values go to the cache first: later rows read them as cached columns
+    if T > 1 and causal and not cached:  # the block's keys and values go to the cache first: later rows read them
+        # as cached columns
         _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
                                       v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1),
                                       v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1)
@@ -295,9 +308,12 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, WINDOW=int(window or 0),
         num_warps=tiles.warps, num_stages=tiles.stages)
     dc = min(D, COMBINE_COLS)
-    _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, start, T, out.stride(0), GROUP=group, D=D, DC=dc,
+    g = gate if gate is not None else out  # unused without a gate
+    _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, start, g, T, out.stride(0), g.stride(0),
+                                          g.stride(1) if gate is not None else 0, GROUP=group, D=D, DC=dc,
                                           BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,
-                                          SPLIT_COLS=split_cols, CAUSAL=causal, num_warps=4)
+                                          SPLIT_COLS=split_cols, CAUSAL=causal, HAS_GATE=gate is not None,
+                                          num_warps=4)
     return out
 
 

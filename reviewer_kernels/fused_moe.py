@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from reviewer_kernels.moe_decode import decode_moe
-from reviewer_kernels.moe_reference import SharedExpert, fused_moe_torch, shared_expert_torch
+from reviewer_kernels.moe_reference import SharedExpert, fused_moe_torch, rms_norm_scaled, shared_expert_torch
 from reviewer_kernels.rows_linear import split_workspace
 
 try:
@@ -78,6 +78,7 @@ def fused_moe(
     config: dict | None = None,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """MoE experts (+ optional shared expert) for hidden_states [M, H]; returns [M, H] in its dtype.
 
@@ -88,13 +89,17 @@ def fused_moe(
     residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
     the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
     out [M, H]: write the result there (e.g. rows of a larger tensor) instead of a new tensor.
+    norm = (weight, eps, normed_out): also write rms_norm_scaled(result, weight, eps) (the next layer's pre-norm) to
+    normed_out [M, H] (contiguous rows); the Triton path computes it in the kernel that sums the slots.
     """
     _check_shapes(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared)
     if residual is not None and residual.shape != hidden_states.shape:
         raise ValueError(f"residual {tuple(residual.shape)} must have the shape of hidden_states, "
                          f"{tuple(hidden_states.shape)}")
-    if out is not None and (out.shape != hidden_states.shape or out.stride(-1) != 1):
-        raise ValueError(f"out must be [{hidden_states.shape[0]}, {hidden_states.shape[1]}] with contiguous rows")
+    for name, t in (("out", out), ("normed_out", norm[2] if norm is not None else None)):
+        if t is not None and (t.shape != hidden_states.shape or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be [{hidden_states.shape[0]}, {hidden_states.shape[1]}] with contiguous "
+                             "rows")
     if use_triton is None:
         use_triton = triton_usable(hidden_states)
     if not use_triton:
@@ -107,8 +112,16 @@ def fused_moe(
         result = result if residual is None else residual + result
     else:
         return fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared, config,
-                                residual, out)
-    return result if out is None else out.copy_(result)
+                                residual, out, norm)
+    return _normed(result if out is None else out.copy_(result), norm)
+
+
+def _normed(result: torch.Tensor, norm) -> torch.Tensor:
+    """fused_moe's `norm` where no kernel computed it: result unchanged."""
+    if norm is not None:
+        weight, eps, normed_out = norm
+        normed_out.copy_(rms_norm_scaled(result, weight, eps))
+    return result
 
 
 def _check_shapes(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared):
@@ -395,10 +408,12 @@ if triton is not None:
                  mask=valid[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["num_routed"])
-    def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, num_routed, top_k, H, stride_rows, stride_out, stride_res,
-                          HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr):
+    def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, nw_ptr, normed_ptr, num_routed, top_k, H, eps, stride_rows,
+                          stride_out, stride_res, stride_normed, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                          HAS_NORM: tl.constexpr, BH: tl.constexpr):
         """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once; then
-        (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of `res + out` in PyTorch."""
+        (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of `res + out` in PyTorch. HAS_NORM (a program
+        holds the whole row, BH >= H): also normed[t] = rms_norm_scaled(out[t], nw, eps), the next layer's pre-norm."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BH + tl.arange(0, BH)
         ok = offs < H
@@ -412,6 +427,12 @@ if triton is not None:
             res = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0)
             out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * stride_out + offs, out, mask=ok)
+        if HAS_NORM:
+            of = tl.where(ok, out.to(tl.float32), 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / H + eps)
+            nw = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(normed_ptr + t * stride_normed + offs, (of * rstd * nw).to(normed_ptr.dtype.element_ty),
+                     mask=ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -468,7 +489,7 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
 
 
 def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None,
-                     residual=None, out=None):
+                     residual=None, out=None, norm=None):
     """The Triton path (see the module docstring). Inputs as for `fused_moe`; no host synchronisation."""
     if triton is None:
         raise RuntimeError("triton is not installed; use fused_moe(), which falls back to PyTorch")
@@ -490,7 +511,7 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         result = decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
                             None if residual is None else residual.contiguous(), cfg.get("decode"),
                             hidden_states.dtype)
-        return result if out is None else out.copy_(result)
+        return _normed(result if out is None else out.copy_(result), norm)
     # direct_tokens: direct mode up to that many tokens, sorted above (a row's bits are the same in both: each
     # block row is its own slot's dot products over the same tiles, whoever shares the block)
     direct = cfg["direct"] and num_tokens <= min(cfg["BM"], cfg.get("direct_tokens", cfg["BM"]))
@@ -538,9 +559,12 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_warps=dn["warps"], num_stages=dn["stages"])
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
-    block_h = min(256, triton.next_power_of_2(hidden))
+    # with the next norm, a program per row (it needs the whole row's sum of squares)
+    block_h = triton.next_power_of_2(hidden) if norm is not None else min(256, triton.next_power_of_2(hidden))
     res = residual if residual is not None else out  # unused without a residual
+    nw, eps, normed = norm if norm is not None else (out, 0.0, out)  # unused without a norm
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        rows, out, res, num_routed, top_k, hidden, rows.stride(0), out.stride(0), res.stride(0),
-        HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, BH=block_h, num_warps=4)
+        rows, out, res, nw, normed, num_routed, top_k, hidden, eps, rows.stride(0), out.stride(0), res.stride(0),
+        normed.stride(0), HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None,
+        BH=block_h, num_warps=4 if block_h <= 1024 else 8)
     return out

@@ -38,15 +38,18 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["num_tokens"])
-    def _router_partial_kernel(h_ptr, w_ptr, nw_ptr, normed_ptr, part_ptr, num_tokens, E, H, k_per_split, stride_h,
-                               stride_w, eps, count_ptr, weights_ptr, ids_ptr, BM: tl.constexpr, BE: tl.constexpr,
-                               BK: tl.constexpr, PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, HP: tl.constexpr,
-                               ROUTE: tl.constexpr, PARTS: tl.constexpr, RENORMALIZE: tl.constexpr, K: tl.constexpr,
-                               KP: tl.constexpr, EP: tl.constexpr):
+    def _router_partial_kernel(h_ptr, w_ptr, nw_ptr, normed_ptr, part_ptr, ss_ptr, num_tokens, E, H, k_per_split,
+                               stride_h, stride_w, eps, count_ptr, weights_ptr, ids_ptr, BM: tl.constexpr,
+                               BE: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, HAS_NORM: tl.constexpr,
+                               HP: tl.constexpr, ROUTE: tl.constexpr, PARTS: tl.constexpr,
+                               RENORMALIZE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                               SS_PARTS: tl.constexpr, SS_P: tl.constexpr):
         """Grid (expert tiles, K slices): part[slice, token, expert] = h[token, slice] . w[expert, slice], fp32.
         HAS_NORM (one token): h is the raw residual stream, normed here (rms_norm_scaled with weight nw) from its
         sum of squares, which each program takes over the whole row (4 KB at the 35B-A3B width, from L2); the
-        first program also stores the normed row to normed_ptr for the experts."""
+        first program also stores the normed row to normed_ptr for the experts. SS_PARTS > 0 (up to BM tokens): the
+        rows' sums of squares come as SS_PARTS partials [SS_PARTS, BM] (wide_linear's sumsq), added in order here;
+        the programs of the first expert tile store their K slice of the normed rows."""
         e = tl.program_id(0) * BE + tl.arange(0, BE)
         split = tl.program_id(1)
         m = tl.arange(0, BM)
@@ -60,6 +63,10 @@ if triton is not None:
             if (tl.program_id(0) == 0) & (split == 0):
                 nw_row = tl.load(nw_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
                 tl.store(normed_ptr + cols, (row * rstd * nw_row).to(normed_ptr.dtype.element_ty), mask=cols < H)
+        if SS_PARTS > 0:
+            pp = tl.arange(0, SS_P)
+            ss = tl.load(ss_ptr + pp[:, None] * BM + m[None, :], mask=(pp < SS_PARTS)[:, None], other=0.0)
+            rstd_rows = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
         for k0 in range(k_lo, k_lo + k_per_split, BK):
             k = k0 + kk
             k_ok = k < H
@@ -68,6 +75,12 @@ if triton is not None:
             if HAS_NORM:
                 nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 ht = (ht.to(tl.float32) * rstd * nw[None, :]).to(h_ptr.dtype.element_ty)
+            if SS_PARTS > 0:
+                nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                ht = (ht.to(tl.float32) * rstd_rows[:, None] * nw[None, :]).to(h_ptr.dtype.element_ty)
+                if tl.program_id(0) == 0:
+                    tl.store(normed_ptr + m[:, None] * stride_h + k[None, :], ht,
+                             mask=(m < num_tokens)[:, None] & k_ok[None, :])
             wt = tl.load(w_ptr + e[None, :] * stride_w + k[:, None], mask=k_ok[:, None] & (e < E)[None, :],
                          other=0.0)
             acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
@@ -177,12 +190,15 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_t
 
 def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True,
                            use_triton: bool | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
-                           normed_out: torch.Tensor | None = None, one_launch: bool | None = None):
+                           normed_out: torch.Tensor | None = None, one_launch: bool | None = None,
+                           sumsq: torch.Tensor | None = None):
     """route_topk(F.linear(h, router), ...) for h [M, H] and router [E, H]: with Triton and M <= ROUTER_MAX_TOKENS,
     the matmul runs in a kernel of ours (fp32 partial sums over ROUTER_K_SPLIT slices, added in a fixed order) whose
     rounded logits the routing kernel takes directly; otherwise F.linear + route_topk.
     rms_norm=(weight, eps): h is not normed yet; route rms_norm_scaled(h, weight, eps) (for one token, inside the
     matmul kernel: no launch of its own), and write that normed h to normed_out [M, H] (required) for the experts.
+    sumsq [P, 16] (with rms_norm; M <= 16): h's rows' sums of squares as wide_linear(..., sumsq=True) left them, added
+    in order: the norm runs inside the matmul kernel for every M, rows normed as x * rsqrt(sum / H + eps) * weight.
     one_launch: route in the matmul's launch (default ROUTE_IN_MATMUL)."""
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
         raise ValueError(f"expected h [tokens, hidden] and router [experts, hidden], got {tuple(h.shape)} and "
@@ -193,8 +209,16 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     experts = router.shape[0]
     if rms_norm is not None and (normed_out is None or normed_out.shape != h.shape or not normed_out.is_contiguous()):
         raise ValueError("rms_norm needs normed_out, a contiguous tensor shaped like h, to receive the normed h")
-    norm_inside = rms_norm is not None and use_triton and num_tokens == 1 and 0 < top_k <= experts
-    if rms_norm is not None and not norm_inside:
+    if sumsq is not None and (rms_norm is None or num_tokens > ROUTER_MAX_TOKENS or sumsq.dim() != 2
+                              or sumsq.shape[1] != ROUTER_MAX_TOKENS or sumsq.dtype != torch.float32):
+        raise ValueError(f"sumsq needs rms_norm and is fp32 [parts, {ROUTER_MAX_TOKENS}] for up to "
+                         f"{ROUTER_MAX_TOKENS} tokens")
+    from_parts = sumsq is not None and use_triton and 0 < top_k <= experts
+    norm_inside = rms_norm is not None and use_triton and num_tokens == 1 and 0 < top_k <= experts and not from_parts
+    if sumsq is not None and not from_parts:
+        rstd = torch.rsqrt(sumsq[:, :num_tokens].sum(0) / hidden + rms_norm[1])[:, None]
+        h = normed_out.copy_((h.float() * rstd * rms_norm[0].float()).to(h.dtype))
+    elif rms_norm is not None and not norm_inside and not from_parts:
         h = normed_out.copy_(rms_norm_scaled(h, *rms_norm))
     if not use_triton or num_tokens > ROUTER_MAX_TOKENS or not 0 < top_k <= experts:
         return route_topk(torch.nn.functional.linear(h, router), top_k, renormalize, use_triton)
@@ -211,12 +235,17 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     # one counter of the split-K kernels' workspace (each call leaves it at zero); without ROUTE the kernel never reads
     # its pointer argument
     count = split_workspace(h.device, 0, 0, 1)[2] if route else parts
+    normed = norm_inside or from_parts
+    if from_parts and (normed_out.stride(0) != h.stride(0)):
+        raise ValueError("normed_out must have h's row stride")
     _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
-        h, router, rms_norm[0] if norm_inside else h, normed_out if norm_inside else h, parts, num_tokens, experts,
-        hidden, k_per_split, h.stride(0), router.stride(0), rms_norm[1] if norm_inside else 0.0, count, weights, ids,
-        BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k, PRECISION="ieee" if h.dtype == torch.float32 else "tf32",
-        HAS_NORM=norm_inside, HP=triton.next_power_of_2(hidden), ROUTE=route, PARTS=splits, RENORMALIZE=renormalize,
-        K=top_k, KP=triton.next_power_of_2(top_k), EP=padded, num_warps=4, num_stages=3)
+        h, router, rms_norm[0] if normed else h, normed_out if normed else h, parts,
+        sumsq if from_parts else parts, num_tokens, experts, hidden, k_per_split, h.stride(0), router.stride(0),
+        rms_norm[1] if normed else 0.0, count, weights, ids, BM=ROUTER_MAX_TOKENS, BE=ROUTER_BLOCK_E, BK=block_k,
+        PRECISION="ieee" if h.dtype == torch.float32 else "tf32", HAS_NORM=norm_inside,
+        HP=triton.next_power_of_2(hidden), ROUTE=route, PARTS=splits, RENORMALIZE=renormalize, K=top_k,
+        KP=triton.next_power_of_2(top_k), EP=padded, SS_PARTS=sumsq.shape[0] if from_parts else 0,
+        SS_P=triton.next_power_of_2(sumsq.shape[0]) if from_parts else 1, num_warps=4, num_stages=3)
     if route:
         return weights, ids
     _route_kernel[(num_tokens,)](

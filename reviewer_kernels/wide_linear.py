@@ -38,16 +38,26 @@ TUNED = {(2048, 4096): {"BN": 64, "BK": 256, "SPLITS": 4, "stages": 4, "warps": 
 
 if triton is not None:
     @triton.jit
-    def _store(acc, m, m_ok, rows, r_ok, y_ptr, N):
-        """The finished [BN, 16] sums of one tile, cast and stored transposed."""
-        tl.store(y_ptr + m[None, :] * N + rows[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=r_ok[:, None] & m_ok[None, :])
+    def _store(acc, m, m_ok, rows, r_ok, y_ptr, N, res_ptr, ss_ptr, p, RESIDUAL: tl.constexpr,
+               SUMSQ: tl.constexpr):
+        """The finished [BN, 16] sums of one tile, cast and stored transposed; RESIDUAL: plus the residual's rows,
+        rounded once more (PyTorch's `res + y` in bf16); SUMSQ: the sum of squares of this tile's columns of each
+        row, fp32, at ss[p, row] (an RMSNorm after it adds the tiles in order)."""
+        ok = r_ok[:, None] & m_ok[None, :]
+        y = acc.to(y_ptr.dtype.element_ty)
+        if RESIDUAL:
+            res = tl.load(res_ptr + m[None, :] * N + rows[:, None], mask=ok, other=0.0)
+            y = (y.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + m[None, :] * N + rows[:, None], y, mask=ok)
+        if SUMSQ:
+            yf = tl.where(ok, y.to(tl.float32), 0.0)
+            tl.store(ss_ptr + p * 16 + m, tl.sum(yf * yf, axis=0))
 
     # T is never specialised: a decode step and a verify block run one binary
     @triton.jit(do_not_specialize=["T"])
-    def _wide_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, T, N, stride_wn, K: tl.constexpr, KS: tl.constexpr,
-                     BK: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr,
-                     IEEE: tl.constexpr):
+    def _wide_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, ss_ptr, T, N, stride_wn, K: tl.constexpr,
+                     KS: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr,
+                     STAGES: tl.constexpr, IEEE: tl.constexpr, RESIDUAL: tl.constexpr, SUMSQ: tl.constexpr):
         """Grid (N / BN, SPLITS): weight rows p*BN.. over K range [s * KS, (s + 1) * KS)."""
         p = tl.program_id(0)
         s = tl.program_id(1)
@@ -67,7 +77,7 @@ if triton is not None:
             else:
                 acc = tl.dot(w, xt, acc)
         if SPLITS == 1:
-            _store(acc, m, m_ok, rows, r_ok, y_ptr, N)
+            _store(acc, m, m_ok, rows, r_ok, y_ptr, N, res_ptr, ss_ptr, p, RESIDUAL, SUMSQ)
         else:
             tiles = tl.num_programs(0)
             cell = tl.arange(0, BN)[:, None] * 16 + m[None, :]
@@ -78,7 +88,7 @@ if triton is not None:
                 acc = tl.zeros([BN, 16], dtype=tl.float32)
                 for r in tl.static_range(SPLITS):  # split order, whatever order the programs finished in
                     acc += tl.load(part_ptr + (r * tiles + p) * BN * 16 + cell, cache_modifier=".cg")
-                _store(acc, m, m_ok, rows, r_ok, y_ptr, N)
+                _store(acc, m, m_ok, rows, r_ok, y_ptr, N, res_ptr, ss_ptr, p, RESIDUAL, SUMSQ)
                 tl.atomic_xchg(count_ptr + p, 0)  # ready for the next call (launches on a stream run in order)
 
 
@@ -94,17 +104,24 @@ def default_tiles(n: int, k: int) -> dict:
     return {"BN": bn, "BK": 256, "SPLITS": max(1, SMS // -(-n // bn)), "stages": 3, "warps": 4}
 
 
-def wide_linear(x, w, *, use_triton: bool | None = None, tiles: dict | None = None):
+def wide_linear(x, w, *, use_triton: bool | None = None, tiles: dict | None = None,
+                residual: torch.Tensor | None = None, sumsq: bool = False):
     """x [T, K] (T <= 16), w [N, K] -> x W^T [T, N]. Row t's bits do not depend on T or on the other rows. tiles
-    overrides the launch shape (a sweep)."""
+    overrides the launch shape (a sweep). residual [T, N]: return residual + x W^T, rounded as PyTorch adds two bf16
+    tensors. sumsq: return (y, partials), partials [P, 16] fp32 holding each row's sum of squares of y over P ranges
+    of columns (rows past T zero), for an RMSNorm of y to add in order (moe_routing's `sumsq=`)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"wide_linear takes x [T <= {MAX_ROWS}, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
+    if residual is not None and (residual.shape != (x.shape[0], w.shape[0]) or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous [{x.shape[0]}, {w.shape[0]}], got {tuple(residual.shape)}")
     if use_triton is None:
         from reviewer_kernels.fused_moe import triton_usable
         use_triton = triton_usable(x)
     if not use_triton:
-        return wide_linear_torch(x, w)
+        y = wide_linear_torch(x, w)
+        y = y if residual is None else (residual.float() + y.float()).to(y.dtype)
+        return (y, sumsq_partials_torch(y, 1)) if sumsq else y
     n, k = w.shape
     cfg = dict(default_tiles(n, k), **(tiles or TUNED.get((n, k), {})))
     bk = min(cfg["BK"], triton.next_power_of_2(k))
@@ -120,7 +137,17 @@ def wide_linear(x, w, *, use_triton: bool | None = None, tiles: dict | None = No
     x = x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    ss = torch.empty(n_tiles, 16, dtype=torch.float32, device=x.device) if sumsq else y  # unused without sumsq
     _wide_kernel[(n_tiles, splits)](
-        x, w, y, part, count, x.shape[0], n, w.stride(0), K=k, KS=ks, BK=bk, SPLITS=splits, BN=bn,
-        STAGES=cfg["stages"], IEEE=x.dtype == torch.float32, num_warps=cfg["warps"])
-    return y
+        x, w, y, part, count, residual if residual is not None else y, ss, x.shape[0], n, w.stride(0), K=k, KS=ks,
+        BK=bk, SPLITS=splits, BN=bn, STAGES=cfg["stages"], IEEE=x.dtype == torch.float32,
+        RESIDUAL=residual is not None, SUMSQ=sumsq, num_warps=cfg["warps"])
+    return (y, ss) if sumsq else y
+
+
+def sumsq_partials_torch(y: torch.Tensor, parts: int) -> torch.Tensor:
+    """[parts, 16] fp32: each row's sum of squares of y [T <= 16, N] over `parts` equal column ranges, rows past T
+    zero (wide_linear's `sumsq` off Triton)."""
+    out = torch.zeros(parts, 16, dtype=torch.float32, device=y.device)
+    out[:, :y.shape[0]] = y.float().pow(2).reshape(y.shape[0], parts, -1).sum(-1).t()
+    return out

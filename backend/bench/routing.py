@@ -60,8 +60,8 @@ def install_routing_trace(fast, hot: int, seed: int = 0) -> list[torch.Tensor]:
 
     model.forward = forward_noting_positions  # an instance attribute: this model only
     for i, moe in enumerate(layers):
-        def traced(h, rms_norm=None, normed_out=None, _i=i, _own=moe.route):
-            routed = _own(h, rms_norm=rms_norm, normed_out=normed_out)
+        def traced(h, _i=i, _own=moe.route, **norm):  # the router itself runs too: it norms h for the experts
+            routed = _own(h, **norm)
             if h.shape[0] > fast.max_block:
                 return routed
             return chosen["weights"][_i], chosen["ids"][_i]

@@ -36,6 +36,13 @@ LLAMA_INVARIANT_PATHS = ("mma", "glue")
 # "glue" (verify 1.00 against 1.08 ms), and its plain decoding in those numerics 1085 against 1022 tok/s
 # (bench/results/spec_e2e_embedded_h200_20261202_drafter_kernel_{glue,mma}.json, 16/16 identical on both).
 LLAMA_INVARIANT_PATH = "mma"
+# Qwen3.5/3.6-MoE's padded steps: their glue in our Triton kernels instead of the compiled glue (QwenNumerics.
+# glue_kernels: one launch for an attention layer's q/k norms, RoPE and cache write, the output gate inside the
+# attention's combine kernel, the Gated DeltaNet's gated norm in norms.py's kernel, each layer's pre-norm and the final
+# norm inside the MoE's slot sum: ~150 launches fewer a decode step at the 35B-A3B shape). Off until timed on a GPU
+# (written 2026-12-04 in a session without one, checked under Triton's interpreter only): bench/step_budget.py
+# --glue-kernels and the replay with this set to True decide it (docs/kernels.md "The padded steps' glue in kernels").
+QWEN_GLUE_KERNELS = False
 
 
 @dataclass(frozen=True)
@@ -78,10 +85,12 @@ class QwenNumerics:
     one-token kernels, bench/target_step.py --invariant). wide_projections: which of _padded_rows' dense projections
     ("in": the mixers' input projections, "out": their output projections) run reviewer_kernels/wide_linear.py instead
     of cuBLAS (bench/target_step.py --wide measures a set). "in" is no faster than cuBLAS at the 35B-A3B shape (15.2 vs
-    15.5 us, 12.2 vs 11.8: reviewer_kernels/README.md)."""
+    15.5 us, 12.2 vs 11.8: reviewer_kernels/README.md). glue_kernels: _padded_rows' glue in our kernels instead of
+    the compiled glue (QWEN_GLUE_KERNELS says which); batch-invariant either way."""
 
     padded_rows: bool = False
     wide_projections: frozenset = frozenset({"out"})
+    glue_kernels: bool = QWEN_GLUE_KERNELS
 
     def __post_init__(self):
         object.__setattr__(self, "wide_projections", frozenset(self.wide_projections))

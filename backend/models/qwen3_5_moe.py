@@ -37,6 +37,7 @@ from backend.models.llama import _param, apply_rope, cached_attention, causal_ma
 from backend.models.numerics import Numerics
 from backend.models.static_cache import KVCache, LinearStateCache
 from reviewer_kernels import SharedExpert, fused_moe, norms, route_topk_from_hidden, triton_usable
+from reviewer_kernels.attention_prep import attention_prep
 from reviewer_kernels.block_attention import block_attention
 from reviewer_kernels.fused_moe import invariant_config, shape_key
 from reviewer_kernels.gdn_conv import causal_conv, gdn_conv, gdn_conv_prefill
@@ -199,17 +200,27 @@ class GatedAttention(nn.Module):
                                         c.num_kv_heads, c.head_dim)
         return x, attention_out(cached_attention(model.kv, self.slot, q, k, v, positions, kv_len, mask), gate, self.wo)
 
-    def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled):
-        """padded_rows: x, cos, sin have PADDED_ROWS rows, of which the first T are the block's; returns the
-        mixer's output for all of them (rows past T are never read)."""
+    def padded(self, model, x, normed, positions, kv_len, T: int, compiled, rope):
+        """padded_rows: x (the residual stream) and normed (its pre-norm) have PADDED_ROWS rows, of which the first T
+        are the block's (positions [T]); returns model.padded_out's (y, sums of squares) for all of them (rows past T
+        are never read). QwenNumerics.glue_kernels: after the projection one launch splits the heads, norms q and k,
+        rotates them at their positions and writes the block's keys and values to the cache
+        (reviewer_kernels/attention_prep.py), and the attention's combine kernel applies the output gate; else the
+        compiled glue does, with rope = (cos, sin) of the padded rows' positions."""
         c, eps = model.config, model.config.rms_norm_eps
-        q, k, v, gate = glue(attention_heads, compiled)(model.padded_in_projection(x, norm, self.wqkv, compiled),
-                                                         self.q_norm, self.k_norm, cos, sin, eps, c.num_heads,
+        kc, vc = model.kv.k[self.slot], model.kv.v[self.slot]
+        proj = model.padded_linear(normed, self.wqkv, "in")
+        attn = normed.new_empty(normed.shape[0], c.num_heads * c.head_dim)
+        if model.numerics.qwen.glue_kernels:
+            a = attention_prep(proj, self.q_norm, self.k_norm, model.cos, model.sin, positions, kc, vc,
+                               heads=c.num_heads, kv_heads=c.num_kv_heads, eps=eps, use_triton=True)
+            block_attention(a.q, a.k, a.v, kc, vc, positions[:1], kv_len, use_triton=True, out=attn[:T],
+                            gate=a.gate, cached=True)
+            return model.padded_out(attn, self.wo, x)
+        q, k, v, gate = glue(attention_heads, compiled)(proj, self.q_norm, self.k_norm, *rope, eps, c.num_heads,
                                                          c.num_kv_heads, c.head_dim)
-        attn = x.new_empty(x.shape[0], c.num_heads * c.head_dim)
-        block_attention(q[:, :T], k[:, :T], v[:, :T], model.kv.k[self.slot], model.kv.v[self.slot], positions[:1],
-                        kv_len, use_triton=True, out=attn[:T])
-        return model.padded_linear(glue(attention_gate, compiled)(attn, gate), self.wo, "out")
+        block_attention(q[:, :T], k[:, :T], v[:, :T], kc, vc, positions[:1], kv_len, use_triton=True, out=attn[:T])
+        return model.padded_out(glue(attention_gate, compiled)(attn, gate), self.wo, x)
 
 
 class GatedDeltaNet(nn.Module):
@@ -262,12 +273,12 @@ class GatedDeltaNet(nn.Module):
         gated = norms.gated_rms_norm(core, z.view(T, hv, c.linear_value_head_dim), self.norm, c.rms_norm_eps)
         return x, F.linear(gated, self.w_out)
 
-    def padded(self, model, x, norm, positions, kv_len, cos, sin, T: int, compiled, record: bool):
+    def padded(self, model, x, normed, positions, kv_len, T: int, compiled, record: bool):
         """padded_rows: as GatedAttention.padded. The convolution runs over all padded rows (it is causal: the
         first T see only real inputs); the caches keep what the first T rows leave."""
         c, cache, i = model.config, model.linear, self.slot
         hv, hk = c.linear_num_value_heads, c.linear_num_key_heads
-        proj = model.padded_in_projection(x, norm, self.w_in, compiled)
+        proj = model.padded_linear(normed, self.w_in, "in")
         mixed, z, b, a = proj.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         # the convolution and its cache update in one launch: a verify keeps the whole window for accept(), a decode
         # step moves the conv state on
@@ -284,8 +295,11 @@ class GatedDeltaNet(nn.Module):
         else:
             gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.state[i], every_position=False,
                           gates=gates, out=core[:T])
-        return model.padded_linear(glue(deltanet_gate, compiled)(core, z, self.norm, c.rms_norm_eps), self.w_out,
-                                   "out")
+        if model.numerics.qwen.glue_kernels:  # the gated norm in norms.py's kernel (the compiled glue: ~5 us)
+            gated = norms.gated_rms_norm(core, z, self.norm, c.rms_norm_eps, use_triton=True)
+        else:
+            gated = glue(deltanet_gate, compiled)(core, z, self.norm, c.rms_norm_eps)
+        return model.padded_out(gated, self.w_out, x)
 
 
 class SparseMoE(nn.Module):
@@ -303,11 +317,13 @@ class SparseMoE(nn.Module):
     def shared(self) -> SharedExpert:
         return SharedExpert(self.shared_gate_proj, self.shared_up_proj, self.shared_down_proj, self.shared_gate)
 
-    def route(self, h: torch.Tensor, rms_norm=None, normed_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, h: torch.Tensor, rms_norm=None, normed_out=None, sumsq=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids [T, top_k] for the normed hidden states h [T, H] (or for h not normed yet,
-        rms_norm=(weight, eps), the normed h written to normed_out): router matmul, softmax, top-k. (A benchmark may
-        replace this on an instance to replay a routing trace, and count experts; nothing else does.)"""
-        return route_topk_from_hidden(h, self.router, self.top_k, True, rms_norm=rms_norm, normed_out=normed_out)
+        rms_norm=(weight, eps), the normed h written to normed_out; sumsq: its rows' sums of squares as partials):
+        router matmul, softmax, top-k. (A benchmark may replace this on an instance to replay a routing trace, and
+        count experts; nothing else does.)"""
+        return route_topk_from_hidden(h, self.router, self.top_k, True, rms_norm=rms_norm, normed_out=normed_out,
+                                      sumsq=sumsq)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None, norm: torch.Tensor, eps: float,
                 compiled: bool) -> torch.Tensor:
@@ -331,16 +347,26 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(h)
         return fused_moe(h, self.gate_up, self.down, weights, ids, shared, residual=x)
 
-    def padded(self, x, y, norm, eps: float, T: int, compiled, fixed_config: dict) -> torch.Tensor:
+    def padded(self, x, y, norm, eps: float, T: int, compiled, fixed_config: dict,
+               next_norm: torch.Tensor | None = None, sumsq: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """padded_rows: x + y + MoE(norm(x + y)) over PADDED_ROWS rows, the experts for the first T only (the
-        rest of the result is left unwritten: never read)."""
+        rest of the result is left unwritten: never read); and with next_norm (the next layer's pre-norm weight, or
+        the final norm's) that result normed, computed by the kernel that sums the experts' slots (a launch fewer a
+        layer), else None. sumsq (Qwen35Moe.padded_out's): y is x + y already, and the router kernel norms it from
+        these sums of squares (no launch for the add and the norm)."""
         shared = self.shared()
-        x, h = glue(moe_in, compiled)(x, y, norm, eps)
-        weights, ids = self.route(h[:T])
+        if sumsq is not None:
+            x, h = y, torch.empty_like(y)
+            weights, ids = self.route(x[:T], rms_norm=(norm, eps), normed_out=h[:T], sumsq=sumsq)
+        else:
+            x, h = glue(moe_in, compiled)(x, y, norm, eps)
+            weights, ids = self.route(h[:T])
         out = torch.empty_like(x)
+        normed = torch.empty_like(x) if next_norm is not None else None
         fused_moe(h[:T], self.gate_up, self.down, weights, ids, shared, residual=x[:T], config=fixed_config,
-                  out=out[:T])
-        return out
+                  out=out[:T], norm=(next_norm, eps, normed[:T]) if normed is not None else None)
+        return out, normed
 
 
 class DecoderLayer(nn.Module):
@@ -430,9 +456,13 @@ class Qwen35Moe(nn.Module):
         logits = F.linear(x if all_logits else x[-1:], self.lm_head)
         return logits, features
 
-    def padded_in_projection(self, x, norm, w, compiled: bool):
-        """_padded_rows: a mixer's pre-norm and input projection over the padded rows."""
-        return self.padded_linear(glue(qwen_rms_norm, compiled)(x, norm, self.config.rms_norm_eps), w, "in")
+    def padded_out(self, a, w, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """_padded_rows: a mixer's output projection of a. With glue_kernels and the output projections in
+        wide_linear, its epilogue adds the residual stream x and leaves each row's sums of squares for the MoE's norm:
+        (x + y, partials); else (y, None), and the MoE adds and norms in the glue."""
+        if self.numerics.qwen.glue_kernels and "out" in self.numerics.qwen.wide_projections:
+            return wide_linear(a, w, residual=x, sumsq=True)
+        return self.padded_linear(a, w, "out"), None
 
     def padded_linear(self, x, w, which: str):
         """_padded_rows' dense projections: reviewer_kernels/wide_linear.py for those the record's wide_projections
@@ -454,25 +484,31 @@ class Qwen35Moe(nn.Module):
         specialisation, one autotuned reduction order, one cuBLAS algorithm): a row's bits cannot depend on T.
         Compiled separately for 1 and 16 rows, the glue's RMSNorms rounded a few elements differently in some rows
         (bench/layer_diff.py). Padded rows hold token 0 at position 0 first and whatever the kernels leave after;
-        nothing reads them."""
+        nothing reads them. QwenNumerics.glue_kernels: the glue in our kernels instead (attention_prep, the gated
+        norm of norms.py, each pre-norm inside the previous layer's slot sum, the MoE's residual add and norm inside
+        the output projection and the router kernel; docs/kernels.md "The padded steps' glue in kernels")."""
         c, eps = self.config, self.config.rms_norm_eps
         T, pad = tokens.numel(), PADDED_ROWS - tokens.numel()
         x = F.embedding(F.pad(tokens, (0, pad)), self.embed)
-        padded_positions = F.pad(positions, (0, pad))
-        cos, sin = self.cos[padded_positions], self.sin[padded_positions]
+        kernels = self.numerics.qwen.glue_kernels  # else the compiled glue norms and rotates, on the padded rows
+        rope = None if kernels else (self.cos[F.pad(positions, (0, pad))], self.sin[F.pad(positions, (0, pad))])
         fixed = self.expert_tiles(x)
         feats = {}
         last = c.num_layers - 1
+        normed = None
         for i, layer in enumerate(self.layers):
             m = layer.mixer
+            if normed is None:  # the first layer's pre-norm; with glue_kernels the MoE's kernel norms for the next
+                normed = glue(qwen_rms_norm, compiled)(x, layer.norm1, eps)
             if isinstance(m, GatedAttention):
-                y = m.padded(self, x, layer.norm1, positions, kv_len, cos, sin, T, compiled)
+                y, sumsq = m.padded(self, x, normed, positions, kv_len, T, compiled, rope)
             else:
-                y = m.padded(self, x, layer.norm1, positions, kv_len, cos, sin, T, compiled, record)
-            x = layer.moe.padded(x, y, layer.norm2, eps, T, compiled, fixed)
+                y, sumsq = m.padded(self, x, normed, positions, kv_len, T, compiled, record)
+            next_norm = (self.layers[i + 1].norm1 if i < last else self.norm) if kernels else None
+            x, normed = layer.moe.padded(x, y, layer.norm2, eps, T, compiled, fixed, next_norm, sumsq)
             if i in hidden_ids and i != last:
                 feats[i] = x[:T]
-        x = glue(qwen_rms_norm, compiled)(x, self.norm, eps)
+        x = normed if kernels else glue(qwen_rms_norm, compiled)(x, self.norm, eps)  # the final norm
         if last in hidden_ids:
             feats[last] = x[:T]
         features = torch.cat([feats[i] for i in hidden_ids], dim=-1) if hidden_ids else None

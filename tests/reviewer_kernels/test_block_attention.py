@@ -167,6 +167,48 @@ def test_triton_kernel_matches_fallback_in_interpreter(interpreted, case):
     assert r["err"] < 2e-5, r
 
 
+GATED_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.reviewer_kernels.test_block_attention import CASES, make_case
+from reviewer_kernels.block_attention import block_attention, write_block
+for case in [c for c in CASES if c[2] <= 64]:
+    heads, kv_heads, head_dim, T, start, span = case
+    g = torch.Generator().manual_seed(3)
+    # the output gate as the fused projection holds it: [T, H, D] with a row stride of the whole projection
+    gate = torch.randn(T, heads, 2 * head_dim + 8, generator=g)[:, :, head_dim:2 * head_dim]
+    a = make_case(heads, kv_heads, head_dim, T, start)
+    plain = block_attention(*a, span=span, use_triton=True)
+    b = make_case(heads, kv_heads, head_dim, T, start)
+    gated = block_attention(*b, span=span, use_triton=True, gate=gate)
+    c = make_case(heads, kv_heads, head_dim, T, start)
+    fallback = block_attention(*c, span=span, use_triton=False, gate=gate)
+    d = make_case(heads, kv_heads, head_dim, T, start)
+    write_block(d[1], d[2], d[3], d[4], d[5], use_triton=True)  # what attention_prep leaves in the cache
+    cached = block_attention(*d, span=span, use_triton=True, cached=True)
+    want = (plain.float() * torch.sigmoid(gate.reshape(T, -1))).to(plain.dtype)
+    print(json.dumps({"case": list(case), "gated": (gated - want).abs().max().item(),
+                      "fallback": (gated - fallback).abs().max().item(), "cached": bool(torch.equal(cached, plain)),
+                      "cache_equal": bool(torch.equal(a[3], d[3]) and torch.equal(a[4], d[4]))}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def gated():
+    return interpreted_by_case(GATED_SCRIPT)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] <= 64], ids=lambda c: "-".join(map(str, c)))
+def test_output_gate_and_cached_blocks_under_interpreter(gated, case):
+    """gate=: the combine kernel's attn * sigmoid(gate) is that product computed after the kernel (to the sigmoid's
+    last bits: Triton's and torch's differ there) and the fallback's; cached=True after the block's keys and values
+    were written gives the uncached call's bits and cache."""
+    r = gated[tuple(case)]
+    assert r["gated"] < 1e-6 and r["fallback"] < 2e-5, r
+    assert r["cached"] and r["cache_equal"], r
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

@@ -66,6 +66,18 @@ def test_fallback_is_what_runs_on_cpu_without_the_interpreter():
     assert torch.equal(fused_moe(*inputs), fused_moe_torch(*inputs))
 
 
+def test_fallback_writes_the_next_norm_of_its_result():
+    """norm=(weight, eps, normed_out) on the PyTorch path: the result unchanged, normed_out its RMSNorm."""
+    from reviewer_kernels.moe_reference import rms_norm_scaled
+    inputs = random_moe(5, 8, 64, 32, 2, torch.float32)
+    res, nw, normed = torch.randn(5, 64), 1 + 0.2 * torch.randn(64), torch.full((5, 64), float("nan"))
+    out = fused_moe(*inputs, residual=res, norm=(nw, 1e-6, normed))
+    assert torch.equal(out, fused_moe(*inputs, residual=res))
+    assert torch.equal(normed, rms_norm_scaled(out, nw, 1e-6))
+    with pytest.raises(ValueError, match="normed_out"):
+        fused_moe(*inputs, norm=(nw, 1e-6, normed[:3]))
+
+
 def test_bad_shapes_raise_clear_errors():
     x, gate_up, down, weights, ids, shared = random_moe(4, 8, 64, 32, 2, torch.float32)
     with pytest.raises(ValueError, match="hidden_states"):
@@ -99,6 +111,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from tests.reviewer_kernels.test_fused_moe import INTERPRETER_CASES, random_moe, reference64, rel_err
 from reviewer_kernels import fused_moe
+from reviewer_kernels.moe_reference import rms_norm_scaled
 for case in INTERPRETER_CASES:
     dt, m, e, h, i, k, shared, direct, bm, split = case
     inputs = random_moe(m, e, h, i, k, getattr(torch, dt), shared)
@@ -110,11 +123,18 @@ for case in INTERPRETER_CASES:
     x, gate_up, down, weights, ids, sh = inputs
     alone = torch.cat([fused_moe(x[t:t + 1], gate_up, down, weights[t:t + 1], ids[t:t + 1], sh, use_triton=True,
                                  config=dict(config, direct=True)) for t in range(min(m, 5))])
+    # the next layer's norm computed by the slot sum (one program a row) beside a residual: the same result, and
+    # the norm of it as the PyTorch norm computes it
+    res = torch.randn(m, h).to(x.dtype)
+    nw, normed = 1 + 0.2 * torch.randn(h), torch.empty_like(x)
+    with_norm = fused_moe(*inputs, use_triton=True, config=config, residual=res, norm=(nw, 1e-6, normed))
+    plain = fused_moe(*inputs, use_triton=True, config=config, residual=res)
     print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)),
                       "finite": bool(torch.isfinite(out).all()), "dtype": str(out.dtype),
                       "rows_alone": bool(torch.equal(alone, out[:alone.shape[0]])),
-                      "repeatable": bool(torch.equal(out, fused_moe(*inputs, use_triton=True, config=config)))}),
-          flush=True)
+                      "repeatable": bool(torch.equal(out, fused_moe(*inputs, use_triton=True, config=config))),
+                      "norm_result": bool(torch.equal(with_norm, plain)),
+                      "norm_err": rel_err(normed, rms_norm_scaled(plain, nw, 1e-6))}), flush=True)
 """
 
 
@@ -145,6 +165,7 @@ def test_triton_kernel_matches_reference_in_interpreter(interpreter_results, cas
     assert result["finite"] and result["dtype"] == f"torch.{case[0]}"
     assert result["err"] < (1e-5 if case[0] == "float32" else 2e-3), result
     assert result["rows_alone"] and result["repeatable"], result
+    assert result["norm_result"] and result["norm_err"] < (1e-6 if case[0] == "float32" else 1e-3), result
 
 
 # One token takes reviewer_kernels/moe_decode.py: (dtype, experts, hidden, inter, top_k, shared, gate_up BN, down BH);
@@ -365,6 +386,60 @@ def test_rms_norm_inside_the_one_token_router_kernel():
     from reviewer_kernels import route_topk_from_hidden
     with pytest.raises(ValueError, match="normed_out"):
         route_topk_from_hidden(torch.randn(1, 8), torch.randn(4, 8), 2, rms_norm=(torch.ones(8), 1e-6))
+
+
+PARTS_NORM_SCRIPT = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from reviewer_kernels import route_topk_from_hidden
+from reviewer_kernels.wide_linear import sumsq_partials_torch
+torch.manual_seed(0)
+for dt, e, h, k, m, parts in [("float32", 16, 96, 4, 5, 3), ("float16", 16, 128, 4, 16, 4),
+                              ("float32", 64, 64, 2, 1, 1)]:
+    x = (torch.randn(m, h) * 3 + 1).to(getattr(torch, dt))
+    weight, eps = torch.rand(h) + 0.5, 1e-6
+    router = (torch.randn(e, h) / h ** 0.5).to(x.dtype)
+    ss = sumsq_partials_torch(x, parts)  # what wide_linear(..., sumsq=True) leaves
+    normed = torch.full_like(x, float("nan"))
+    w_in, ids_in = route_topk_from_hidden(x, router, k, use_triton=True, rms_norm=(weight, eps), normed_out=normed,
+                                          sumsq=ss)
+    normed_t = torch.full_like(x, float("nan"))
+    w_t, ids_t = route_topk_from_hidden(x, router, k, use_triton=False, rms_norm=(weight, eps), normed_out=normed_t,
+                                        sumsq=ss)
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).sum(1, keepdim=True) / h + eps) * weight).to(x.dtype)
+    w_ref, ids_ref = route_topk_from_hidden(ref, router, k, use_triton=True)
+    alone = [route_topk_from_hidden(x[t:t + 1], router, k, use_triton=True, rms_norm=(weight, eps),
+                                    normed_out=torch.empty_like(x[:1]), sumsq=sumsq_partials_torch(x[t:t + 1], parts))
+             for t in range(m)]
+    print(json.dumps({"case": [dt, e, h, k, m, parts], "same_ids": torch.equal(ids_in, ids_ref),
+                      "fallback_ids": torch.equal(ids_t, ids_ref),
+                      "w_err": (w_in.double() - w_ref.double()).abs().max().item(),
+                      "normed_err": (normed.double() - ref.double()).abs().max().item(),
+                      "fallback_normed_err": (normed_t.double() - ref.double()).abs().max().item(),
+                      "rows_alone": all(torch.equal(a[0][0], w_in[t]) for t, a in enumerate(alone))}))
+"""
+
+
+def test_rms_norm_from_sums_of_squares_inside_the_router_kernel():
+    """route_topk_from_hidden(rms_norm=..., normed_out=..., sumsq=partials): for up to 16 tokens the router matmul
+    kernel norms the rows from the sums of squares an output projection left (wide_linear's sumsq), routes as if
+    given the normed rows and stores them for the experts (the first expert tile's programs, a K slice each); a token
+    alone gets the block's bits; off Triton the same contract in PyTorch. Bad partials are refused."""
+    pytest.importorskip("triton")
+    results = run_interpreted(PARTS_NORM_SCRIPT)
+    assert len(results) == 3
+    for r in results:
+        tol = 1e-5 if r["case"][0] == "float32" else 2e-3
+        assert r["same_ids"] and r["fallback_ids"] and r["rows_alone"], r
+        assert r["w_err"] < tol and r["normed_err"] < tol and r["fallback_normed_err"] < tol, r
+    from reviewer_kernels import route_topk_from_hidden
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="sumsq"):
+        route_topk_from_hidden(x, torch.randn(4, 8), 2, normed_out=x.clone(), sumsq=torch.zeros(1, 16))
+    with pytest.raises(ValueError, match="sumsq"):
+        route_topk_from_hidden(x, torch.randn(4, 8), 2, rms_norm=(torch.ones(8), 1e-6), normed_out=x.clone(),
+                               sumsq=torch.zeros(1, 8))
 
 
 def test_router_matmul_kernel_routes_like_linear_then_topk():

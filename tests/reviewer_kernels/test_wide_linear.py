@@ -47,8 +47,19 @@ for case in CASES:
     err = float((y.double() - ref.double()).norm() / ref.double().norm())
     alone = torch.cat([wide_linear(x[t:t + 1], w, use_triton=True, tiles=tiles) for t in range(5)])
     again = wide_linear(x, w, use_triton=True, tiles=tiles)  # the counters were left at zero
+    # the residual add and the sums of squares in the epilogue: the same y plus the residual, rounded as PyTorch
+    # adds, and per tile of columns each row's sum of squares (rows past T zero)
+    res = torch.randn(5, case[1]).to(x.dtype)
+    s, ss = wide_linear(x, w, use_triton=True, tiles=tiles, residual=res, sumsq=True)
+    want = (res.float() + y.float()).to(y.dtype)
+    tiles_n = -(-case[1] // case[3])
+    ss_ref = torch.zeros(tiles_n, 16, dtype=torch.float64)
+    for p in range(tiles_n):
+        ss_ref[p, :5] = want[:, p * case[3]:(p + 1) * case[3]].double().pow(2).sum(1)
     print(json.dumps({"case": list(case), "err": err, "rows_equal_alone": torch.equal(y, alone),
-                      "repeatable": torch.equal(y, again), "shape": list(y.shape)}), flush=True)
+                      "repeatable": torch.equal(y, again), "shape": list(y.shape),
+                      "residual_equal": torch.equal(s, want), "sumsq_shape": list(ss.shape),
+                      "sumsq_err": float((ss.double() - ss_ref).abs().max() / ss_ref.abs().max())}), flush=True)
 """
 
 
@@ -63,6 +74,19 @@ def test_kernel_matches_pytorch_and_rows_equal_rows_alone_in_interpreter(results
     assert r["err"] < (1e-5 if case[0] == "float32" else 2e-3), r
     assert r["rows_equal_alone"] and r["repeatable"], r
     assert r["shape"] == [5, case[1]]
+    assert r["residual_equal"] and r["sumsq_shape"] == [-(-case[1] // case[3]), 16], r
+    assert r["sumsq_err"] < (1e-6 if case[0] == "float32" else 1e-3), r
+
+
+def test_fallback_residual_and_sums_of_squares():
+    """Off Triton: residual + y rounded as PyTorch adds, one range of columns holding each row's whole sum."""
+    x, w, _ = inputs_for(("float32", 48, 128, 16, 64, 1), 3)
+    res = torch.randn(3, 48)
+    s, ss = wide_linear(x, w, use_triton=False, residual=res, sumsq=True)
+    assert torch.equal(s, res + wide_linear_torch(x, w))
+    assert ss.shape == (1, 16) and torch.allclose(ss[0, :3], s.pow(2).sum(1)) and not ss[0, 3:].any()
+    with pytest.raises(ValueError, match="residual"):
+        wide_linear(x, w, residual=res[:, :40])
 
 
 def test_fallback_is_the_product_rounded_once():

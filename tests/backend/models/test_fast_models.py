@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -420,29 +421,39 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     from tests.backend.models.test_fast_models import count_calls, seeded, tiny_qwen
     seeded()
     hf = tiny_qwen()
-    # the invariant numerics' padded rows, both kinds of projection through reviewer_kernels/wide_linear.py
-    numerics = replace(invariant_numerics("test"), qwen=QwenNumerics(padded_rows=True, wide_projections={"in", "out"}))
-    ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128, numerics=numerics)
-    fast.model.kv.use_block_kernel = True  # the block-attention kernel runs interpreted too (CUDA-only by default)
-    calls = count_calls(fast.model, ["_padded_rows"], count_calls(importlib.import_module(
-        "backend.models.qwen3_5_moe"), ["wide_linear", "gdn_conv"]))
-    prompt = torch.randint(0, 320, (12,))
-    for model in (ref, fast):
-        model.prefill(prompt)
-    tokens = torch.randint(0, 320, (6,)).tolist()
-    for t in tokens[:2]:  # decode steps
-        a, b = ref.decode(t)[0], fast.decode(t)[0]
+    for kernels in (False, True):
+        # the invariant numerics' padded rows, both kinds of projection through reviewer_kernels/wide_linear.py, the
+        # glue compiled-or-eager PyTorch or in our kernels
+        numerics = replace(invariant_numerics("test"), qwen=QwenNumerics(
+            padded_rows=True, wide_projections={"in", "out"}, glue_kernels=kernels))
+        ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128, numerics=numerics)
+        fast.model.kv.use_block_kernel = True  # the block-attention kernel runs interpreted too (CUDA-only by default)
+        calls = count_calls(fast.model, ["_padded_rows"], count_calls(importlib.import_module(
+            "backend.models.qwen3_5_moe"), ["wide_linear", "gdn_conv", "attention_prep"]))
+        count_calls(importlib.import_module("reviewer_kernels.norms"), ["gated_rms_norm"], calls)
+        prompt = torch.randint(0, 320, (12,))
+        for model in (ref, fast):
+            model.prefill(prompt, hidden_ids=(1, 3))
+        tokens = torch.randint(0, 320, (6,)).tolist()
+        for t in tokens[:2]:  # decode steps, with drafter features (the last layer's after the final norm)
+            a, b = ref.decode(t, (1, 3)), fast.decode(t, (1, 3))
+            torch.testing.assert_close(b[0], a[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(b[1], a[1], rtol=1e-4, atol=1e-4)
+        a, b = ref.verify(tokens[2:])[0], fast.verify(tokens[2:])[0]  # a verify, cut short
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    a, b = ref.verify(tokens[2:])[0], fast.verify(tokens[2:])[0]  # a verify, cut short
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    ref.accept(2)
-    fast.accept(2)
-    torch.testing.assert_close(fast.decode(7)[0], ref.decode(7)[0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fast.model.linear.state, ref.model.linear.state, rtol=1e-4, atol=1e-5)
-    # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step; each through the 4 layers'
-    # output projections (reviewer_kernels/wide_linear.py; and the input projections too when asked), each DeltaNet
-    # layer's convolution with its cache update in one launch (reviewer_kernels/gdn_conv.py)
-    assert calls == {"_padded_rows": 5, "wide_linear": 5 * 4 * 2, "gdn_conv": 5 * 3}, calls
+        ref.accept(2)
+        fast.accept(2)
+        torch.testing.assert_close(fast.decode(7)[0], ref.decode(7)[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fast.model.linear.state, ref.model.linear.state, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast.model.kv.k, ref.model.kv.k, rtol=1e-4, atol=1e-5)
+        # the 12-token prefill too (pieces of up to 16 tokens take it), 2 steps, verify, step; each through the 4
+        # layers' output projections (reviewer_kernels/wide_linear.py; and the input projections too when asked), each
+        # DeltaNet layer's convolution with its cache update in one launch (reviewer_kernels/gdn_conv.py); with
+        # glue_kernels each DeltaNet layer's gated norm (reviewer_kernels/norms.py) and the attention layer's norms,
+        # RoPE and cache write (reviewer_kernels/attention_prep.py)
+        want = {"_padded_rows": 5, "wide_linear": 5 * 4 * 2, "gdn_conv": 5 * 3, "attention_prep": 5 * kernels,
+                "gated_rms_norm": 5 * 3 * kernels}
+        assert calls == want, (kernels, calls)
     print("ok")
 """)
 
@@ -746,14 +757,16 @@ def test_cuda_compiled_glue_matches_eager(arch):
 
 
 @cuda
-def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant():
+@pytest.mark.parametrize("glue_kernels", [False, True], ids=["compiled-glue", "glue-kernels"])
+def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_kernels):
     """A CUDA engine's Qwen3.5-MoE numerics (the invariant record: _padded_rows), with CUDA graphs and the
-    compiled glue as the engine runs them: a position's logits are bitwise the same from a plain decode step and from
-    inside a verify block of every size 2..16, from a restored prompt checkpoint and after an accept cut a block
-    short (the conv window and recurrent states handed over)."""
+    compiled glue as the engine runs them (or the glue in our kernels: QwenNumerics.glue_kernels): a position's logits
+    are bitwise the same from a plain decode step and from inside a verify block of every size 2..16, from a restored
+    prompt checkpoint and after an accept cut a block short (the conv window and recurrent states handed over)."""
     seeded()
-    fm = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 600, compile=True,
-                   numerics=invariant_numerics("test", compile=True))
+    numerics = invariant_numerics("test", compile=True)
+    numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=glue_kernels))
+    fm = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 600, compile=True, numerics=numerics)
     assert fm.model.numerics.qwen.padded_rows and fm.model.batch_invariant
     prompt = torch.randint(0, 320, (CHUNKED_FROM,)).tolist()  # the chunked prefill, as real prompts take
     logits, _ = fm.prefill(prompt)
