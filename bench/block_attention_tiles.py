@@ -2,6 +2,10 @@
 (batch invariance), so each candidate is timed on both, and checked: every verify row must keep the decode step's bits.
 
     python bench/block_attention_tiles.py [--out bench/results]      (H200)
+    python bench/block_attention_tiles.py --splits                    the shipped tiles at other slice counts
+
+--splits: the shipped tile set with Tiles.max_splits 63, 127 (shipped), 255 and 511: more, shorter slices of the
+cache per program (a 32k cache at head_dim 256: 544, 288, 160, 96 columns), the combine's tile growing with them.
 
 16 query heads, 2 key heads, 256 dims, a 32k cache passed whole (as the CUDA graphs pass it), 3k and 30k cached
 tokens; each call timed as a CUDA graph of 20 calls. `cross` rows: a decode step in one tile set against verifies in
@@ -65,30 +69,39 @@ def measure(step_tiles, verify_tiles, contexts) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--splits", action="store_true", help="the shipped tiles at max_splits 63..511 only")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("block_attention_tiles times Triton kernels on a GPU")
     contexts = (3000, 30000)
-    rows = []
-    for tiles in itertools.product([16, 64], [32, 64], [4, 8], [1, 2, 3]):
-        row = measure(list(tiles), list(tiles), contexts)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    cross = []
+    rows, cross = [], []
     shipped = list(dataclasses.astuple(ba.default_tiles(256)))
-    for verify_tiles in ([64, 32, 4, 3], [64, 64, 4, 3]):  # one-token steps in the shipped set, verifies in another
-        row = measure(shipped, verify_tiles, contexts)
-        cross.append(row)
-        print("cross", json.dumps(row), flush=True)
+    if args.splits:
+        for max_splits in (63, 127, 255, 511):
+            tiles = shipped[:4] + [max_splits]
+            row = measure(tiles, tiles, contexts)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    else:
+        for tiles in itertools.product([16, 64], [32, 64], [4, 8], [1, 2, 3]):
+            row = measure(list(tiles), list(tiles), contexts)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for verify_tiles in ([64, 32, 4, 3], [64, 64, 4, 3]):  # one-token steps in the shipped set, verifies in another
+            row = measure(shipped, verify_tiles, contexts)
+            cross.append(row)
+            print("cross", json.dumps(row), flush=True)
     record = {"benchmark": "block_attention_tiles", "machine": {"gpu": torch.cuda.get_device_name()},
               "command": "python " + " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "torch": torch.__version__, "shape": "16 query heads, 2 key heads, head_dim 256, 32k cache whole",
-              "timing": "us per call, CUDA graph of 20 calls", "tiles": "[BLOCK_M, BLOCK_N, warps, stages]",
+              "timing": "us per call, CUDA graph of 20 calls",
+              "tiles": "[BLOCK_M, BLOCK_N, warps, stages, max_splits]",
               "shipped": shipped,
               "rows": rows, "cross": cross}
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"block_attention_tiles_h200_{datetime.date.today():%Y%m%d}.json"
+    label = "_splits" if args.splits else ""
+    path = Path(args.out) / f"block_attention_tiles{label}_h200_{datetime.date.today():%Y%m%d}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
 

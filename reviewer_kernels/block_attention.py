@@ -44,10 +44,13 @@ MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (pref
 # cached K+V bytes per program (per key head): small slices, many programs, each a short dependent chain (on the H200
 # 64 KB slices left the kernel latency-bound: 4.8 us for the SmolLM2 shape's 768-column span)
 SPLIT_BYTES = 16 * 1024
-MAX_SPLITS = 127  # + the block's own program: 128 partial sums per row at most, the combine kernel's fixed tile
+# + the block's own program: 128 partial sums per row at most, the combine kernel's fixed tile. A 32k cache at head_dim
+# 256 is then cut in slices of 288 columns (9 tiles of 32 a program); Tiles.max_splits lets a sweep try more, shorter
+# slices (bench/block_attention_tiles.py --splits)
+MAX_SPLITS = 127
 SPLIT_TILE = 128
+COMBINE_BYTES = SPLIT_TILE * 64 * 4  # the combine program's tile of partial sums: 64 head-dim columns at 128 splits
 BLOCK_ROWS = 16  # query rows per program, whatever T: the same tile shapes for a decode step and a verify block
-COMBINE_COLS = 64  # head-dim columns per combine program
 # warps per _partial_kernel program, every head size: at the 35B-A3B shape (head_dim 256) 4 warps against the 8 used
 # until 2026-12-03 took the 16-token verify from 131 to 93 us a layer at 30k cached tokens and the decode step from 26
 # to 25 (H200; tiles of 64 query rows or 64 columns gained more for the verify but cost the decode step up to 9 us:
@@ -64,6 +67,11 @@ class Tiles:
     cols: int
     warps: int = PARTIAL_WARPS
     stages: int = 3
+    max_splits: int = MAX_SPLITS  # slices of cached columns at most (the combine's tile: the next power of two above)
+
+    @property
+    def split_tile(self) -> int:
+        return 1 << self.max_splits.bit_length()  # 127 -> 128, 255 -> 256
 
 
 def default_tiles(head_dim: int) -> Tiles:
@@ -181,7 +189,7 @@ if triton is not None:
                         N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr, SP: tl.constexpr,
                         SPLIT_COLS: tl.constexpr, CAUSAL: tl.constexpr, HAS_GATE: tl.constexpr):
         """One query row, DC head-dim columns: all of its partial sums in one load each (a loop over the splits
-        was a chain of dependent loads: ~4 us for 13 splits on the H200). The tile is SP = SPLIT_TILE rows
+        was a chain of dependent loads: ~4 us for 13 splits on the H200). The tile is SP = Tiles.split_tile rows
         whatever the split count, so the reduction tree, and with it every bit, does not depend on the span:
         missing splits, and the slices past the cached columns (which _partial_kernel skips), are exact zeros.
         HAS_GATE: the row, rounded to the output dtype, times sigmoid(gate) in fp32, rounded again (a gated
@@ -282,7 +290,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
     split_cols = max(block_n, SPLIT_BYTES // (4 * D) // block_n * block_n)  # K and V, 2 bytes each
     # long caches: wider slices, fixed by the cache's size (not the span or T), so every position of the cache sees
     # the same slice boundaries however it is reached
-    split_cols = max(split_cols, math.ceil(k_cache.shape[1] / MAX_SPLITS / block_n) * block_n)
+    split_cols = max(split_cols, math.ceil(k_cache.shape[1] / tiles.max_splits / block_n) * block_n)
     n_splits = max(1, math.ceil(int(span) / split_cols))
     rows = group * T
     block_m = tiles.rows
@@ -307,11 +315,12 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
         N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, WINDOW=int(window or 0),
         num_warps=tiles.warps, num_stages=tiles.stages)
-    dc = min(D, COMBINE_COLS)
+    sp = tiles.split_tile
+    dc = min(D, max(16, COMBINE_BYTES // (sp * 4)))  # head-dim columns a combine program: a tile of fixed bytes
     g = gate if gate is not None else out  # unused without a gate
     _combine_kernel[(hkv, rows, D // dc)](out, po, pm, pl, start, g, T, out.stride(0), g.stride(0),
                                           g.stride(1) if gate is not None else 0, GROUP=group, D=D, DC=dc,
-                                          BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=SPLIT_TILE,
+                                          BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=sp,
                                           SPLIT_COLS=split_cols, CAUSAL=causal, HAS_GATE=gate is not None,
                                           num_warps=4)
     return out

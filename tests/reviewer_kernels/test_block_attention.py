@@ -172,7 +172,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from tests.reviewer_kernels.test_block_attention import CASES, make_case
-from reviewer_kernels.block_attention import block_attention, write_block
+from reviewer_kernels.block_attention import Tiles, block_attention, write_block
 for case in [c for c in CASES if c[2] <= 64]:
     heads, kv_heads, head_dim, T, start, span = case
     g = torch.Generator().manual_seed(3)
@@ -188,9 +188,20 @@ for case in [c for c in CASES if c[2] <= 64]:
     write_block(d[1], d[2], d[3], d[4], d[5], use_triton=True)  # what attention_prep leaves in the cache
     cached = block_attention(*d, span=span, use_triton=True, cached=True)
     want = (plain.float() * torch.sigmoid(gate.reshape(T, -1))).to(plain.dtype)
+    # other slice counts (Tiles.max_splits): fewer, wider slices, or more with a larger combine tile; each the same
+    # attention, and a whole-cache span gives the same bits as the exact one
+    splits_err, splits_span = 0.0, True
+    for max_splits in (3, 255):
+        tiles = Tiles(16, 64 if head_dim <= 64 else 32, max_splits=max_splits)
+        e = make_case(heads, kv_heads, head_dim, T, start)
+        got = block_attention(*e, span=span, use_triton=True, tiles=tiles)
+        f = make_case(heads, kv_heads, head_dim, T, start)
+        splits_span &= torch.equal(got, block_attention(*f, span=f[3].shape[1], use_triton=True, tiles=tiles))
+        splits_err = max(splits_err, (got - plain).abs().max().item())
     print(json.dumps({"case": list(case), "gated": (gated - want).abs().max().item(),
                       "fallback": (gated - fallback).abs().max().item(), "cached": bool(torch.equal(cached, plain)),
-                      "cache_equal": bool(torch.equal(a[3], d[3]) and torch.equal(a[4], d[4]))}), flush=True)
+                      "cache_equal": bool(torch.equal(a[3], d[3]) and torch.equal(a[4], d[4])),
+                      "splits_err": splits_err, "splits_span": bool(splits_span)}), flush=True)
 """
 
 
@@ -203,10 +214,12 @@ def gated():
 def test_output_gate_and_cached_blocks_under_interpreter(gated, case):
     """gate=: the combine kernel's attn * sigmoid(gate) is that product computed after the kernel (to the sigmoid's
     last bits: Triton's and torch's differ there) and the fallback's; cached=True after the block's keys and values
-    were written gives the uncached call's bits and cache."""
+    were written gives the uncached call's bits and cache; other slice counts (Tiles.max_splits 3 and 255) the same
+    attention, span-invariant."""
     r = gated[tuple(case)]
     assert r["gated"] < 1e-6 and r["fallback"] < 2e-5, r
     assert r["cached"] and r["cache_equal"], r
+    assert r["splits_err"] < 2e-5 and r["splits_span"], r
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
