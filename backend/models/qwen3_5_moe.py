@@ -491,7 +491,8 @@ class Qwen35Moe(nn.Module):
         T, pad = tokens.numel(), PADDED_ROWS - tokens.numel()
         x = F.embedding(F.pad(tokens, (0, pad)), self.embed)
         kernels = self.numerics.qwen.glue_kernels  # else the compiled glue norms and rotates, on the padded rows
-        rope = None if kernels else (self.cos[F.pad(positions, (0, pad))], self.sin[F.pad(positions, (0, pad))])
+        padded_positions = None if kernels else F.pad(positions, (0, pad))
+        rope = None if kernels else (self.cos[padded_positions], self.sin[padded_positions])
         fixed = self.expert_tiles(x)
         feats = {}
         last = c.num_layers - 1
