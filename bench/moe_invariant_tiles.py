@@ -104,12 +104,15 @@ def candidates() -> list[dict]:
     the 16-token tuned entry stood in for it, whose gate_up BK differs). The gate_up K splits give a decode step's 9
     active experts ~600-2,300 short programs instead of ~144 long ones, finished by the last program of a tile
     (reviewer_kernels/fused_moe.py). Measured on 2026-12-04 (with down splits too, since removed): none beat the entry
-    (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json)."""
+    (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json). The entry's gate_up (BN 32, BK 256, 4
+    warps) uses 255 registers and spills ~1.9 KB a thread in Triton 3.6's sm_90 build (ptxas -v, 2026-12-04, no GPU);
+    in 8 warps ~0.2 KB, at BK 128 64 B (BK 128 in 4 warps measured slower on 2026-12-02): the unsplit 8-warp sets
+    below are that lead."""
     base = fm.invariant_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), K)
     gate_up = [dict(base["gate_up"])] + [
         dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [
             (32, 256, 4, 1, 8), (32, 256, 4, 2, 4), (64, 256, 4, 1, 8), (16, 256, 4, 1, 8), (32, 128, 4, 2, 8),
-            (32, 512, 8, 1, 4), (64, 128, 4, 3, 4)]]
+            (32, 512, 8, 1, 4), (64, 128, 4, 3, 4), (32, 256, 8, 3, 1), (32, 256, 8, 2, 1), (64, 256, 8, 3, 1)]]
     down = [dict(base["down"])] + [dict(BN=bn, BK=bk, warps=wp, stages=st) for bn, bk, wp, st in [
         (32, 128, 4, 3), (128, 64, 4, 3), (64, 256, 4, 3), (32, 256, 4, 3), (128, 128, 8, 3), (32, 512, 4, 1)]]
     return base, gate_up, down
