@@ -197,15 +197,16 @@ def measure_context(fast, model, context: int, args, bandwidth: float, distinct:
                                             bandwidth)
     out["prefill"]["tokens"] = args.prefill
     out["prefill"]["pieces"] = math.ceil(args.prefill / fast.prefill_chunk)
-    out["prefill"]["wall_ms"] = prefill_wall_ms(fast, piece, start, reps=3)
+    out["prefill"]["wall_ms"] = round(call_wall_us(lambda: fast.prefill(piece), fast, start, 3) / 1e3, 2)
     out["decode"]["wall_us"] = call_wall_us(lambda: fast.decode(7), fast, start, args.reps)
     out["verify16"]["wall_us"] = call_wall_us(lambda: fast.verify(block), fast, start, args.reps)
     return out
 
 
 def call_wall_us(call, fast, start, reps: int) -> float:
-    """A decode step or verify as FastModel's caller meets it (its host work, the graph replay, to the device's
-    end), without the profiler: median of `reps`, the caches restored after each."""
+    """A call (decode step, verify, prefill piece) as FastModel's caller meets it, without the profiler: host wall
+    from the call to the device's end (launches from Python included), median of `reps`, the caches restored after
+    each."""
     walls = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -215,20 +216,6 @@ def call_wall_us(call, fast, start, reps: int) -> float:
         walls.append((time.perf_counter() - t0) * 1e6)
         fast.restore(start)
     return round(statistics.median(walls), 1)
-
-
-def prefill_wall_ms(fast, piece, start, reps: int) -> float:
-    """The prefill piece as a caller meets it, without the profiler: host wall from the call to the device's end
-    (launches from Python included), median of `reps`."""
-    walls = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fast.prefill(piece)
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t0) * 1e3)
-        fast.restore(start)
-    return round(statistics.median(walls), 2)
 
 
 def main() -> None:

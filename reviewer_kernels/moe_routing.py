@@ -80,8 +80,8 @@ if triton is not None:
             if SS_PARTS > 0:
                 nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 ht = (ht.to(tl.float32) * rstd_rows[:, None] * nw[None, :]).to(h_ptr.dtype.element_ty)
-                if tl.program_id(0) == 0:
-                    tl.store(normed_ptr + m[:, None] * stride_h + k[None, :], ht,
+                if tl.program_id(0) == 0:  # normed_out is contiguous: rows H apart
+                    tl.store(normed_ptr + m[:, None] * H + k[None, :], ht,
                              mask=(m < num_tokens)[:, None] & k_ok[None, :])
             wt = tl.load(w_ptr + e[None, :] * stride_w + k[:, None], mask=k_ok[:, None] & (e < E)[None, :],
                          other=0.0)
@@ -240,8 +240,6 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     # its pointer argument
     count = split_workspace(h.device, 0, 0, 1)[2] if route else parts
     normed = norm_inside or from_parts
-    if from_parts and (normed_out.stride(0) != h.stride(0)):
-        raise ValueError("normed_out must have h's row stride")
     _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
         h, router, rms_norm[0] if normed else h, normed_out if normed else h, parts,
         sumsq if from_parts else parts, num_tokens, experts, hidden, k_per_split, h.stride(0), router.stride(0),

@@ -174,18 +174,9 @@ class FastDrafter:
         the piece write keys and values past the length, which nothing reads)."""
         self._absorb(self.absorb_input()[:bucket], self.length_dev + self._absorb_arange[:bucket])
 
-    def _capture_absorb(self, bucket: int):
+    def _capture_absorb(self, bucket: int) -> torch.cuda.CUDAGraph:
         note_capture("drafter absorb", bucket)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture (compiled glue, cuBLAS choices)
-            for _ in range(2):
-                self.absorb_padded(bucket)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.absorb_padded(bucket)
-        return graph
+        return self._graph_of(lambda: self.absorb_padded(bucket))[0]
 
     # ---- drafting -------------------------------------------------------------------------------------------------
 
@@ -263,20 +254,26 @@ class FastDrafter:
 
     def _capture(self, rows: int, span: int):
         note_capture("drafter", (rows, span))
+        return self._graph_of(lambda: self._body(rows, span))
+
+    def _graph_of(self, body):
+        """(graph, body's output): body run twice off the capture stream (compiled glue, cuBLAS and SDPA choices),
+        then captured; the context length is put back after each run, so the caller's replay applies the effect
+        once."""
         saved = self.length_dev.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture (cuBLAS and SDPA choices)
+        with torch.cuda.stream(stream):
             for _ in range(2):
                 self.length_dev.copy_(saved)
-                self._body(rows, span)
+                body()
         torch.cuda.current_stream().wait_stream(stream)
         self.length_dev.copy_(saved)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._body(rows, span)
-        self.length_dev.copy_(saved)  # the caller's replay applies the capture's effect once
-        return graph, logits
+            out = body()
+        self.length_dev.copy_(saved)
+        return graph, out
 
     def _absorb(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
         """Context keys/values of `feats` [n, F] at `positions` [n] (device; consecutive) into every layer's

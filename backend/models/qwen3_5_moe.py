@@ -490,9 +490,11 @@ class Qwen35Moe(nn.Module):
         c, eps = self.config, self.config.rms_norm_eps
         T, pad = tokens.numel(), PADDED_ROWS - tokens.numel()
         x = F.embedding(F.pad(tokens, (0, pad)), self.embed)
-        kernels = self.numerics.qwen.glue_kernels  # else the compiled glue norms and rotates, on the padded rows
-        padded_positions = None if kernels else F.pad(positions, (0, pad))
-        rope = None if kernels else (self.cos[padded_positions], self.sin[padded_positions])
+        kernels = self.numerics.qwen.glue_kernels
+        rope = None  # the padded rows' cos / sin, for the compiled glue (attention_prep reads the tables itself)
+        if not kernels:
+            padded_positions = F.pad(positions, (0, pad))
+            rope = self.cos[padded_positions], self.sin[padded_positions]
         fixed = self.expert_tiles(x)
         feats = {}
         last = c.num_layers - 1
