@@ -295,6 +295,15 @@ def speedups(walls: dict[str, dict[str, float]], reference: str = "none", other:
     return round(total, 4), round(first, 4)
 
 
+def session_tau(rows: list[TurnRow] | list[dict]) -> float | None:
+    """Tokens a speculative cycle committed over these turns (accepted drafts + the verify's own token, per cycle);
+    None without cycles (--drafter none)."""
+    specs = [r.spec if isinstance(r, TurnRow) else r["spec"] for r in rows]
+    cycles = sum(s["spec_cycles"] for s in specs if s)
+    accepted = sum(s["draft_n_accepted"] for s in specs if s)
+    return round((accepted + cycles) / cycles, 3) if cycles else None
+
+
 def build_record(runs: dict[str, dict], rows: list[TurnRow], sessions: list[Session], *, model: str, command: str,
                  held_out: str, interface: str, forced_tau: float | None, settings: dict) -> dict:
     """The serve_replay record: issue 39's fields, then the configurations' details and the per-turn rows."""
@@ -308,6 +317,7 @@ def build_record(runs: dict[str, dict], rows: list[TurnRow], sessions: list[Sess
         "forced_tau": forced_tau, "sessions": len(sessions), "replies": replies, "identical": identical,
         "speedup": speedup, "first_session_speedup": first,
         "ready_s": {cfg: run["ready_s"] for cfg, run in runs.items()},
+        "tau": {cfg: session_tau([r for r in rows if r.config == cfg]) for cfg in runs},
         "captures_after_ready": {cfg: run.get("captures_after_ready") for cfg, run in runs.items()},
         "compilations_after_ready": {cfg: run.get("compilations_after_ready") for cfg, run in runs.items()},
         "max_context_tokens": max((r.context_tokens + r.completion_tokens for r in rows), default=0),
@@ -324,14 +334,17 @@ def format_table(record: dict) -> str:
     lines = [f"serve_replay: {record['model']} ({record['interface']}), {record['sessions']} session(s), "
              f"max context {record['max_context_tokens']} tokens" +
              (f", forced tau {record['forced_tau']:g}" if record["forced_tau"] else ""),
-             f"{'config':<8}{'ready_s':>9}{'turns':>7}{'wall_s':>9}{'ttft_ms':>9}{'tok/s':>8}{'captures':>10}  sessions (wall s)"]
+             f"{'config':<8}{'ready_s':>9}{'turns':>7}{'wall_s':>9}{'ttft_ms':>9}{'tok/s':>8}{'tau':>6}{'captures':>10}  "
+             "sessions (wall s)"]
     for cfg, run in record["configs"].items():
         rows = [r for r in record["turns"] if r["config"] == cfg]
         ttfts = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
         rates = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
         caps = run.get("captures_after_ready")
+        tau = session_tau(rows)
         lines.append(f"{cfg:<8}{run['ready_s']:>9.1f}{len(rows):>7}{sum(run['sessions_wall_s'].values()):>9.2f}"
                      f"{1e3 * sum(ttfts) / max(len(ttfts), 1):>9.0f}{sum(rates) / max(len(rates), 1):>8.0f}"
+                     f"{'-' if tau is None else f'{tau:.2f}':>6}"
                      f"{'n/a' if caps is None else f'{caps:g}':>10}  "
                      + ", ".join(f"{k} {v:.2f}" for k, v in run["sessions_wall_s"].items()))
     if record["speedup"] is not None:

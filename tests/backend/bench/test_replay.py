@@ -96,17 +96,20 @@ def test_a_reply_is_fed_back_as_the_server_returned_it_then_the_chunk_as_tool_re
     assert [b["tool_use_id"] for b in body["messages"][2]["content"]] == ["c1", "call_3_1"]
 
 
-def row(config, session, turn, sha, wall=1.0):
+def row(config, session, turn, sha, wall=1.0, cycles=0, accepted=0):
+    spec = {"spec_cycles": cycles, "draft_n": 15 * cycles, "draft_n_accepted": accepted} if cycles else None
     return TurnRow(config=config, session=session, turn=turn, context_tokens=100 * (turn + 1), counted_tokens=None,
                    cached_tokens=None, completion_tokens=10, ttft_s=0.1, decode_tok_s=50.0,
-                   decode_tok_s_source="timings", wall_s=wall, finish_reason="stop", tool_calls=0, reply_sha256=sha)
+                   decode_tok_s_source="timings", wall_s=wall, finish_reason="stop", tool_calls=0, reply_sha256=sha,
+                   spec=spec)
 
 
 def test_the_record_counts_identical_replies_and_divides_walls(tmp_path):
     sessions = build_sessions(2, repo_files(small_repo(tmp_path)), chunk_chars=300, seen=set())
     a, b = sessions[0].name, sessions[1].name
     rows = [row("none", a, 0, "x"), row("none", a, 1, "y"), row("none", b, 0, "z"),
-            row("auto", a, 0, "x"), row("auto", a, 1, "DIFFERENT"), row("auto", b, 0, "z"), row("auto", b, 1, "w")]
+            row("auto", a, 0, "x", cycles=4, accepted=8), row("auto", a, 1, "DIFFERENT", cycles=2, accepted=1),
+            row("auto", b, 0, "z", cycles=4, accepted=3), row("auto", b, 1, "w")]
     runs = {"none": {"ready_s": 5.0, "sessions_wall_s": {a: 6.0, b: 3.0}, "captures_after_ready": 0.0},
             "auto": {"ready_s": 7.0, "sessions_wall_s": {a: 2.0, b: 4.0}, "captures_after_ready": None}}
     record = replay.build_record(runs, rows, sessions, model="m", command="c", held_out="h", interface="i",
@@ -120,10 +123,11 @@ def test_the_record_counts_identical_replies_and_divides_walls(tmp_path):
     assert record["speedup"] == pytest.approx(9 / 6) and record["first_session_speedup"] == pytest.approx(3.0)
     assert record["ready_s"] == {"none": 5.0, "auto": 7.0} and record["captures_after_ready"]["none"] == 0.0
     assert record["max_context_tokens"] == 210
+    assert record["tau"] == {"none": None, "auto": pytest.approx((12 + 10) / 10)}  # per cycle: accepted drafts + 1
     assert [r["identical_to_none"] for r in record["turns"] if r["config"] == "auto"] == [True, False, True, None]
     path = replay.write_record(record, tmp_path / "out")
     assert path.name.startswith("serve_replay-m-") and json.loads(path.read_text())["identical"] == 2
-    assert "1.50x" in replay.format_table(record)
+    assert "1.50x" in replay.format_table(record) and " 2.20 " in replay.format_table(record)
 
 
 def test_a_session_replayed_through_real_serve_subprocesses(tmp_path, tiny_model):
