@@ -54,7 +54,7 @@ class TrainConfig:
     block_size: int = 16
     target_layers: str = "auto"
     vocab_top_k: int = 0
-    sliding_window: int = 0
+    sliding_window: int = -1  # -1: the --init-from drafter's window, else none
     mask_token_id: int = -1
     # training
     loss: str = "kl"
@@ -118,7 +118,8 @@ OPTION_HELP = {
     "target_layers": "Target layers whose outputs the drafter reads: 'auto' (5 spread over the depth) or e.g. "
                      "'1,8,14,21,28'.",
     "vocab_top_k": "Restrict the draft vocabulary to the K tokens the target emits most (0: the full vocabulary).",
-    "sliding_window": "Sliding window of the sliding layers, in positions (0: none).",
+    "sliding_window": "Sliding window of the sliding layers, in positions (0: none; -1: the window of the drafter "
+                      "--init-from names, else none).",
     "mask_token_id": "Token id used for masked block slots (-1: the last id of the vocabulary).",
     "loss": "kl (to the target's distribution) or ce (labels = the target's argmax).",
     "decay": "Position weight w_k = exp(-(k-1)/decay) for draft position k.",

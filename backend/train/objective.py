@@ -50,7 +50,7 @@ def new_drafter(cfg: TrainConfig, target, layer_ids: list[int], target_name: str
         target_layer_ids=layer_ids, num_target_layers=tcfg.num_hidden_layers, vocab_size=vocab,
         # z-lab's layout: sliding-window layers, the last one full attention ("mixed" makes the sliding ones causal)
         layer_types=["sliding_attention"] * (n - 1) + ["full_attention"],
-        sliding_window=cfg.sliding_window or None, block_attention=cfg.attention,
+        sliding_window=cfg.sliding_window if cfg.sliding_window > 0 else None, block_attention=cfg.attention,
         rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta") or getattr(tcfg, "rope_theta", None) or 10000.0),
         max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 32768)), target_model=target_name,

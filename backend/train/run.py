@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from backend.dflash.checkpoint import build_draft_vocab, save_drafter
-from backend.dflash.model import BLOCK_ATTENTION_MODES, DFlashDrafter
+from backend.dflash.model import BLOCK_ATTENTION_MODES, DFlashDrafter, DrafterConfig
 from backend.loading import ModelLoadError, load_model
 from backend.train import data as td
 from backend.train import prompts as tp
@@ -123,6 +123,23 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError("--samples-per-prompt must be >= 0 and --sample-temperature positive")
     if not cfg.builtin_prompts and not cfg.builtin_extra and not cfg.from_db:
         raise TrainError("no prompts: keep the built-in set or give --from-db reviews.db")
+    if cfg.sliding_window < -1:
+        raise TrainError("--sliding-window must be a number of positions, 0 (none) or -1 (the --init-from drafter's)")
+
+
+def inherited_window(cfg: TrainConfig) -> int:
+    """--sliding-window -1 (the default): the window of the drafter --init-from names (a fine-tune of the shipped
+    drafter keeps the window it drafts with: bench/results/drafter_window_*), else none. An unreadable --init-from is
+    left to init_from_checkpoint, which says what is wrong with it."""
+    if cfg.sliding_window >= 0:
+        return cfg.sliding_window
+    if not cfg.init_from:
+        return 0
+    try:
+        saved = DrafterConfig.from_json(json.loads((Path(cfg.init_from) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return 0
+    return saved.sliding_window or 0
 
 
 def load_records(cfg: TrainConfig) -> list[tp.PromptRecord]:
@@ -178,6 +195,7 @@ def main(**knobs) -> dict:
         raise TypeError(f"unknown options: {sorted(unknown)}")
     cfg = TrainConfig(**{k: (str(v) if isinstance(v, Path) else v) for k, v in knobs.items()})
     _check(cfg)
+    cfg.sliding_window = inherited_window(cfg)
 
     t_start = time.perf_counter()
     loaded = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)

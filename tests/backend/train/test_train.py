@@ -414,6 +414,24 @@ def test_init_from_starts_at_a_saved_drafter(tiny_model, reviews_db, data_dir, t
         run(tiny_model, reviews_db, data_dir, tmp_path / "bad2", steps=2, init_from=str(tmp_path / "nowhere"))
 
 
+def test_init_from_keeps_the_saved_drafters_window_unless_told_otherwise(tiny_model, reviews_db, data_dir, tmp_path):
+    """--sliding-window's default takes the window of the drafter --init-from names (the shipped one drafts with one:
+    a fine-tune of it must not lose it silently); an explicit 0 trains without one; a fresh drafter has none."""
+    from backend.dflash.checkpoint import load_drafter
+
+    run(tiny_model, reviews_db, data_dir, tmp_path / "windowed", steps=2, sliding_window=5)
+    assert load_drafter(tmp_path / "windowed").cfg.sliding_window == 5
+    kept = run(tiny_model, reviews_db, data_dir, tmp_path / "kept", steps=2, init_from=str(tmp_path / "windowed"))
+    assert kept["config"]["sliding_window"] == 5 and load_drafter(tmp_path / "kept").cfg.sliding_window == 5
+    run(tiny_model, reviews_db, data_dir, tmp_path / "off", steps=2, init_from=str(tmp_path / "windowed"),
+        sliding_window=0)
+    assert load_drafter(tmp_path / "off").cfg.sliding_window is None
+    fresh = run(tiny_model, reviews_db, data_dir, tmp_path / "fresh", steps=2)
+    assert fresh["config"]["sliding_window"] == 0 and load_drafter(tmp_path / "fresh").cfg.sliding_window is None
+    with pytest.raises(config.TrainError, match="--sliding-window must be"):
+        run(tiny_model, reviews_db, data_dir, tmp_path / "bad", steps=2, sliding_window=-2)
+
+
 def test_init_from_a_shallower_drafter_starts_as_the_same_function(tiny_model, reviews_db, data_dir, tmp_path):
     """--layers above the checkpoint's: the saved layers keep their types (the last, full attention, stays last), the
     new ones in between add nothing until trained, so the deeper drafter drafts what the saved one drafts."""
