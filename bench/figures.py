@@ -147,6 +147,17 @@ def drafter_step(record: dict) -> list[list[str]]:
              fmt(record.get("draft_ms_min"))]]
 
 
+def drafter_window(record: dict) -> list[list[str]]:
+    inputs = str(record.get("inputs") or "?").split(":")[0]
+    rows = []
+    for label, w in record["windows"].items():
+        bands = w.get("tau_by_context") or {}
+        last = bands[max(bands, key=lambda b: int(b.split("-")[0]))] if bands else None
+        same = f"{w['identical']}/{w['replies']}" if "identical" in w else "–"
+        rows.append([model_name(record), label, fmt(w["tau"]), fmt(last), same, inputs])
+    return rows
+
+
 def batch_invariance(record: dict) -> list[list[str]]:
     return [[model_name(record), fmt(record["all_bitwise_equal"])]]
 
@@ -180,6 +191,9 @@ KINDS: dict[str, Kind] = {
                         ["server", "round", "prompt tokens", "ms/token"], cpu_prefill),
     "drafter_step": Kind("One GPU draft (`bench/drafter_step.py`)",
                          ["shape", "context", "draft ms (median)", "draft ms (min)"], drafter_step),
+    "drafter_window": Kind("The drafter's context window on replayed agent sessions (`bench/drafter_window.py`)",
+                           ["model", "window", "tau", "tau, longest contexts", "identical to none", "inputs"],
+                           drafter_window),
     "batch_invariance": Kind("Verify rows bitwise equal to decode steps (`bench/batch_invariance.py`)",
                              ["model", "all bitwise equal"], batch_invariance),
 }

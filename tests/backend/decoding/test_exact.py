@@ -98,3 +98,26 @@ def test_shipped_drafter_output_is_identical_to_plain_decoding_in_bf16(embedded_
         got = [t for b in spec.generate(ids, params) for t in b]
         assert got == want
         assert spec.last_stats.cycles > 0 and spec.last_stats.accepted_tokens > 0  # it really drafted
+
+
+def test_shipped_drafter_past_its_context_window_is_identical_to_plain_decoding(embedded_bf16):
+    """The shipped drafter sees only the last 1,024 positions in its sliding layers (config.json; docs/training.md,
+    "The drafter's context window"): on a conversation longer than that, as an agent's are, it still drafts tokens the
+    target accepts, and the output is the plain engine's."""
+    import inspect
+
+    path = find_shipped_drafter(embedded_bf16.name)
+    drafter = load_drafter(path)
+    window = drafter.cfg.sliding_window
+    assert window and [layer.sliding_window for layer in drafter.layers][:-1] == [window] * (len(drafter.layers) - 1)
+    hf, tok = embedded_bf16.model, embedded_bf16.tokenizer
+    source = inspect.getsource(Engine)  # real code as a tool result, as the personas read files
+    messages = [{"role": "user", "content": "Review this class for bugs:\n\n" + source[:6000]}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert len(ids) > window + 64
+    params = SamplingParams(max_tokens=40)
+    want = [t for b in Engine(hf, exact=True).generate(ids, params) for t in b]
+    spec = Engine(hf, drafter=drafter)
+    assert [t for b in spec.generate(ids, params) for t in b] == want
+    assert spec.last_stats.cycles > 0 and spec.last_stats.accepted_tokens > 0
