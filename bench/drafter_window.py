@@ -68,12 +68,19 @@ def summarize(label: str, rows: list[dict], run: dict) -> dict:
             "wall_s": round(sum(run["sessions_wall_s"].values()), 3), "sessions_wall_s": run["sessions_wall_s"]}
 
 
-def sweep(a: argparse.Namespace, windows: list[int], command: str) -> dict:
+def drafter_folder(model: str, given: str | None) -> Path:
+    """--drafter, or the drafter shipped for --model (what `reviewer serve --drafter auto` would load)."""
     from backend.dflash.checkpoint import find_shipped_drafter
+    from backend.loading import EMBEDDED_NAME
 
-    drafter = Path(a.drafter) if a.drafter else find_shipped_drafter(a.model)
-    if drafter is None or not (drafter / "config.json").is_file():
-        raise ReplayError(f"no drafter folder for {a.model} (give --drafter DIR)")
+    folder = Path(given) if given else find_shipped_drafter(EMBEDDED_NAME if model == "embedded" else model)
+    if folder is None or not (folder / "config.json").is_file():
+        raise ReplayError(f"no drafter folder for {model}: give --drafter DIR (a folder with config.json)")
+    return folder
+
+
+def sweep(a: argparse.Namespace, windows: list[int], command: str) -> dict:
+    drafter = drafter_folder(a.model, a.drafter)
     source = repo_files(Path(a.repo)) if a.repo else stdlib_tests()
     sessions = build_sessions(a.sessions, source, chunk_chars=a.chunk_chars)
     with tempfile.TemporaryDirectory(prefix="drafter_window_") as tmp:

@@ -55,6 +55,17 @@ def test_the_sweep_replays_sessions_beside_plain_decoding(drafter_dir, tmp_path,
     assert record["plain_wall_s"] > 0 and "window 16" in capsys.readouterr().out
 
 
+def test_the_drafter_is_the_shipped_one_unless_given(drafter_dir, tmp_path):
+    from backend.dflash.checkpoint import find_shipped_drafter
+
+    assert drafter_window.drafter_folder("embedded", None) == find_shipped_drafter("SmolLM2-135M-Instruct")
+    assert drafter_window.drafter_folder("tiny-moe", str(drafter_dir)) == drafter_dir
+    with pytest.raises(drafter_window.ReplayError, match="no drafter folder for tiny-moe"):
+        drafter_window.drafter_folder("tiny-moe", None)
+    with pytest.raises(drafter_window.ReplayError, match="config.json"):
+        drafter_window.drafter_folder("tiny-moe", str(tmp_path))
+
+
 @pytest.mark.parametrize("windows, message", [("0,0", "distinct"), ("-5", ">= 0"), ("a", "not a number")])
 def test_bad_windows_are_one_line(windows, message, capsys, tmp_path):
     assert drafter_window.main(["--windows", windows, "--out", str(tmp_path / "x.json")]) == 2
