@@ -76,11 +76,16 @@ class Server:
     log_path: Path
 
 
+def server_log_path(log_dir: Path, drafter: str) -> Path:
+    """The server's stderr file for one --drafter value, which may be a path (a drafter folder) as well as a name."""
+    return log_dir / f"serve-{re.sub(r'[^A-Za-z0-9_.-]+', '_', drafter).strip('_')}.log"
+
+
 def start_server(model: str, drafter: str, serve_args: list[str], log_dir: Path, timeout: float) -> tuple[Server, ConfigRun]:
     """`reviewer serve` in a subprocess on a free port; returns once the ready line is out (ready_s from Popen)."""
     command = [sys.executable, "-m", "reviewer.cli", "serve", "--model", model, "--drafter", drafter,
                "--host", "127.0.0.1", "--port", "0", *serve_args]
-    log_path = log_dir / f"serve-{drafter}.log"
+    log_path = server_log_path(log_dir, drafter)
     log = open(log_path, "w")
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,

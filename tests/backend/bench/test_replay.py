@@ -163,6 +163,15 @@ def test_a_session_replayed_through_real_serve_subprocesses(tmp_path, tiny_model
     assert record["speedup"] > 0
 
 
+def test_a_drafter_given_as_a_folder_logs_beside_the_others(tmp_path):
+    """--drafters none,auto,/some/folder: each server's log is one file in the log folder (a path was a
+    FileNotFoundError on the H200, 2026-12-05)."""
+    names = {d: replay.server_log_path(tmp_path, d) for d in ("none", "auto", "/tmp/drafters/no-window")}
+    assert all(p.parent == tmp_path for p in names.values()) and len(set(names.values())) == 3
+    assert names["none"].name == "serve-none.log" and names["/tmp/drafters/no-window"].name == "serve-tmp_drafters_no-window.log"
+    names["/tmp/drafters/no-window"].write_text("log")
+
+
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     assert replay.main(["--repo", str(tmp_path / "missing"), "--out", str(out)]) == 2
