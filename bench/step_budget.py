@@ -17,8 +17,7 @@ and the graph's launch chain; this is the replay itself. (No wall times inside t
 and stop sit inside them, so only the kernels' times are figures there. The prefill piece's wall, launches from
 Python included, is timed again outside any window: `wall_ms`; so are the decode step's and the verify's, graph replay
 and host work: `wall_us`.) --glue-kernels on / off times the padded steps' glue in our kernels or compiled
-(QwenNumerics.glue_kernels), --pdl on / off our kernels' programmatic dependent launch (reviewer_kernels/pdl.py): run
-each twice in one call for a side-by-side pair.
+(QwenNumerics.glue_kernels): run it twice in one call for a side-by-side pair.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from backend.bench.report import cpu_model  # noqa: E402
 from backend.bench.routing import install_routing_trace, trace_distinct_experts  # noqa: E402
 from backend.models import invariant_numerics  # noqa: E402
 from reviewer_kernels import moe_routing as routing  # noqa: E402
-from reviewer_kernels import pdl  # noqa: E402
 from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa: E402
 
 # first match wins; the names are our Triton kernels' function names, cuBLAS's and torch.compile's families
@@ -231,8 +229,6 @@ def main() -> None:
     ap.add_argument("--glue-kernels", choices=["default", "on", "off"], default="default",
                     help="the padded steps' glue in our Triton kernels or in compiled PyTorch (QwenNumerics."
                          "glue_kernels; default: backend/models/numerics.py QWEN_GLUE_KERNELS)")
-    ap.add_argument("--pdl", choices=["default", "on", "off"], default="default",
-                    help="launch our Triton kernels with programmatic dependent launch (reviewer_kernels/pdl.py PDL)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
@@ -241,8 +237,6 @@ def main() -> None:
     contexts = args.context or [3000]
     if args.route_in_matmul:
         routing.ROUTE_IN_MATMUL = True  # read at each call; set before the graphs are captured
-    if args.pdl != "default":
-        pdl.PDL = args.pdl == "on"  # read at each launch; set before the graphs are captured
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16)
@@ -255,7 +249,7 @@ def main() -> None:
     record = {"benchmark": "step_budget", "model": "qwen3.6-35b-a3b shape, random weights (bf16)",
               "numerics": "batch-invariant padded rows (serve's default), glue "
                           + ("in our kernels" if numerics.qwen.glue_kernels else "compiled") + ", CUDA graphs",
-              "glue_kernels": numerics.qwen.glue_kernels, "pdl": pdl.PDL,
+              "glue_kernels": numerics.qwen.glue_kernels,
               "routing": f"synthetic trace, hot set {args.hot_experts}: {distinct:.1f} distinct experts per 16 "
                          "positions (a forced condition)",
               "copy_bandwidth_GBps": bandwidth / 1e9, "floor": "bytes / copy bandwidth (read + write counted)",

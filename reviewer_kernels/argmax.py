@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from reviewer_kernels.fused_moe import triton, triton_usable
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 
 BLOCK = 4096
 
@@ -26,8 +25,7 @@ if triton is not None:
 
     @triton.jit
     def _argmax_partial_kernel(x_ptr, stride, n, part_max, part_idx, part_sum, CHUNKS: tl.constexpr,
-                               BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl_entry(PDL)
+                               BLOCK: tl.constexpr):
         row, chunk = tl.program_id(0), tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride + cols, mask=cols < n, other=-float("inf")).to(tl.float32)
@@ -40,8 +38,7 @@ if triton is not None:
 
     @triton.jit
     def _argmax_combine_kernel(part_max, part_idx, part_sum, choice_ptr, conf_ptr, n, CHUNKS: tl.constexpr,
-                        CP: tl.constexpr, PDL: tl.constexpr):
-        pdl_entry(PDL)
+                        CP: tl.constexpr):
         row = tl.program_id(0)
         c = tl.arange(0, CP)
         ok = c < CHUNKS
@@ -68,7 +65,7 @@ def argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     choice = torch.empty(rows, device=logits.device, dtype=torch.int64)
     conf = torch.empty(rows, device=logits.device, dtype=torch.float32)
     _argmax_partial_kernel[(rows, chunks)](logits, logits.stride(0), n, part_max, part_idx, part_sum, CHUNKS=chunks,
-                                           BLOCK=BLOCK, num_warps=8, **pdl_kwargs(logits))
+                                           BLOCK=BLOCK, num_warps=8)
     _argmax_combine_kernel[(rows,)](part_max, part_idx, part_sum, choice, conf, n, CHUNKS=chunks,
-                                    CP=triton.next_power_of_2(chunks), num_warps=1, **pdl_kwargs(part_max))
+                                    CP=triton.next_power_of_2(chunks), num_warps=1)
     return choice, conf

@@ -28,7 +28,6 @@ from typing import NamedTuple
 import torch
 
 from reviewer_kernels.fused_moe import dot_size, triton, triton_usable
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 
 
 class AttentionInputs(NamedTuple):
@@ -45,11 +44,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _attention_prep_kernel(proj_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr,
                                T, eps, stride_p, stride_cs, skc_h, skc_n, svc_h, svc_n,
-                               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                               PDL: tl.constexpr):
+                               H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
         """Grid (T, H + 2 Hkv): program (t, j) takes query head j < H, key head j - H, or value head j - H - Hkv of
         token t."""
-        pdl_entry(PDL)
         t = tl.program_id(0)
         j = tl.program_id(1)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -157,6 +154,6 @@ def attention_prep(proj, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, 
     _attention_prep_kernel[(T, heads + 2 * kv_heads)](
         proj, q_norm, k_norm, cos, sin, positions, q, k, k_cache, v_cache, T, eps, proj.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        H=heads, HKV=kv_heads, D=D, ROT=cos.shape[1], num_warps=1 if D <= 128 else 2, **pdl_kwargs(proj))
+        H=heads, HKV=kv_heads, D=D, ROT=cos.shape[1], num_warps=1 if D <= 128 else 2)
     gate, v = _views(proj, T, heads, kv_heads, D)
     return AttentionInputs(q, k, v, gate)

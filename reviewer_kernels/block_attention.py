@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from reviewer_kernels.fused_moe import dot_size, triton, triton_usable
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 
 MAX_BLOCK = 16  # new tokens per call (the speculative block); longer runs (prefill) use SDPA
 # cached K+V bytes per program (per key head): small slices, many programs, each a short dependent chain (on the H200
@@ -95,8 +94,7 @@ if triton is not None:
                         sq_h, sq_t, skn_h, skn_t, svn_h, svn_t, skc_h, skc_n, svc_h, svc_n, GROUP: tl.constexpr,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                         SPLIT_COLS: tl.constexpr, N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr,
-                        CAUSAL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):
-        pdl_entry(PDL)
+                        CAUSAL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
         # the row chunk varies fastest, so a slice's chunks share its K/V reads through L2 (same programs, same bits);
         # it gained little (verify at 30k ~146 -> 134 us a layer, H200): each program's dependent chain binds it.
         chunk = tl.program_id(0)  # slice of the GROUP * T query rows
@@ -174,11 +172,10 @@ if triton is not None:
 
     @triton.jit
     def _write_block_kernel(kn_ptr, vn_ptr, kc_ptr, vc_ptr, start_ptr, skn_h, skn_t, svn_h, svn_t, skc_h, skc_n,
-                            svc_h, svc_n, D: tl.constexpr, PDL: tl.constexpr):
+                            svc_h, svc_n, D: tl.constexpr):
         """A block's keys and values into the cache, one (key head, token) per program: one launch for both (two
         index_copy_ were two), ahead of _partial_kernel, whose slices read the earlier block tokens as cached
         columns."""
-        pdl_entry(PDL)
         h = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1).to(tl.int64)
         col = tl.load(start_ptr).to(tl.int64) + t
@@ -190,14 +187,13 @@ if triton is not None:
     def _combine_kernel(out_ptr, po_ptr, pm_ptr, pl_ptr, start_ptr, gate_ptr, T, so_t, sg_t, sg_h,
                         GROUP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                         N_SPLITS: tl.constexpr, N_CHUNKS: tl.constexpr, SP: tl.constexpr,
-                        SPLIT_COLS: tl.constexpr, CAUSAL: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+                        SPLIT_COLS: tl.constexpr, CAUSAL: tl.constexpr, HAS_GATE: tl.constexpr):
         """One query row, DC head-dim columns: all of its partial sums in one load each (a loop over the splits
         was a chain of dependent loads: ~4 us for 13 splits on the H200). The tile is SP = Tiles.split_tile rows
         whatever the split count, so the reduction tree, and with it every bit, does not depend on the span:
         missing splits, and the slices past the cached columns (which _partial_kernel skips), are exact zeros.
         HAS_GATE: the row, rounded to the output dtype, times sigmoid(gate) in fp32, rounded again (a gated
         attention's output gate, attn * sigmoid(gate), without a launch of its own)."""
-        pdl_entry(PDL)
         h = tl.program_id(0)
         r = tl.program_id(1)  # query row within the group: head h * GROUP + r // T, token r % T
         d = tl.program_id(2) * DC + tl.arange(0, DC)
@@ -303,7 +299,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         # as cached columns
         _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
                                       v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                      v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1, **pdl_kwargs(k_new))
+                                      v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1)
     if out is None:
         out = torch.empty(T, H * D, device=q.device, dtype=q.dtype)
     elif out.shape != (T, H * D) or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -318,7 +314,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         GROUP=group, D=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16, SPLIT_COLS=split_cols, N_SPLITS=n_splits,
         N_CHUNKS=n_chunks, CAUSAL=causal, IEEE=q.dtype == torch.float32, WINDOW=int(window or 0),
-        num_warps=tiles.warps, num_stages=tiles.stages, **pdl_kwargs(q))
+        num_warps=tiles.warps, num_stages=tiles.stages)
     sp = tiles.split_tile
     dc = min(D, max(16, COMBINE_BYTES // (sp * 4)))  # head-dim columns a combine program: a tile of fixed bytes
     g = gate if gate is not None else out  # unused without a gate
@@ -326,7 +322,7 @@ def block_attention(q, k_new, v_new, k_cache, v_cache, start, span: int, *, use_
                                           g.stride(1) if gate is not None else 0, GROUP=group, D=D, DC=dc,
                                           BLOCK_M=block_m, N_SPLITS=n_splits, N_CHUNKS=n_chunks, SP=sp,
                                           SPLIT_COLS=split_cols, CAUSAL=causal, HAS_GATE=gate is not None,
-                                          num_warps=4, **pdl_kwargs(out))
+                                          num_warps=4)
     return out
 
 
@@ -343,4 +339,4 @@ def write_block(k_new, v_new, k_cache, v_cache, start, *, use_triton: bool | Non
         return
     _write_block_kernel[(hkv, T)](k_new, v_new, k_cache, v_cache, start, k_new.stride(0), k_new.stride(1),
                                   v_new.stride(0), v_new.stride(1), k_cache.stride(0), k_cache.stride(1),
-                                  v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1, **pdl_kwargs(k_new))
+                                  v_cache.stride(0), v_cache.stride(1), D=D, num_warps=1)

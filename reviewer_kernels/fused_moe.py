@@ -43,7 +43,6 @@ import torch
 
 from reviewer_kernels.moe_decode import decode_moe
 from reviewer_kernels.moe_reference import SharedExpert, fused_moe_torch, rms_norm_scaled, shared_expert_torch
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 from reviewer_kernels.rows_linear import split_workspace
 
 try:
@@ -214,14 +213,13 @@ if triton is not None:
     def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
                       num_routed, num_tokens, num_blocks_max, E,
                       HAS_SHARED: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, BM: tl.constexpr,
-                      IN_REGISTERS: tl.constexpr, PDL: tl.constexpr):
+                      IN_REGISTERS: tl.constexpr):
         """One program: the block table of slots sorted by expert (stable: by slot within an expert).
 
         IN_REGISTERS (num_routed <= CH, a verify block): _sort_one_chunk sorts them here. Else the caller
         sorted the routed slots into sorted_ptr and left each expert's count in counts_ptr (align_slots, by
         torch.sort, for a prefill piece's thousands of slots: a one-program sort over chunks took 21 ms of a
         1,700-token piece's 212 ms at the 35B-A3B shape)."""
-        pdl_entry(PDL)
         experts = tl.arange(0, EP)
         if IN_REGISTERS:
             counts = _sort_one_chunk(ids_ptr, sorted_ptr, num_routed, EP, CH)
@@ -297,11 +295,10 @@ if triton is not None:
                         stride_x, stride_we, stride_wn, stride_sn, stride_inter, stride_split,
                         HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_K: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """Grid (block, N-tile, K-split): inter[slot] = silu(x@g) * (x@u) in x's dtype. SPLIT_K > 1: each
         program stores fp32 partial g | u sums [split, slot, 2I] to part_ptr, and the last of the tile's splits to
         finish adds them in split order and stores inter (_finish_splits)."""
-        pdl_entry(PDL)
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -372,9 +369,8 @@ if triton is not None:
                      stride_inter, stride_we, stride_wn, stride_sn, stride_rows,
                      HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """Grid (block, N-tile): rows[slot] = routing weight * (inter[slot] @ down^T), fp32."""
-        pdl_entry(PDL)
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
@@ -414,11 +410,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_routed"])
     def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, nw_ptr, normed_ptr, num_routed, top_k, H, eps, stride_rows,
                           stride_out, stride_res, stride_normed, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                          HAS_NORM: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+                          HAS_NORM: tl.constexpr, BH: tl.constexpr):
         """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once; then
         (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of `res + out` in PyTorch. HAS_NORM (a program
         holds the whole row, BH >= H): also normed[t] = rms_norm_scaled(out[t], nw, eps), the next layer's pre-norm."""
-        pdl_entry(PDL)
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BH + tl.arange(0, BH)
         ok = offs < H
@@ -489,7 +484,7 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
         expert_counts[:num_experts].copy_(counts.scatter_add_(0, flat, torch.ones_like(flat)))
     _align_kernel[(1,)](ids, expert_counts, sorted_slots, bexp, bstart, bcount, num_routed, num_tokens, num_blocks,
                         num_experts, HAS_SHARED=has_shared, EP=padded_experts, CH=ONE_CHUNK_SLOTS if in_registers
-                        else 64, BM=block_m, IN_REGISTERS=in_registers, num_warps=8, **pdl_kwargs(ids))
+                        else 64, BM=block_m, IN_REGISTERS=in_registers, num_warps=8)
     return sorted_slots, bexp, bstart, bcount
 
 
@@ -554,14 +549,14 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(0),
         num_slots * 2 * inter, HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split,
         EVEN_K=hidden % (gu["BK"] * split) == 0, EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m,
-        BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"], num_stages=gu["stages"], **pdl_kwargs(x))
+        BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"], num_stages=gu["stages"])
     _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]))](
         inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount,
         num_routed, num_tokens, num_experts, hidden, inter,
         inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0),
         HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % dn["BK"] == 0,
         EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
-        num_warps=dn["warps"], num_stages=dn["stages"], **pdl_kwargs(inter_buf))
+        num_warps=dn["warps"], num_stages=dn["stages"])
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
     # with the next norm, a program per row (it needs the whole row's sum of squares)
@@ -571,5 +566,5 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         rows, out, res, nw, normed, num_routed, top_k, hidden, eps, rows.stride(0), out.stride(0), res.stride(0),
         normed.stride(0), HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None,
-        BH=block_h, num_warps=4 if block_h <= 1024 else 8, **pdl_kwargs(rows))
+        BH=block_h, num_warps=4 if block_h <= 1024 else 8)
     return out

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from reviewer_kernels.fused_moe import triton, triton_usable
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 
 BLOCK_C = 64  # channels a program: 8,192 at the 35B-A3B shape -> 128 programs
 PREFILL_ROWS = 32  # a prefill's rows a program (gdn_conv_prefill): 1,024 rows -> 32 x 128 programs
@@ -64,9 +63,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _conv_kernel(mixed_ptr, state_ptr, w_ptr, out_ptr, window_ptr, T, C, stride_m, stride_s, stride_o,
                      stride_win, R: tl.constexpr, RP: tl.constexpr, W: tl.constexpr, WS: tl.constexpr,
-                     WP: tl.constexpr, KEEP_WINDOW: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+                     WP: tl.constexpr, KEEP_WINDOW: tl.constexpr, BC: tl.constexpr):
         """Grid (C / BC): every row of silu(conv) for BC channels, and their cache update."""
-        pdl_entry(PDL)
         cols = tl.program_id(0) * BC + tl.arange(0, BC)
         c_ok = cols < C
         r = tl.arange(0, RP)
@@ -87,10 +85,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T"])
     def _conv_rows_kernel(mixed_ptr, state_ptr, w_ptr, out_ptr, T, C, stride_m, stride_s, stride_o,
-                          W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+                          W: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Grid (C / BC, T / BR): rows of silu(conv) for BC channels (a prefill piece: every row real, no cache
         update here, so row blocks can run side by side)."""
-        pdl_entry(PDL)
         cols = tl.program_id(0) * BC + tl.arange(0, BC)
         c_ok = cols < C
         r = tl.program_id(1) * BR + tl.arange(0, BR)
@@ -148,8 +145,7 @@ def gdn_conv(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torch.Tensor
     _conv_kernel[(triton.cdiv(C, BLOCK_C),)](
         mixed, conv_state, conv_w, out, win, T, C, mixed.stride(0), conv_state.stride(0), out.stride(0),
         win.stride(0), R=R, RP=triton.next_power_of_2(R), W=width, WS=triton.next_power_of_2(width),
-        WP=triton.next_power_of_2(width + R), KEEP_WINDOW=window_out is not None, BC=BLOCK_C, num_warps=4,
-        **pdl_kwargs(mixed))
+        WP=triton.next_power_of_2(width + R), KEEP_WINDOW=window_out is not None, BC=BLOCK_C, num_warps=4)
     return out
 
 
@@ -172,7 +168,7 @@ def gdn_conv_prefill(mixed: torch.Tensor, conv_state: torch.Tensor, conv_w: torc
     out = torch.empty(T, C, dtype=mixed.dtype, device=mixed.device)
     _conv_rows_kernel[(triton.cdiv(C, BLOCK_C), triton.cdiv(T, PREFILL_ROWS))](
         mixed, conv_state, conv_w, out, T, C, mixed.stride(0), conv_state.stride(0), out.stride(0), W=width,
-        BR=PREFILL_ROWS, BC=BLOCK_C, num_warps=4, **pdl_kwargs(mixed))
+        BR=PREFILL_ROWS, BC=BLOCK_C, num_warps=4)
     if T >= width:
         conv_state.copy_(mixed[T - width:])
     else:

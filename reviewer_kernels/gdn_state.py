@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from reviewer_kernels.fused_moe import dot_size, triton, triton_usable
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 
 L2_EPS = 1e-6  # transformers' / flash-linear-attention's l2norm epsilon
 # launch shape of the Triton kernel (value columns per program, warps, next-token prefetch): the per-token chain of
@@ -97,11 +96,10 @@ if triton is not None:
                               HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               DKP: tl.constexpr, BV: tl.constexpr, EVERY_POSITION: tl.constexpr,
                               PREFETCH: tl.constexpr, RAW_GATES: tl.constexpr, RECORD: tl.constexpr,
-                              STORE_OUT: tl.constexpr, STORE_STATE: tl.constexpr, PDL: tl.constexpr):
+                              STORE_OUT: tl.constexpr, STORE_STATE: tl.constexpr):
         """Grid (value heads, value column blocks, layers). The layer axis is gdn_replay's (layer_* are the per-layer
         strides of inputs and states; 0 with one layer). RECORD: the inputs of every token go to rq..rb (q, k, v in
         their dtype, the gates in fp32), in the record's layout [T, heads, D]."""
-        pdl_entry(PDL)
         h = tl.program_id(0)  # value head
         vb = tl.program_id(1)  # block of BV value columns: programs never share state elements
         layer = tl.program_id(2).to(tl.int64)
@@ -357,7 +355,7 @@ def _launch(q, k, v, g, beta, neg_a, dt_bias, state_in, states_out, out, record,
         HV=hv, GROUP=hv // hk, DK=dk, DV=dv, DKP=triton.next_power_of_2(dk), BV=block_v,
         EVERY_POSITION=every_position, PREFETCH=PREFETCH if prefetch is None else prefetch,
         RAW_GATES=raw_gates, RECORD=record is not None, STORE_OUT=store_out, STORE_STATE=store_state,
-        num_warps=num_warps or NUM_WARPS, **pdl_kwargs(q))
+        num_warps=num_warps or NUM_WARPS)
 
 
 class GdnRecord(NamedTuple):

@@ -24,8 +24,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
-
 try:
     import triton
     import triton.language as tl
@@ -43,12 +41,11 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, g_ptr, nw_ptr, w_ptr, res_ptr, y_ptr, N, stride_wn, eps,
                      K: tl.constexpr, KP: tl.constexpr, PROLOGUE: tl.constexpr, D: tl.constexpr,
-                     ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+                     ROUND_NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr):
         """Grid (T, N / BN): y[t, n-tile] = W[n-tile] @ prologue(x[t]), t = program_id(0). The weight tile [BN, K] is
         loaded in one go, before the prologue's arithmetic, so its DRAM round trip overlaps it. Every row runs the
         one-row program (row t's bits do not depend on T); a tile's row programs are neighbours in the launch, so
         the tile is read from DRAM once. GATED_NORM needs D | K, D a power of two."""
-        pdl_entry(PDL)
         t = tl.program_id(0)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, KP)
@@ -131,5 +128,5 @@ def gemv(x, w, gate=None, norm_weight=None, eps: float = 1e-6, residual=None, *,
     _gemv_kernel[(x.shape[0], triton.cdiv(n, tiles["BN"]))](
         x, g, nw, w, res, y, n, w.stride(0), eps, K=k, KP=max(triton.next_power_of_2(k), d), PROLOGUE=prologue,
         D=d, ROUND_NORMED=norm_weight is not None and norm_weight.dtype == x.dtype,
-        HAS_RESIDUAL=residual is not None, BN=tiles["BN"], num_warps=tiles["warps"], **pdl_kwargs(x))
+        HAS_RESIDUAL=residual is not None, BN=tiles["BN"], num_warps=tiles["warps"])
     return y

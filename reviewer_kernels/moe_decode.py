@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
-
 try:
     import triton
     import triton.language as tl
@@ -43,11 +41,10 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, ids_ptr, inter_ptr, sgate_ptr,
                         top_k, stride_we, stride_wn, stride_sn,
                         H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr, HAS_SHARED_GATE: tl.constexpr,
-                        BN: tl.constexpr, PDL: tl.constexpr):
+                        BN: tl.constexpr):
         """Grid (slots, I / BN): inter[slot, n-tile] = silu(g . x) * (u . x); slot top_k is the shared expert.
         Each program loads its whole [BN, H] gate and up tiles at once (no loop): a program's loads are all in
         flight together, and the many small programs of an SM cover each other's latency."""
-        pdl_entry(PDL)
         slot = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -79,10 +76,9 @@ if triton is not None:
                      stride_we, stride_wn, stride_sn,
                      H: tl.constexpr, I: tl.constexpr, IP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                      HAS_SHARED: tl.constexpr, HAS_SHARED_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     BH: tl.constexpr, PDL: tl.constexpr):
+                     BH: tl.constexpr):
         """Grid (H / BH): out[h-tile] = sum over the routed slots of weight * (down_e @ inter[slot]), plus the shared
         slot (times its gate), then + residual. One load brings the BH rows of all K routed experts ([K, BH, I])."""
-        pdl_entry(PDL)
         offs_h = tl.program_id(0) * BH + tl.arange(0, BH)
         offs_i = tl.arange(0, IP)
         ks = tl.arange(0, KP)
@@ -134,7 +130,7 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
         x, gate_up_proj, sg, su, sgw, topk_ids, inter_buf, sgate, top_k,
         gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
         H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
-        num_warps=gu["warps"], **pdl_kwargs(x))
+        num_warps=gu["warps"])
     out = torch.empty(1, hidden, dtype=out_dtype or x.dtype, device=dev)
     res = residual if residual is not None else out  # unused without a residual
     _down_kernel[(triton.cdiv(hidden, dn["BH"]),)](
@@ -142,5 +138,5 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
         down_proj.stride(0), down_proj.stride(1), sd.stride(0),
         H=hidden, I=inter, IP=triton.next_power_of_2(inter), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None, BH=dn["BH"],
-        num_warps=dn["warps"], **pdl_kwargs(inter_buf))
+        num_warps=dn["warps"])
     return out

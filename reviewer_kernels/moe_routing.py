@@ -21,7 +21,6 @@ import torch
 
 from reviewer_kernels.fused_moe import triton, triton_usable
 from reviewer_kernels.moe_reference import rms_norm_scaled
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 from reviewer_kernels.rows_linear import split_workspace
 
 SMALL_BATCH = 64  # up to this many tokens, one token per program
@@ -44,14 +43,13 @@ if triton is not None:
                                BE: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, HAS_NORM: tl.constexpr,
                                HP: tl.constexpr, ROUTE: tl.constexpr, PARTS: tl.constexpr,
                                RENORMALIZE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                               SS_PARTS: tl.constexpr, SS_P: tl.constexpr, PDL: tl.constexpr):
+                               SS_PARTS: tl.constexpr, SS_P: tl.constexpr):
         """Grid (expert tiles, K slices): part[slice, token, expert] = h[token, slice] . w[expert, slice], fp32.
         HAS_NORM (one token): h is the raw residual stream, normed here (rms_norm_scaled with weight nw) from its
         sum of squares, which each program takes over the whole row (4 KB at the 35B-A3B width, from L2); the
         first program also stores the normed row to normed_ptr for the experts. SS_PARTS > 0 (up to BM tokens): the
         rows' sums of squares come as SS_PARTS partials [SS_PARTS, BM] (wide_linear's sumsq), added in order here;
         the programs of the first expert tile store their K slice of the normed rows."""
-        pdl_entry(PDL)
         e = tl.program_id(0) * BE + tl.arange(0, BE)
         split = tl.program_id(1)
         m = tl.arange(0, BM)
@@ -107,10 +105,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_tokens"])
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, E, stride_l,
                       RENORMALIZE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                      BT: tl.constexpr, PARTS: tl.constexpr, PART_ROWS: tl.constexpr, PDL: tl.constexpr):
+                      BT: tl.constexpr, PARTS: tl.constexpr, PART_ROWS: tl.constexpr):
         """PARTS == 0: logits_ptr holds the logits. PARTS > 0: it holds _router_partial_kernel's fp32 slices
         [PARTS, PART_ROWS, E], added here in slice order and rounded to weights' dtype, as F.linear rounds."""
-        pdl_entry(PDL)
         tok = tl.program_id(0) * BT + tl.arange(0, BT)
         tok_ok = tok < num_tokens
         cols = tl.arange(0, EP)
@@ -187,8 +184,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_t
         num_warps = 1 if block_t == 1 and padded <= 512 else 4
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0), RENORMALIZE=renormalize, K=top_k,
-        KP=triton.next_power_of_2(top_k), EP=padded, BT=block_t, PARTS=0, PART_ROWS=1, num_warps=num_warps,
-        **pdl_kwargs(logits))
+        KP=triton.next_power_of_2(top_k), EP=padded, BT=block_t, PARTS=0, PART_ROWS=1, num_warps=num_warps)
     return weights, ids
 
 
@@ -247,11 +243,11 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
         PRECISION="ieee" if h.dtype == torch.float32 else "tf32", HAS_NORM=norm_inside,
         HP=triton.next_power_of_2(hidden), ROUTE=route, PARTS=splits, RENORMALIZE=renormalize, K=top_k,
         KP=triton.next_power_of_2(top_k), EP=padded, SS_PARTS=sumsq.shape[0] if from_parts else 0,
-        SS_P=triton.next_power_of_2(sumsq.shape[0]) if from_parts else 1, num_warps=4, num_stages=3, **pdl_kwargs(h))
+        SS_P=triton.next_power_of_2(sumsq.shape[0]) if from_parts else 1, num_warps=4, num_stages=3)
     if route:
         return weights, ids
     _route_kernel[(num_tokens,)](
         parts, weights, ids, num_tokens, experts, experts, RENORMALIZE=renormalize, K=top_k,
         KP=triton.next_power_of_2(top_k), EP=padded, BT=1, PARTS=splits, PART_ROWS=ROUTER_MAX_TOKENS,
-        num_warps=1 if padded <= 512 else 4, **pdl_kwargs(parts))
+        num_warps=1 if padded <= 512 else 4)
     return weights, ids

@@ -26,8 +26,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
-
 try:
     import triton
     import triton.language as tl
@@ -53,13 +51,12 @@ if triton is not None:
     @triton.jit
     def _norm_gemv_kernel(x_ptr, nw_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, pos_ptr, N_OUT, ROTATED, stride_wn,
                           stride_cs, eps, K: tl.constexpr, KP: tl.constexpr, EPILOGUE: tl.constexpr,
-                          HALF: tl.constexpr, ROUND_NORMED: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+                          HALF: tl.constexpr, ROUND_NORMED: tl.constexpr, BN: tl.constexpr):
         """Grid (T, programs): input row t = program_id(0) (x [T, K], positions [T]); PLAIN rows p*BN..; SWIGLU
         gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first half (HALF = head_dim / 2)
         with their partners j + HALF. Every input row runs exactly the one-row program, so row t's result does not
         depend on T (batch invariance); the programs of one weight tile are neighbours in the launch order, so the
         tile comes from DRAM once and from L2 for the other rows."""
-        pdl_entry(PDL)
         t = tl.program_id(0)
         p = tl.program_id(1)
         lane = tl.arange(0, BN)
@@ -197,5 +194,5 @@ def norm_gemv(x, norm_weight, w, eps: float, *, swiglu: bool = False, rope=None,
     _norm_gemv_kernel[(T, programs)](
         x, norm_weight, w, y, cos, sin, pos, n_out, rotated, w.stride(0), stride_cs, eps, K=k,
         KP=triton.next_power_of_2(k), EPILOGUE=SWIGLU if swiglu else (ROPE if rope is not None else PLAIN),
-        HALF=half, ROUND_NORMED=norm_weight.dtype == x.dtype, BN=bn, num_warps=tiles["warps"], **pdl_kwargs(x))
+        HALF=half, ROUND_NORMED=norm_weight.dtype == x.dtype, BN=bn, num_warps=tiles["warps"])
     return y

@@ -20,16 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from reviewer_kernels.fused_moe import triton, triton_usable
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])  # rows change from piece to piece: no new variant on the request path
     def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, M, N, eps, stride_x, stride_y, stride_s, stride_o,
-                         ADD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+                         ADD: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
         """BR rows a program: (ADD: s = x + y, rounded, stored) then the norm of s (or of x)."""
-        pdl_entry(PDL)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.arange(0, BN)
         ok = (rows < M)[:, None] & (cols < N)[None, :]
@@ -47,10 +45,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, H, N, eps, stride_xt, stride_xh, stride_gt,
-                               stride_gh, BR: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+                               stride_gh, BR: tl.constexpr, BN: tl.constexpr):
         """BR rows (t, h) a program: weight * (normed x, cast) in the input dtype, times silu(gate) in fp32, cast;
         out [T, H * N] contiguous."""
-        pdl_entry(PDL)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.arange(0, BN)
         ok = (rows < M)[:, None] & (cols < N)[None, :]
@@ -101,8 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: b
     out = torch.empty_like(x)
     br, bn = _launch_shape(N)
     _rms_norm_kernel[(triton.cdiv(M, br),)](x, x, weight, out, out, M, N, eps, x.stride(0), x.stride(0),
-                                            out.stride(0), out.stride(0), ADD=False, BR=br, BN=bn, num_warps=4,
-                                            **pdl_kwargs(x))
+                                            out.stride(0), out.stride(0), ADD=False, BR=br, BN=bn, num_warps=4)
     return out
 
 
@@ -121,7 +117,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
     s, out = torch.empty_like(x), torch.empty_like(x)
     br, bn = _launch_shape(N)
     _rms_norm_kernel[(triton.cdiv(M, br),)](x, y, weight, s, out, M, N, eps, x.stride(0), y.stride(0), s.stride(0),
-                                            out.stride(0), ADD=True, BR=br, BN=bn, num_warps=4, **pdl_kwargs(x))
+                                            out.stride(0), ADD=True, BR=br, BN=bn, num_warps=4)
     return s, out
 
 
@@ -142,5 +138,5 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     br, bn = _launch_shape(N)
     _gated_rms_norm_kernel[(triton.cdiv(T * H, br),)](x, gate, weight, out, T * H, H, N, eps, x.stride(0),
                                                       x.stride(1), gate.stride(0), gate.stride(1), BR=br, BN=bn,
-                                                      num_warps=4, **pdl_kwargs(x))
+                                                      num_warps=4)
     return out

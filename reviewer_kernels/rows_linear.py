@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from reviewer_kernels.norm_gemv import check_epilogue, rope_rows_torch
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 
 try:
     import triton
@@ -109,11 +108,10 @@ if triton is not None:
                             count_ptr, T, N_OUT, ROTATED, stride_wn, stride_cs, eps, K: tl.constexpr,
                             KS: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, NORM: tl.constexpr,
                             EPILOGUE: tl.constexpr, HALF: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                            BN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                            BN: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr):
         """Grid (output tiles, SPLITS): tile p, K range [s * KS, (s + 1) * KS). PLAIN tiles are rows p*BN..; SWIGLU
         gate rows p*BN.. with up rows N_OUT + those; ROPE rows j..j+BN of a head's first half with partners
         j + HALF (as reviewer_kernels/norm_gemv.py)."""
-        pdl_entry(PDL)
         p = tl.program_id(0)
         s = tl.program_id(1)
         lane = tl.arange(0, BN)
@@ -305,5 +303,5 @@ def rows_linear(x, w, norm_weight=None, eps: float = 1e-6, *, swiglu: bool = Fal
         KS=cfg["KS"], BK=bk, SPLITS=splits, NORM=norm_weight is not None,
         EPILOGUE=SWIGLU if swiglu else (ROPE if rope is not None else PLAIN), HALF=half,
         HAS_RESIDUAL=residual is not None, BN=bn, STAGES=cfg.get("stages", 0), IEEE=x.dtype == torch.float32,
-        num_warps=cfg["warps"], **pdl_kwargs(x))
+        num_warps=cfg["warps"])
     return y

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from reviewer_kernels.pdl import pdl_entry, pdl_kwargs
 from reviewer_kernels.rows_linear import split_workspace
 
 try:
@@ -58,10 +57,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _wide_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, res_ptr, ss_ptr, T, N, stride_wn, K: tl.constexpr,
                      KS: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr,
-                     STAGES: tl.constexpr, IEEE: tl.constexpr, RESIDUAL: tl.constexpr, SUMSQ: tl.constexpr,
-                     PDL: tl.constexpr):
+                     STAGES: tl.constexpr, IEEE: tl.constexpr, RESIDUAL: tl.constexpr, SUMSQ: tl.constexpr):
         """Grid (N / BN, SPLITS): weight rows p*BN.. over K range [s * KS, (s + 1) * KS)."""
-        pdl_entry(PDL)
         p = tl.program_id(0)
         s = tl.program_id(1)
         rows = p * BN + tl.arange(0, BN)
@@ -144,7 +141,7 @@ def wide_linear(x, w, *, use_triton: bool | None = None, tiles: dict | None = No
     _wide_kernel[(n_tiles, splits)](
         x, w, y, part, count, residual if residual is not None else y, ss, x.shape[0], n, w.stride(0), K=k, KS=ks,
         BK=bk, SPLITS=splits, BN=bn, STAGES=cfg["stages"], IEEE=x.dtype == torch.float32,
-        RESIDUAL=residual is not None, SUMSQ=sumsq, num_warps=cfg["warps"], **pdl_kwargs(x))
+        RESIDUAL=residual is not None, SUMSQ=sumsq, num_warps=cfg["warps"])
     return (y, ss) if sumsq else y
 
 

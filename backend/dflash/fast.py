@@ -44,26 +44,6 @@ from reviewer_kernels.block_attention import MAX_BLOCK, block_attention, support
 from reviewer_kernels.fused_moe import triton_usable
 
 
-# Rows of the absorb graphs: a prompt's (or an agent turn's) target features go into the drafter's context in pieces of
-# at most ABSORB_ROWS[-1] rows, each padded to the next of these sizes and replayed from a CUDA graph (capture_graphs()
-# takes them before a server is ready). Eagerly, at the 35B-A3B shape, the absorb of a turn's ~1,700 positions took
-# 6.6-9 ms of host time for ~0.26 ms of GPU time (its compiled glue and cuBLAS calls on a new row count each turn; a
-# device probe on 2026-12-04), on the drafter's side of every turn's time to first token. The padding rows compute
-# keys and values that land past the context's length, which nothing reads and the next absorb or draft overwrites.
-# Off until a GPU session has run the CUDA tests and the replay with it (written 2026-12-04 without a GPU).
-ABSORB_ROWS = (64, 256, 1024, 2048)
-ABSORB_GRAPHS = False
-
-
-def absorb_bucket(rows: int, length: int, capacity: int, buckets: tuple[int, ...] = ABSORB_ROWS) -> int | None:
-    """The graph size a piece of `rows` feature rows takes when the context holds `length` positions of `capacity`
-    (None: absorb it eagerly: more rows than the largest graph, or padding that would run past the cache)."""
-    for bucket in buckets:
-        if rows <= bucket:
-            return bucket if length + bucket <= capacity else None
-    return None
-
-
 class FastDrafter:
     def __init__(self, drafter: DFlashDrafter, max_context: int, *, cuda_graphs: bool | None = None,
                  compile: bool | None = None, min_span: int = 256):
@@ -113,12 +93,6 @@ class FastDrafter:
         self.length = 0  # host mirror: context positions known to be absorbed (exact after each host sync)
         self._graphs: dict[tuple, tuple] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        # absorbing target features: graphs by bucket of rows (ABSORB_ROWS) where the cycle's graphs are length-free;
-        # their input, a piece of features padded to its bucket (rows past the piece are stale), made on first use
-        self.absorb_graphs = ABSORB_GRAPHS and self.cuda_graphs and self.block_kernel
-        self._absorb_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._absorb_in: torch.Tensor | None = None
-        self._absorb_arange = torch.arange(ABSORB_ROWS[-1], device=self.device)
 
     # ---- the DraftContext interface the engine uses -------------------------------------------------------------
 
@@ -140,43 +114,15 @@ class FastDrafter:
 
     @torch.inference_mode()
     def add_pending(self, features: torch.Tensor) -> None:
-        """Absorb target features [1, T, F] (a prompt, any length) at the context's end: in pieces replayed from
-        the absorb graphs (ABSORB_ROWS) where CUDA graphs run, eagerly otherwise."""
+        """Absorb target features [1, T, F] (a prompt, any length) at the context's end, eagerly."""
         feats = features.reshape(-1, features.shape[-1]).to(self.dtype)
         n = feats.shape[0]
         if n == 0:
             return
         if self.length + n > self.max_context - self.block_size:
             raise ValueError(f"drafter context of {self.max_context - self.block_size} positions exceeded")
-        done, piece = 0, ABSORB_ROWS[-1] if self.absorb_graphs else n
-        while done < n:
-            rows = min(n - done, piece)
-            bucket = absorb_bucket(rows, self.length, self.max_context) if self.absorb_graphs else None
-            if bucket is None:
-                self._absorb(feats[done:done + rows], torch.arange(self.length, self.length + rows,
-                                                                   device=self.device))
-            else:
-                self.absorb_input()[:rows].copy_(feats[done:done + rows])
-                if bucket not in self._absorb_graphs:
-                    self._absorb_graphs[bucket] = self._capture_absorb(bucket)
-                self._absorb_graphs[bucket].replay()  # at length_dev, which set_length keeps equal to length
-            self.set_length(self.length + rows)
-            done += rows
-
-    def absorb_input(self) -> torch.Tensor:
-        """The absorb graphs' input rows [ABSORB_ROWS[-1], features] (a static address)."""
-        if self._absorb_in is None:
-            self._absorb_in = self.features.new_zeros(ABSORB_ROWS[-1], self.features.shape[1])
-        return self._absorb_in
-
-    def absorb_padded(self, bucket: int) -> None:
-        """What an absorb graph replays: the first `bucket` rows of the absorb input at the context's end (rows past
-        the piece write keys and values past the length, which nothing reads)."""
-        self._absorb(self.absorb_input()[:bucket], self.length_dev + self._absorb_arange[:bucket])
-
-    def _capture_absorb(self, bucket: int) -> torch.cuda.CUDAGraph:
-        note_capture("drafter absorb", bucket)
-        return self._graph_of(lambda: self.absorb_padded(bucket))[0]
+        self._absorb(feats, torch.arange(self.length, self.length + n, device=self.device))
+        self.set_length(self.length + n)
 
     # ---- drafting -------------------------------------------------------------------------------------------------
 
@@ -236,21 +182,17 @@ class FastDrafter:
     @torch.inference_mode()
     def capture_graphs(self) -> int:
         """Capture, now, the graph of every cycle kind (a first draft after a prompt, and after a verify whose 1..B
-        rows are absorbed) and the absorb graphs (ABSORB_ROWS), so that none is captured on the request path; returns
-        how many are held. Only when the graphs are length-independent (the block kernel); the context is empty
-        afterwards."""
+        rows are absorbed), so that none is captured on the request path; returns how many are held. Only when the
+        graphs are length-independent (the block kernel); the context is empty afterwards."""
         if not self.cuda_graphs or not self.block_kernel:
-            return len(self._graphs) + len(self._absorb_graphs)
+            return len(self._graphs)
         self.reset()
         self.launch(token=0)
         for rows in range(1, self.block_size + 1):
             self.reset()
             self.launch(token=0, features=self.features, rows=rows, keep=self._arange[:1] + 1)
         self.reset()
-        for bucket in ABSORB_ROWS if self.absorb_graphs else ():  # each where the cache holds a piece of its size
-            if absorb_bucket(bucket, 0, self.max_context) == bucket and bucket not in self._absorb_graphs:
-                self._absorb_graphs[bucket] = self._capture_absorb(bucket)
-        return len(self._graphs) + len(self._absorb_graphs)
+        return len(self._graphs)
 
     def _capture(self, rows: int, span: int):
         note_capture("drafter", (rows, span))

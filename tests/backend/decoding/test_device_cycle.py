@@ -19,7 +19,7 @@ import torch
 from backend.bench.run import tiny_model
 from backend.dflash.checkpoint import random_drafter
 from backend.decoding.engine import Engine, SamplingParams
-from backend.dflash.fast import FastDrafter, absorb_bucket
+from backend.dflash.fast import FastDrafter
 from backend.decoding.device_cycle import ForcedAcceptance
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -204,40 +204,6 @@ def test_fast_drafter_drafts_what_the_eager_drafter_drafts():
     torch.testing.assert_close(fast.confidence, torch.tensor(eager.confidence), rtol=1e-4, atol=1e-5)
 
 
-def test_absorb_buckets_pad_a_piece_to_the_next_graph_size_within_the_cache():
-    assert absorb_bucket(1, 0, 4096) == 64 and absorb_bucket(64, 0, 4096) == 64
-    assert absorb_bucket(65, 0, 4096) == 256 and absorb_bucket(1700, 100, 4096) == 2048
-    assert absorb_bucket(1700, 3000, 4096) is None  # the padding would run past the cache: eagerly
-    assert absorb_bucket(2049, 0, 65536) is None  # longer pieces: add_pending cuts them to the largest first
-
-
-def test_padded_absorb_gives_the_unpadded_context():
-    """What an absorb graph replays (FastDrafter.absorb_padded: a piece of features padded to its bucket, stale rows
-    after it) leaves the context's keys and values, and the next draft, as absorbing the piece alone does; the
-    padding's keys land past the length only."""
-    model = tiny_model("tiny-llama")
-    drafter = random_drafter(model, block_size=8, num_layers=2)
-    drafter.check_target(model)
-    width = len(drafter.target_layer_ids) * drafter.cfg.hidden_size
-    first, piece = torch.randn(1, 30, width) * 3, torch.randn(1, 37, width) * 3
-    plain, padded = FastDrafter(drafter, max_context=256), FastDrafter(drafter, max_context=256)
-    for fd in (plain, padded):
-        fd.add_pending(first)
-    plain.add_pending(piece)
-    padded.absorb_input().normal_()  # stale rows from an earlier, longer piece
-    padded.absorb_input()[:37].copy_(piece[0])
-    with torch.inference_mode():
-        padded.absorb_padded(absorb_bucket(37, 30, padded.max_context))
-    padded.set_length(30 + 37)
-    n = 30 + 37
-    torch.testing.assert_close(padded.k[:, :, :n], plain.k[:, :, :n], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(padded.v[:, :, :n], plain.v[:, :, :n], rtol=1e-5, atol=1e-5)
-    assert padded.k[:, :, n:30 + 64].abs().sum() > 0  # the padding wrote past the length
-    for fd in (plain, padded):
-        fd.launch(token=5)
-    assert plain.block_tokens.tolist() == padded.block_tokens.tolist()
-
-
 def test_engine_says_whether_speculation_is_lossless():
     """What `reviewer serve` prints in its ready line: plain, or speculative and lossless (exact mode, or batch-
     invariant kernels), or speculative and not guaranteed identical (the transformers path)."""
@@ -279,41 +245,6 @@ def test_cuda_drafter_graph_equals_its_eager_forward():
     assert torch.equal(f1[0], f2[0]) and torch.equal(t1, t2), (f1, f2, t1, t2)
     torch.testing.assert_close(f1[1], f2[1], rtol=1e-2, atol=1e-4)
     torch.testing.assert_close(c1, c2, rtol=1e-2, atol=1e-4)
-
-
-@cuda
-def test_cuda_absorb_graphs_draft_what_the_eager_absorb_drafts():
-    """The absorb graphs (FastDrafter.absorb_graphs: a prompt's features in pieces padded to ABSORB_ROWS, replayed
-    from CUDA graphs captured by capture_graphs()) against the eager absorb: a prompt longer than the largest piece,
-    then an agent turn's worth more; the same drafts, confidences to rounding (cuBLAS may choose other kernels for
-    the padded row counts), and no capture after capture_graphs()."""
-    from backend.dflash.fast import ABSORB_ROWS
-    from backend.models.captures import COUNTS
-    model = tiny_model("tiny-llama").cuda()
-    drafter = random_drafter(model, block_size=16, num_layers=2)
-    drafter.check_target(model)
-    width = len(drafter.target_layer_ids) * drafter.cfg.hidden_size
-    g = torch.Generator(device="cuda").manual_seed(3)
-    prompt = torch.randn(1, ABSORB_ROWS[-1] + 300, width, device="cuda", generator=g)
-    turn = torch.randn(1, 700, width, device="cuda", generator=g)
-    results = []
-    for graphs in (True, False):
-        fd = FastDrafter(drafter, max_context=8192)
-        fd.absorb_graphs = graphs
-        fd.capture_graphs()
-        captured = COUNTS.captures
-        drafts = []
-        for feats in (prompt, turn):
-            fd.add_pending(feats)
-            fd.launch(token=5)
-            torch.cuda.synchronize()
-            drafts.append((fd.block_tokens.clone(), fd.confidence.clone(), int(fd.length_dev)))
-        assert COUNTS.captures == captured  # nothing captured after capture_graphs()
-        assert sorted(fd._absorb_graphs) == (sorted(ABSORB_ROWS) if graphs else [])
-        results.append(drafts)
-    for (t1, c1, n1), (t2, c2, n2) in zip(*results):
-        assert n1 == n2 and torch.equal(t1, t2)
-        torch.testing.assert_close(c1, c2, rtol=1e-2, atol=1e-4)
 
 
 @cuda
