@@ -18,16 +18,21 @@ DRAFTERS_DIR = Path(__file__).resolve().parents[1] / "drafters"  # backend/draft
 # ---- checkpoints --------------------------------------------------------------------------------------------------
 
 
+def read_drafter_config(path: str | Path, *, block_attention: str | None = None) -> DrafterConfig:
+    """A drafter folder's config.json, parsed (no weights read). FileNotFoundError without one."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    return DrafterConfig.from_json(json.loads(config_file.read_text()), block_attention=block_attention)
+
+
 def load_drafter(path: str | Path, *, block_attention: str | None = None) -> DFlashDrafter:
     """Load a z-lab DFlash checkpoint directory (config.json + model.safetensors, or sharded with an index).
     Call drafter.check_target(model) (the Engine does) to bind it to the target, on the target's device/dtype."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    cfg = DrafterConfig.from_json(json.loads(config_file.read_text()), block_attention=block_attention)
+    cfg = read_drafter_config(path, block_attention=block_attention)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {path}")

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from backend.dflash.checkpoint import build_draft_vocab, save_drafter
-from backend.dflash.model import BLOCK_ATTENTION_MODES, DFlashDrafter, DrafterConfig
+from backend.dflash.checkpoint import build_draft_vocab, read_drafter_config, save_drafter
+from backend.dflash.model import BLOCK_ATTENTION_MODES, DFlashDrafter
 from backend.loading import ModelLoadError, load_model
 from backend.train import data as td
 from backend.train import prompts as tp
@@ -136,10 +136,9 @@ def inherited_window(cfg: TrainConfig) -> int:
     if not cfg.init_from:
         return 0
     try:
-        saved = DrafterConfig.from_json(json.loads((Path(cfg.init_from) / "config.json").read_text()))
+        return read_drafter_config(cfg.init_from).sliding_window or 0
     except (OSError, ValueError):
         return 0
-    return saved.sliding_window or 0
 
 
 def load_records(cfg: TrainConfig) -> list[tp.PromptRecord]:
