@@ -300,10 +300,10 @@ def speedups(walls: dict[str, dict[str, float]], reference: str = "none", other:
     return round(total, 4), round(first, 4)
 
 
-def session_tau(rows: list[TurnRow] | list[dict]) -> float | None:
-    """Tokens a speculative cycle committed over these turns (accepted drafts + the verify's own token, per cycle);
-    None without cycles (--drafter none)."""
-    specs = [r.spec if isinstance(r, TurnRow) else r["spec"] for r in rows]
+def session_tau(rows: list[dict]) -> float | None:
+    """Tokens a speculative cycle committed over these turns (a record's turn rows: accepted drafts + the verify's own
+    token, per cycle); None without cycles (--drafter none)."""
+    specs = [r["spec"] for r in rows]
     cycles = sum(s["spec_cycles"] for s in specs if s)
     accepted = sum(s["draft_n_accepted"] for s in specs if s)
     return round((accepted + cycles) / cycles, 3) if cycles else None
@@ -316,13 +316,14 @@ def build_record(runs: dict[str, dict], rows: list[TurnRow], sessions: list[Sess
     walls = {cfg: run["sessions_wall_s"] for cfg, run in runs.items()}
     drafted = [cfg for cfg in runs if cfg != "none"]  # the speedup is of the first drafter over --drafter none
     speedup, first = speedups(walls, other=drafted[0]) if drafted else (None, None)
+    turns = [asdict(r) for r in rows]
     return {
         "benchmark": "serve_replay", "interface": interface, "machine": machine(), "model": model,
         "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "forced_tau": forced_tau, "sessions": len(sessions), "replies": replies, "identical": identical,
         "speedup": speedup, "first_session_speedup": first,
         "ready_s": {cfg: run["ready_s"] for cfg, run in runs.items()},
-        "tau": {cfg: session_tau([r for r in rows if r.config == cfg]) for cfg in runs},
+        "tau": {cfg: session_tau([r for r in turns if r["config"] == cfg]) for cfg in runs},
         "captures_after_ready": {cfg: run.get("captures_after_ready") for cfg, run in runs.items()},
         "compilations_after_ready": {cfg: run.get("compilations_after_ready") for cfg, run in runs.items()},
         "max_context_tokens": max((r.context_tokens + r.completion_tokens for r in rows), default=0),
@@ -331,7 +332,7 @@ def build_record(runs: dict[str, dict], rows: list[TurnRow], sessions: list[Sess
                              "chunks_dropped_seen_in_training": s.dropped_seen,
                              "turns": {cfg: sum(r.session == s.name for r in rows if r.config == cfg) for cfg in runs}}
                             for s in sessions],
-        "configs": runs, "turns": [asdict(r) for r in rows],
+        "configs": runs, "turns": turns,
     }
 
 
