@@ -21,6 +21,9 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
   gdn_prefill reviewer_kernels/gdn_state.gdn_chunked (the chunk terms, the solve and the walk) at the 35B-A3B shape,
              prefill pieces of 1,700 and 1,024 tokens, over the solve (cuBLAS / Triton), its warps and the walk's
              warps and pipeline stages (GDN_PREFILL_CASES); error against the fp32 PyTorch terms and loop
+  glue       the padded steps' glue kernels (QwenNumerics.glue_kernels) at the 35B-A3B shape: the gated norm over rows
+             a program x warps against the compiled glue, the slot sum (with / without the next norm) over warps, the
+             router with the norm from partial sums over its K step; every candidate checked row for row
 
     python bench/kernel_sweep.py --out bench/results
 """
@@ -497,10 +500,108 @@ def sweep_wide(inner, reps):
     return out
 
 
+def sweep_glue(inner, reps):
+    """The padded steps' glue kernels (QwenNumerics.glue_kernels, off by default) at the 35B-A3B shape over their
+    launch shapes: the gated norm against the compiled glue it replaces, the slot sum with and without the next
+    layer's norm, the router matmul with the norm from partial sums over its K step. Each candidate is checked: a
+    row's (token's) result computed among other rows is the same bits as with other neighbours or alone."""
+    return glue_gated_norm(inner, reps) + glue_slot_sum(inner, reps) + glue_router_norm(inner, reps)
+
+
+def glue_gated_norm(inner, reps):
+    """The Gated DeltaNet's gated norm of a padded step: 16 rows x 32 value heads of 128, the gate a slice of the
+    in-projection's rows (as the model passes it)."""
+    from backend.models.llama import glue
+    from backend.models.qwen3_5_moe import deltanet_gate
+    from reviewer_kernels.norms import PADDED_GATED_NORM, gated_rms_norm
+    T, H, N = 16, 32, 128
+    core = torch.randn(T, H, N, device="cuda").bfloat16()
+    z = torch.randn(T, 12352, device="cuda").bfloat16()[:, 8192:8192 + H * N].view(T, H, N)
+    w = (torch.rand(N, device="cuda") + 0.5).bfloat16()
+    ref = gated_rms_norm(core, z, w, 1e-6, use_triton=False)
+    others = torch.randn_like(core)
+    others[5] = core[5]
+    compiled = glue(deltanet_gate, True)
+    rows = [dict(kernel="gated_norm", variant="compiled glue (the default)", rows=T * H,
+                 us=round(graph_time_us(lambda: compiled(core, z, w, 1e-6), inner, reps), 2))]
+    print(rows[-1], flush=True)
+    for br, warps in itertools.product((1, 2, 4, 8, 16, 32), (1, 2, 4)):
+        launch = dict(rows_per_program=br, num_warps=warps)
+        y = gated_rms_norm(core, z, w, 1e-6, use_triton=True, **launch)
+        y5 = gated_rms_norm(others, z, w, 1e-6, use_triton=True, **launch)[5]
+        rows.append(dict(kernel="gated_norm", variant="norms.gated_rms_norm", launch=launch,
+                         shipped=launch == PADDED_GATED_NORM, row_invariant=bool(torch.equal(y[5], y5)),
+                         rel_err=round(float((y.float() - ref.float()).norm() / ref.float().norm()), 6),
+                         us=round(graph_time_us(lambda: gated_rms_norm(core, z, w, 1e-6, use_triton=True, **launch),
+                                                inner, reps), 2)))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def glue_slot_sum(inner, reps):
+    """The experts' slot sum (8 routed + the shared slot, fp32 rows of 2,048, residual added) for 1 and 16 tokens,
+    without and with the next layer's norm, over num_warps; token 3 of 16 against token 3 summed alone."""
+    from reviewer_kernels.fused_moe import sum_slots
+    hidden, k = 2048, 8
+    out = []
+    for T, with_norm in itertools.product((1, 16), (False, True)):
+        rows = torch.randn(T * k + T, hidden, device="cuda")
+        res = torch.randn(T, hidden, device="cuda").bfloat16()
+        y = torch.empty_like(res)
+        nw = torch.rand(hidden, device="cuda") + 0.5
+        normed = torch.empty_like(res)
+        t = min(3, T - 1)
+        alone_rows = torch.cat([rows[t * k:(t + 1) * k], rows[T * k + t:T * k + t + 1]])
+        for warps in (None, 1, 2, 4, 8, 16):
+            norm = (nw, 1e-6, normed) if with_norm else None
+            run = lambda: sum_slots(rows, T, k, True, y, res, norm, warps)  # noqa: E731
+            block = run().clone()
+            alone = sum_slots(alone_rows, 1, k, True, torch.empty_like(res[:1]), res[t:t + 1],
+                              (nw, 1e-6, torch.empty_like(res[:1])) if with_norm else None, warps)
+            out.append(dict(kernel="slot_sum", T=T, norm=with_norm, num_warps=warps or "shipped",
+                            row_invariant=bool(torch.equal(alone[0], block[t])),
+                            us=round(graph_time_us(run, inner, reps), 2)))
+            print(out[-1], flush=True)
+    return out
+
+
+def glue_router_norm(inner, reps):
+    """The router matmul (256 experts, hidden 2,048, top-8) for 1 and 16 tokens: plain (the default numerics) and
+    with the norm from 32 partial sums of squares (the glue kernels), over the K step of a slice."""
+    from reviewer_kernels.moe_routing import ROUTER_NORM_BLOCK_K, route_topk_from_hidden
+    from reviewer_kernels.wide_linear import sumsq_partials_torch
+    H, E = 2048, 256
+    router = torch.randn(E, H, device="cuda").bfloat16() / H ** 0.5
+    nw = torch.rand(H, device="cuda") + 0.5
+    out = []
+    for T in (1, 16):
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        normed = torch.empty_like(x)
+        ss = sumsq_partials_torch(x, 32)
+        plain = lambda: route_topk_from_hidden(x, router, 8)  # noqa: E731
+        out.append(dict(kernel="router", T=T, variant="no norm (default numerics)",
+                        us=round(graph_time_us(plain, inner, reps), 2)))
+        print(out[-1], flush=True)
+        t = T - 1
+        for bk in (64, 128, 256, 512):
+            run = lambda: route_topk_from_hidden(x, router, 8, rms_norm=(nw, 1e-6), normed_out=normed,  # noqa: E731
+                                                 sumsq=ss, block_k=bk)
+            w_block, ids_block = (v.clone() for v in run())
+            w1, ids1 = route_topk_from_hidden(x[t:t + 1], router, 8, rms_norm=(nw, 1e-6),
+                                              normed_out=torch.empty_like(x[:1]),
+                                              sumsq=sumsq_partials_torch(x[t:t + 1], 32), block_k=bk)
+            out.append(dict(kernel="router", T=T, variant="norm from partials", block_k=bk,
+                            shipped=bk == ROUTER_NORM_BLOCK_K,
+                            row_invariant=bool(torch.equal(w1[0], w_block[t]) and torch.equal(ids1[0], ids_block[t])),
+                            us=round(graph_time_us(run, inner, reps), 2)))
+            print(out[-1], flush=True)
+    return out
+
+
 SWEEPS = {"gdn": sweep_gdn, "route": sweep_route, "attention": sweep_attention, "gemv": sweep_gemv,
           "moe_decode": sweep_moe_decode, "gemv_fused": sweep_gemv_fused, "llama_one_token": sweep_llama_one_token,
           "rows": sweep_rows, "rows_35b": sweep_rows_35b, "wide": sweep_wide,
-          "gdn_prefill": sweep_gdn_prefill}
+          "gdn_prefill": sweep_gdn_prefill, "glue": sweep_glue}
 
 
 def main():

@@ -104,10 +104,10 @@ def candidates() -> list[dict]:
     the 16-token tuned entry stood in for it, whose gate_up BK differs). The gate_up K splits give a decode step's 9
     active experts ~600-2,300 short programs instead of ~144 long ones, finished by the last program of a tile
     (reviewer_kernels/fused_moe.py). Measured on 2026-12-04 (with down splits too, since removed): none beat the entry
-    (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json). The entry's gate_up (BN 32, BK 256, 4
-    warps) uses 255 registers and spills ~1.9 KB a thread in Triton 3.6's sm_90 build (ptxas -v, 2026-12-04, no GPU);
-    in 8 warps ~0.2 KB, at BK 128 64 B (BK 128 in 4 warps measured slower on 2026-12-02): the unsplit 8-warp sets
-    below are that lead."""
+    (bench/results/moe_invariant_tiles_split_finish_h200_20261204_170057.json). The unsplit 8-warp sets below
+    were added on 2026-12-04 for register spills read from an sm_90 build without a launch's specialisation; built as a
+    launch builds it, the entry's gate_up uses 128 registers in 4 warps and spills nothing (docs/kernels.md), so they
+    are plain candidates."""
     base = fm.invariant_config(torch.cuda.get_device_name(), fm.shape_key(E, H, I, K, True), K)
     gate_up = [dict(base["gate_up"])] + [
         dict(BN=bn, BK=bk, warps=wp, stages=st, split=sp) for bn, bk, wp, st, sp in [

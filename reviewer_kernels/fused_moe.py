@@ -408,29 +408,34 @@ if triton is not None:
                  mask=valid[:, None] & n_ok[None, :])
 
     @triton.jit(do_not_specialize=["num_routed"])
-    def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, nw_ptr, normed_ptr, num_routed, top_k, H, eps, stride_rows,
-                          stride_out, stride_res, stride_normed, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                          HAS_NORM: tl.constexpr, BH: tl.constexpr):
+    def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, nw_ptr, normed_ptr, num_routed, H, eps, stride_rows,
+                          stride_out, stride_res, stride_normed, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                          HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, BH: tl.constexpr):
         """out[t] = sum over its routed slots in order k = 0..K-1, then the shared slot; fp32, cast once; then
         (HAS_RESIDUAL) plus res[t], rounded once more: the rounding of `res + out` in PyTorch. HAS_NORM (a program
-        holds the whole row, BH >= H): also normed[t] = rms_norm_scaled(out[t], nw, eps), the next layer's pre-norm."""
+        holds the whole row, BH >= H): also normed[t] = rms_norm_scaled(out[t], nw, eps), the next layer's pre-norm.
+        TOP_K is the model's constant, so the slot loop unrolls: every load is issued before the first add (a loop
+        over a runtime count waited for each slot's row in turn, one memory round trip a slot); the additions keep
+        their order, so the bits are those of the loop."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BH + tl.arange(0, BH)
         ok = offs < H
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         acc = tl.zeros([BH], tl.float32)
-        for k in range(0, top_k):
-            acc += tl.load(rows_ptr + (t * top_k + k) * stride_rows + offs, mask=ok, other=0.0)
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(rows_ptr + (t * TOP_K + k) * stride_rows + offs, mask=ok, other=0.0)
         if HAS_SHARED:
             acc += tl.load(rows_ptr + (num_routed + t) * stride_rows + offs, mask=ok, other=0.0)
         out = acc.to(out_ptr.dtype.element_ty)
         if HAS_RESIDUAL:
-            res = tl.load(res_ptr + t * stride_res + offs, mask=ok, other=0.0)
             out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * stride_out + offs, out, mask=ok)
         if HAS_NORM:
             of = tl.where(ok, out.to(tl.float32), 0.0)
             rstd = 1.0 / tl.sqrt(tl.sum(of * of, axis=0) / H + eps)
-            nw = tl.load(nw_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             tl.store(normed_ptr + t * stride_normed + offs, (of * rstd * nw).to(normed_ptr.dtype.element_ty),
                      mask=ok)
 
@@ -559,12 +564,21 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_warps=dn["warps"], num_stages=dn["stages"])
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
+    return sum_slots(rows, num_tokens, top_k, has_shared, out, residual, norm)
+
+
+def sum_slots(rows: torch.Tensor, num_tokens: int, top_k: int, has_shared: bool, out: torch.Tensor,
+              residual: torch.Tensor | None = None, norm=None, num_warps: int | None = None) -> torch.Tensor:
+    """The experts' last launch: out[t] = the sum of token t's routed fp32 rows (slots t*K .. t*K+K-1, in k order),
+    then its shared-expert row (slot M*K + t), cast once; plus residual and the next norm as `fused_moe` says.
+    num_warps overrides the launch (bench/kernel_sweep.py)."""
+    hidden = rows.shape[1]
     # with the next norm, a program per row (it needs the whole row's sum of squares)
     block_h = triton.next_power_of_2(hidden) if norm is not None else min(256, triton.next_power_of_2(hidden))
     res = residual if residual is not None else out  # unused without a residual
     nw, eps, normed = norm if norm is not None else (out, 0.0, out)  # unused without a norm
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        rows, out, res, nw, normed, num_routed, top_k, hidden, eps, rows.stride(0), out.stride(0), res.stride(0),
-        normed.stride(0), HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, HAS_NORM=norm is not None,
-        BH=block_h, num_warps=4 if block_h <= 1024 else 8)
+        rows, out, res, nw, normed, num_tokens * top_k, hidden, eps, rows.stride(0), out.stride(0), res.stride(0),
+        normed.stride(0), TOP_K=top_k, HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None,
+        HAS_NORM=norm is not None, BH=block_h, num_warps=num_warps or (4 if block_h <= 1024 else 8))
     return out

@@ -27,6 +27,12 @@ SMALL_BATCH = 64  # up to this many tokens, one token per program
 ROUTER_MAX_TOKENS = 16  # route_topk_from_hidden's own matmul up to this many tokens (a decode step or a verify block)
 ROUTER_K_SPLIT = 4  # K slices of the router matmul
 ROUTER_BLOCK_E = 16  # experts per program
+ROUTER_BLOCK_K = 128  # the K step of a slice's loop: pipelined, nothing between a load and its MMA
+# With the norm inside (rms_norm=...), the rows are normed between their load and the MMA, which keeps the loop from
+# overlapping one step's loads with the previous step's work: the router with the norm from partial sums took 5.8 us a
+# layer against 3.1 without (H200, 2026-12-05). So a slice is one step there, every load issued at once. A guess until
+# `python bench/kernel_sweep.py --only glue` times both (each checked: a token alone routes to the block's bits).
+ROUTER_NORM_BLOCK_K = 512
 # Route inside the router matmul's launch (its last program to finish adds the K slices and routes all tokens as one
 # [16, E] tile) instead of a second launch. Off: timed on the H200 on 2026-12-03 it took 13.3 us a layer against 5.7
 # for the two launches (the last program's serial top-k outweighs the launch it saves; bench/step_budget.py
@@ -191,7 +197,7 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, use_t
 def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool = True,
                            use_triton: bool | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
                            normed_out: torch.Tensor | None = None, one_launch: bool | None = None,
-                           sumsq: torch.Tensor | None = None):
+                           sumsq: torch.Tensor | None = None, block_k: int | None = None):
     """route_topk(F.linear(h, router), ...) for h [M, H] and router [E, H]: with Triton and M <= ROUTER_MAX_TOKENS,
     the matmul runs in a kernel of ours (fp32 partial sums over ROUTER_K_SPLIT slices, added in a fixed order) whose
     rounded logits the routing kernel takes directly; otherwise F.linear + route_topk.
@@ -199,7 +205,9 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     matmul kernel: no launch of its own), and write that normed h to normed_out [M, H] (required) for the experts.
     sumsq [P, 16] (with rms_norm; M <= 16): h's rows' sums of squares as wide_linear(..., sumsq=True) left them, added
     in order: the norm runs inside the matmul kernel for every M, rows normed as x * rsqrt(sum / H + eps) * weight.
-    one_launch: route in the matmul's launch (default ROUTE_IN_MATMUL)."""
+    one_launch: route in the matmul's launch (default ROUTE_IN_MATMUL). block_k: the K step within a slice (default
+    ROUTER_BLOCK_K; with the norm inside, up to ROUTER_NORM_BLOCK_K, a slice's width; a power of two >= 16): a token's
+    bits depend on it, never on the other tokens."""
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
         raise ValueError(f"expected h [tokens, hidden] and router [experts, hidden], got {tuple(h.shape)} and "
                          f"{tuple(router.shape)}")
@@ -224,7 +232,10 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
         return route_topk(torch.nn.functional.linear(h, router), top_k, renormalize, use_triton)
     h = h if h.stride(-1) == 1 else h.contiguous()
     router = router if router.stride(-1) == 1 else router.contiguous()
-    block_k = 128
+    normed = norm_inside or from_parts
+    if block_k is None:  # with the norm, a slice in one step where the slice is wider than ROUTER_BLOCK_K
+        slice_k = triton.next_power_of_2(triton.cdiv(hidden, ROUTER_K_SPLIT))
+        block_k = max(ROUTER_BLOCK_K, min(ROUTER_NORM_BLOCK_K, slice_k)) if normed else ROUTER_BLOCK_K
     k_per_split = triton.cdiv(hidden, ROUTER_K_SPLIT * block_k) * block_k
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, ROUTER_MAX_TOKENS, experts, dtype=torch.float32, device=h.device)
@@ -235,7 +246,6 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     # one counter of the split-K kernels' workspace (each call leaves it at zero); without ROUTE the kernel never reads
     # its pointer argument
     count = split_workspace(h.device, 0, 0, 1)[2] if route else parts
-    normed = norm_inside or from_parts
     _router_partial_kernel[(triton.cdiv(experts, ROUTER_BLOCK_E), splits)](
         h, router, rms_norm[0] if normed else h, normed_out if normed else h, parts,
         sumsq if from_parts else parts, num_tokens, experts, hidden, k_per_split, h.stride(0), router.stride(0),

@@ -10,8 +10,10 @@ multiplied in fp32 before the one cast; the gated norm casts the normed row, sca
 dtype, and multiplies by SiLU(gate) in fp32. Eager PyTorch spends 8-12 launches on each (casts, pow, mean, rsqrt,
 products), each over the whole [T, H] tensor in fp32: in an eager prefill piece that was ~20 launches a layer.
 
-Decode steps and verifies do not come here: they keep their own kernels (norm_gemv, the compiled glue of the padded
-rows), whose bits the speculation's invariance relies on. A row's result here does not depend on the other rows.
+A row's result here does not depend on the other rows, only on the launch shape. Decode steps and verifies keep
+their own kernels (norm_gemv, the compiled glue of the padded rows), whose bits the speculation's invariance relies
+on, except the gated norm under the glue kernels (backend/models/numerics.py), which they call with one fixed launch
+shape (PADDED_GATED_NORM) whatever the step's token count.
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ if triton is not None:
         scaled = (w[None, :].to(tl.float32) * normed.to(tl.float32)).to(dt).to(tl.float32)
         g = tl.load(g_ptr + t * stride_gt + h * stride_gh + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + r64 * N + cols[None, :], (scaled * (g * tl.sigmoid(g))).to(dt), mask=ok)
+
+
+# The padded decode steps' and verifies' gated norm (backend/models/qwen3_5_moe.py with the glue kernels): 16 rows x 32
+# heads = 512 rows of 128. The prefill shape (32 rows a program) gave them 16 programs: 103 us a step against 61 for
+# the compiled glue on the H200 (2026-12-05). 4 rows a program is a guess, not a measurement: `python
+# bench/kernel_sweep.py --only glue` times the candidates, each checked row for row against its rows alone.
+PADDED_GATED_NORM = {"rows_per_program": 4, "num_warps": 2}
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,9 +131,12 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                   use_triton: bool | None = None) -> torch.Tensor:
+                   use_triton: bool | None = None, rows_per_program: int | None = None,
+                   num_warps: int = 4) -> torch.Tensor:
     """x, gate [T, H, N] (a row per head; any strides but contiguous rows), weight [N] in x's dtype -> [T, H * N],
-    gated_rms_norm_torch's result per row."""
+    gated_rms_norm_torch's result per row. rows_per_program (a power of two) and num_warps set the launch shape (by
+    default ~4k elements a program, for prefill pieces): a row's bits depend on them, never on the other rows, so a
+    caller whose steps must agree bit for bit passes one fixed shape (PADDED_GATED_NORM)."""
     if use_triton is None:
         use_triton = triton_usable(x)
     if x.dim() != 3 or x.shape != gate.shape:
@@ -136,7 +148,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise ValueError("gated_rms_norm needs contiguous rows (last dimension)")
     out = torch.empty(T, H * N, dtype=x.dtype, device=x.device)
     br, bn = _launch_shape(N)
+    br = rows_per_program or br
     _gated_rms_norm_kernel[(triton.cdiv(T * H, br),)](x, gate, weight, out, T * H, H, N, eps, x.stride(0),
                                                       x.stride(1), gate.stride(0), gate.stride(1), BR=br, BN=bn,
-                                                      num_warps=4)
+                                                      num_warps=num_warps)
     return out

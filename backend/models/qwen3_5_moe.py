@@ -296,7 +296,8 @@ class GatedDeltaNet(nn.Module):
             gdn_recurrent(q[:T], k[:T], v[:T], a[:T], b[:T], cache.state[i], cache.state[i], every_position=False,
                           gates=gates, out=core[:T])
         if model.numerics.qwen.glue_kernels:  # the gated norm in norms.py's kernel (the compiled glue: ~5 us)
-            gated = norms.gated_rms_norm(core, z, self.norm, c.rms_norm_eps, use_triton=True)
+            gated = norms.gated_rms_norm(core, z, self.norm, c.rms_norm_eps, use_triton=True,
+                                         **norms.PADDED_GATED_NORM)
         else:
             gated = glue(deltanet_gate, compiled)(core, z, self.norm, c.rms_norm_eps)
         return model.padded_out(gated, self.w_out, x)

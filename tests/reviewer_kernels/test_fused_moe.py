@@ -396,7 +396,7 @@ from reviewer_kernels import route_topk_from_hidden
 from reviewer_kernels.wide_linear import sumsq_partials_torch
 torch.manual_seed(0)
 for dt, e, h, k, m, parts in [("float32", 16, 96, 4, 5, 3), ("float16", 16, 128, 4, 16, 4),
-                              ("float32", 64, 64, 2, 1, 1)]:
+                              ("float32", 64, 64, 2, 1, 1), ("float16", 16, 2048, 4, 3, 32)]:
     x = (torch.randn(m, h) * 3 + 1).to(getattr(torch, dt))
     weight, eps = torch.rand(h) + 0.5, 1e-6
     router = (torch.randn(e, h) / h ** 0.5).to(x.dtype)
@@ -425,10 +425,11 @@ def test_rms_norm_from_sums_of_squares_inside_the_router_kernel():
     """route_topk_from_hidden(rms_norm=..., normed_out=..., sumsq=partials): for up to 16 tokens the router matmul
     kernel norms the rows from the sums of squares an output projection left (wide_linear's sumsq), routes as if
     given the normed rows and stores them for the experts (the first expert tile's programs, a K slice each); a token
-    alone gets the block's bits; off Triton the same contract in PyTorch. Bad partials are refused."""
+    alone gets the block's bits; off Triton the same contract in PyTorch. Bad partials are refused. The 2,048-wide case
+    takes a slice in one K step (ROUTER_NORM_BLOCK_K), the narrow ones the loop's steps."""
     pytest.importorskip("triton")
     results = run_interpreted(PARTS_NORM_SCRIPT)
-    assert len(results) == 3
+    assert len(results) == 4
     for r in results:
         tol = 1e-5 if r["case"][0] == "float32" else 2e-3
         assert r["same_ids"] and r["fallback_ids"] and r["rows_alone"], r

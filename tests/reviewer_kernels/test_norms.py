@@ -31,7 +31,7 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from reviewer_kernels.norms import add_rms_norm, gated_rms_norm, rms_norm
+from reviewer_kernels.norms import PADDED_GATED_NORM, add_rms_norm, gated_rms_norm, rms_norm
 from tests.reviewer_kernels.test_norms import CASES, make_case
 err = lambda a, b: (a.double() - b.double()).abs().max().item()
 for case in CASES:
@@ -41,10 +41,14 @@ for case in CASES:
     s_ref, n_ref = add_rms_norm(x, y, w, 1e-6, use_triton=False)
     g = gated_rms_norm(core, gate, gw, 1e-6, use_triton=True)
     g_ref = gated_rms_norm(core, gate, gw, 1e-6, use_triton=False)
+    g_pad = gated_rms_norm(core, gate, gw, 1e-6, use_triton=True, **PADDED_GATED_NORM)
+    t = T // 2  # one token's heads alone, in the padded steps' launch shape
+    alone = gated_rms_norm(core[t:t + 1], gate[t:t + 1], gw, 1e-6, use_triton=True, **PADDED_GATED_NORM)
     print(json.dumps({"case": list(case), "norm": err(rms_norm(x, w, 1e-6, use_triton=True),
                                                       rms_norm(x, w, 1e-6, use_triton=False)),
                       "sum_equal": torch.equal(s, s_ref), "add_norm": err(n, n_ref), "gated": err(g, g_ref),
-                      "gated_shape": list(g.shape), "scale": n_ref.abs().max().item()}))
+                      "gated_shape": list(g.shape), "scale": n_ref.abs().max().item(),
+                      "padded": err(g_pad, g_ref), "padded_alone": torch.equal(alone[0], g_pad[t])}))
 """
 
 
@@ -55,11 +59,13 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_norm_kernels_match_their_twins(interpreter_results, case):
-    """Each norm to rounding (fp16: the same bits here), the residual sum bit for bit, the gated norm [T, H * d]."""
+    """Each norm to rounding (fp16: the same bits here), the residual sum bit for bit, the gated norm [T, H * d];
+    in the padded steps' launch shape too, where a token's heads alone get the bits they get among other tokens."""
     r = interpreter_results[tuple(case)]
     tol = 2e-6 if case[0] == "float32" else 1e-3
     assert r["scale"] > 0.5, r
     assert r["norm"] < tol and r["add_norm"] < tol and r["gated"] < tol and r["sum_equal"], r
+    assert r["padded"] < tol and r["padded_alone"], r
     assert r["gated_shape"] == [case[1], case[2] // case[3] * case[3]], r
 
 
@@ -95,3 +101,17 @@ def test_cuda_norms_at_the_35b_shape_match_their_twins():
     torch.testing.assert_close(n, n_ref, **tol)
     torch.testing.assert_close(gated_rms_norm(core, gate, gw, 1e-6),
                                gated_rms_norm(core, gate, gw, 1e-6, use_triton=False), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_padded_gated_norm_rows_are_the_same_bits_alone():
+    """The padded steps' launch shape (PADDED_GATED_NORM) at the 35B-A3B shape, bf16: 16 tokens x 32 heads of 128
+    within a rounding of the twin, and each token's heads computed alone (a decode step's row) bit for bit the rows
+    they are among the 16 (a verify's)."""
+    from reviewer_kernels.norms import PADDED_GATED_NORM
+    _, _, _, core, gate, gw = make_case(16, 4096, 32, torch.bfloat16, "cuda", seed=5)
+    block = gated_rms_norm(core, gate, gw, 1e-6, **PADDED_GATED_NORM)
+    torch.testing.assert_close(block, gated_rms_norm(core, gate, gw, 1e-6, use_triton=False), rtol=1e-2, atol=1e-2)
+    for t in range(16):
+        assert torch.equal(gated_rms_norm(core[t:t + 1], gate[t:t + 1], gw, 1e-6, **PADDED_GATED_NORM)[0], block[t])
