@@ -462,6 +462,14 @@ def sweep_rows_35b(inner, reps):
     return out
 
 
+# (BN, BK, SPLITS, stages): 16 or 32 weight rows a tile and K unsplit. The out-projections' tuned split-K shape runs
+# at ~2x its bytes in the step (8.2 us a layer against 4.0, step_budget 2026-12-05), and a split's finish (an atomic,
+# then the partials read back) is a chain of round trips on every tile's path; 2048 / 16 = 128 tiles fill the SMs
+# without it (mma.sync instead of wgmma at 16 rows, 40-75 KB of shared memory: several programs an SM).
+NARROW_WIDE_TILES = [(16, 256, 1, 4), (16, 256, 1, 6), (16, 256, 1, 8), (16, 128, 1, 8), (16, 512, 1, 4),
+                     (32, 256, 1, 4), (32, 256, 1, 6), (32, 128, 1, 8)]
+
+
 def sweep_wide(inner, reps):
     """reviewer_kernels/wide_linear.py at the Qwen3.6-35B-A3B shape's dense projections on 16 padded rows, as the
     invariant steps call them, against cuBLAS (F.linear, what those steps ran before), each call on its own weight.
@@ -483,7 +491,8 @@ def sweep_wide(inner, reps):
         others = torch.randn_like(x)
         others[5] = x[5]
         splits = (1, 2, 4) if n > 4096 else (2, 4, 8)
-        for bn, bk, split, stages in itertools.product((64, 128), (128, 256), splits, (3, 4, 5)):
+        shapes = list(itertools.product((64, 128), (128, 256), splits, (3, 4, 5))) + NARROW_WIDE_TILES
+        for bn, bk, split, stages in shapes:
             tiles = {"BN": bn, "BK": bk, "SPLITS": split, "stages": stages, "warps": 4}
             try:
                 y = wide_linear(x, ws[0], use_triton=True, tiles=tiles)
