@@ -304,7 +304,8 @@ def bench_replay(*, model: str, drafter: str, device: str, sessions: int, max_to
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def train(ctx: typer.Context) -> None:
     """Train a DFlash drafter for a target model on the target's own outputs (loss, block attention, corruption,
-    block size, layers, draft vocabulary, seed; `--from-db` learns the review loop's own transcripts).
+    block size, layers, draft vocabulary, seed; `--from-db` learns the review loop's own transcripts, `--from-transcripts`
+    agent sessions replayed through `reviewer serve`).
     `reviewer train --help` lists every option."""
     try:
         from backend.train import cli as train_cli

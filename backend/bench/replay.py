@@ -8,6 +8,8 @@ stops the server with SIGTERM. The sessions (backend/bench/sessions.py): a perso
 first turn asking to review a repository, then per turn the model's own reply fed back and a real file's next chunk as
 the tool result, until the next turn would not fit the window. The record (bench/results/serve_replay-<model>-<date>
 .json) holds the per-turn rows, identical replies against --drafter none's, and the speedup in total session wall.
+`--transcripts FILE` also writes the first configuration's sessions whole, one JSON line each: training data for
+`reviewer train --from-transcripts` when the sources are not the held-out ones (docs/training.md).
 
 `--interface engine` drives the same session structure through `Engine.generate` in-process instead (the GPU shapes
 with random weights, where serving over HTTP measures nothing more), with --forced-tau (backend/bench/replay_engine.py).
@@ -39,8 +41,9 @@ from pathlib import Path
 
 from backend.bench.replay_engine import engine_replay, isolated_replay
 from backend.bench.report import cpu_model
-from backend.bench.sessions import (Reply, ReplayError, Session, SessionError, TurnRow, anthropic_body, build_sessions,
-                                    feed_back, load_tools, repo_files, stdlib_tests)
+from backend.bench.sessions import (Reply, ReplayError, Session, SessionError, TurnRow, anthropic_body,
+                                    assistant_message, build_sessions, feed_back, load_tools, repo_files,
+                                    stdlib_tests)
 
 CAPTURES_METRIC = "reviewer_graph_captures_after_ready_total"
 COMPILATIONS_METRIC = "reviewer_compilations_after_ready_total"
@@ -62,6 +65,27 @@ class ConfigRun:
     exit_code: int | None = None
     window: int | None = None  # the server's max_context (/v1/models)
     served_model: str | None = None
+
+
+@dataclass
+class SessionRun:
+    """One session against one server: its turns, its wall, why it stopped, and the whole conversation it built
+    (every reply included), which `--transcripts` writes."""
+    name: str
+    rows: list[TurnRow]
+    wall_s: float
+    stop_reason: str
+    messages: list[dict]
+
+
+@dataclass
+class ServeReplay:
+    """Every configuration's run: the runs as dicts (for the record), all turn rows, the served model's name, and
+    each configuration's sessions."""
+    runs: dict[str, dict]
+    rows: list[TurnRow]
+    model: str
+    sessions: dict[str, list[SessionRun]]
 
 
 # ---- the server as a user starts it ---------------------------------------------------------------------------------
@@ -203,9 +227,9 @@ def turn_row(config: str, session: str, turn: int, reply: Reply, got: dict, coun
 
 
 def replay_session(client, http, model: str, session: Session, tools: list[dict], config: str, *, max_tokens: int,
-                   max_context: int, max_turns: int | None) -> tuple[list[TurnRow], float, str]:
+                   max_context: int, max_turns: int | None) -> SessionRun:
     """Turns until the next would not fit (counted prompt + max_tokens > max_context), the chunks run out, or
-    max_turns; returns (rows, total wall, why it stopped)."""
+    max_turns."""
     messages, rows, t0 = session.opening(), [], time.perf_counter()
     why = "chunks exhausted"
     for turn in range(len(session.chunks) + 1):
@@ -219,20 +243,23 @@ def replay_session(client, http, model: str, session: Session, tools: list[dict]
         reply, got = stream_turn(client, model, messages, tools, max_tokens)
         rows.append(turn_row(config, session.name, turn, reply, got, counted))
         if turn == len(session.chunks):
+            messages.append(assistant_message(reply, turn))
             break
         messages += feed_back(reply, session.chunks[turn], turn)
-    return rows, time.perf_counter() - t0, why
+    while rows and messages[-1]["role"] != "assistant":  # end at the last reply: what came after it was never sent
+        messages.pop()
+    return SessionRun(session.name, rows, time.perf_counter() - t0, why, messages)
 
 
 def run_config(model: str, drafter: str, sessions: list[Session], tools: list[dict], *, serve_args: list[str],
                max_tokens: int, max_turns: int | None, log_dir: Path, ready_timeout: float,
-               request_timeout: float) -> tuple[ConfigRun, list[TurnRow]]:
+               request_timeout: float) -> tuple[ConfigRun, list[SessionRun]]:
     """One cold server: ready, every session in order, metrics around them, SIGTERM."""
     import httpx
     import openai
 
     server, run = start_server(model, drafter, serve_args, log_dir, ready_timeout)
-    rows: list[TurnRow] = []
+    done: list[SessionRun] = []
     try:
         with httpx.Client(base_url=server.url, timeout=request_timeout) as http:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", http_client=http, max_retries=0)
@@ -243,17 +270,16 @@ def run_config(model: str, drafter: str, sessions: list[Session], tools: list[di
                 raise ReplayError("the server's /v1/models gives no max_context: cannot tell when a session is full")
             run.metrics_before = scrape_metrics(http)
             for s in sessions:
-                got, wall, why = replay_session(client, http, served.id, s, tools, drafter, max_tokens=max_tokens,
-                                                max_context=window, max_turns=max_turns)
-                rows += got
-                run.sessions_wall_s[s.name] = round(wall, 4)
-                run.stop_reasons[s.name] = why
+                done.append(replay_session(client, http, served.id, s, tools, drafter, max_tokens=max_tokens,
+                                           max_context=window, max_turns=max_turns))
+                run.sessions_wall_s[s.name] = round(done[-1].wall_s, 4)
+                run.stop_reasons[s.name] = done[-1].stop_reason
             run.metrics_after = scrape_metrics(http)
             run.captures_after_ready = run.metrics_after.get(CAPTURES_METRIC)
             run.compilations_after_ready = run.metrics_after.get(COMPILATIONS_METRIC)
     finally:
         run.exit_code = stop_server(server.process)
-    return run, rows
+    return run, done
 
 
 # ---- the record ---------------------------------------------------------------------------------------------------
@@ -379,26 +405,41 @@ def write_record(record: dict, out: Path) -> Path:
 
 def serve_replay(model: str, sessions: list[Session], *, drafters: tuple[str, ...], serve_args: list[str],
                  max_tokens: int, max_turns: int | None, ready_timeout: float, request_timeout: float,
-                 tools: list[dict] | None = None, on_config=print, log_dir: Path | None = None
-                 ) -> tuple[dict[str, dict], list[TurnRow], str]:
-    """Every configuration cold, one after the other; returns (runs as dicts, rows, the served model's name).
-    tools: the agent's (backend/prompts/agent_tools.json) unless given. log_dir: keep the servers' stderr there
-    (serve-<drafter>.log; default a temporary folder, removed)."""
+                 tools: list[dict] | None = None, on_config=print, log_dir: Path | None = None) -> ServeReplay:
+    """Every configuration cold, one after the other. tools: the agent's (backend/prompts/agent_tools.json) unless
+    given. log_dir: keep the servers' stderr there (serve-<drafter>.log; default a temporary folder, removed)."""
     tools = load_tools() if tools is None else tools
-    runs, rows, name = {}, [], model
+    result = ServeReplay({}, [], model, {})
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     with (contextlib.nullcontext(str(log_dir)) if log_dir else tempfile.TemporaryDirectory(prefix="serve-replay-")
           ) as logs:
         for drafter in drafters:
-            run, got = run_config(model, drafter, sessions, tools, serve_args=serve_args, max_tokens=max_tokens,
-                                  max_turns=max_turns, log_dir=Path(logs), ready_timeout=ready_timeout,
-                                  request_timeout=request_timeout)
-            runs[drafter], name = asdict(run), run.served_model or model
-            rows += got
-            on_config(f"--drafter {drafter}: ready in {run.ready_s:.1f} s ({run.ready_line}); {len(got)} turns in "
-                      f"{sum(run.sessions_wall_s.values()):.1f} s")
-    return runs, rows, name
+            run, done = run_config(model, drafter, sessions, tools, serve_args=serve_args, max_tokens=max_tokens,
+                                   max_turns=max_turns, log_dir=Path(logs), ready_timeout=ready_timeout,
+                                   request_timeout=request_timeout)
+            result.runs[drafter], result.model = asdict(run), run.served_model or model
+            result.sessions[drafter] = done
+            result.rows += [r for d in done for r in d.rows]
+            on_config(f"--drafter {drafter}: ready in {run.ready_s:.1f} s ({run.ready_line}); "
+                      f"{sum(len(d.rows) for d in done)} turns in {sum(run.sessions_wall_s.values()):.1f} s")
+    return result
+
+
+def write_transcripts(path: Path, done: list[SessionRun], sessions: list[Session], tools: list[dict], *,
+                      config: str, model: str, source: str) -> Path:
+    """One JSON line per session: the whole conversation (system prompt, task, every reply and tool result as the
+    server got them) with its tools, for `reviewer train --from-transcripts`. Written whole or not at all."""
+    by_name = {s.name: s for s in sessions}
+    lines = [json.dumps({"session": d.name, "persona": by_name[d.name].persona, "files": by_name[d.name].files,
+                         "config": config, "model": model, "source": source, "stop_reason": d.stop_reason,
+                         "tools": tools, "messages": d.messages}) for d in done]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def parse_args(argv: list[str] | None):
@@ -440,6 +481,10 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--logs", type=Path, default=None, help="serve: keep each server's stderr in this folder "
                     "(default: a temporary folder, removed)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"), help="folder (or .json file) for the record")
+    ap.add_argument("--transcripts", type=Path, default=None, metavar="FILE.jsonl",
+                    help="serve: also write the first configuration's sessions, whole (every reply and tool result), "
+                    "one JSON line each: training data for `reviewer train --from-transcripts` (replay sources other "
+                    "than the held-out ones for that)")
     return ap.parse_args(argv)
 
 
@@ -464,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         sessions = build_sessions(a.sessions, source, chunk_chars=chunk_chars)
         settings = {"max_tokens": a.max_tokens, "chunk_chars": chunk_chars, "max_turns": a.max_turns,
                     "drafters": list(drafters), "temperature": 0, "stream": True}
+        if a.transcripts and a.interface != "serve":
+            raise ReplayError("--transcripts needs --interface serve (the engine replays token ids, not messages)")
         if a.interface == "serve":
             if a.forced_tau is not None or a.routing_trace:
                 raise ReplayError("--forced-tau and --routing-trace need --interface engine (the server has neither)")
@@ -471,11 +518,15 @@ def main(argv: list[str] | None = None) -> int:
             serve_args += ["--device", a.device] if a.device else []
             serve_args += ["--max-context", str(a.max_context)] if a.max_context else []
             settings["serve_args"] = serve_args
-            runs, rows, name = serve_replay(a.model, sessions, drafters=drafters, serve_args=serve_args,
-                                            max_tokens=a.max_tokens, max_turns=a.max_turns,
-                                            ready_timeout=a.ready_timeout, request_timeout=a.request_timeout,
-                                            log_dir=a.logs)
+            done = serve_replay(a.model, sessions, drafters=drafters, serve_args=serve_args,
+                                max_tokens=a.max_tokens, max_turns=a.max_turns, ready_timeout=a.ready_timeout,
+                                request_timeout=a.request_timeout, log_dir=a.logs)
+            runs, rows, name = done.runs, done.rows, done.model
             interface = "reviewer serve over HTTP (openai client, streamed)"
+            if a.transcripts:
+                wrote = write_transcripts(a.transcripts, done.sessions[drafters[0]], sessions, load_tools(),
+                                          config=drafters[0], model=name, source=source.held_out)
+                print(f"wrote {len(sessions)} session transcript(s) to {wrote}")
         else:
             replay = engine_replay if a.same_process or len(drafters) == 1 else isolated_replay
             runs, rows, name, extra, *_ = replay(a.model, sessions, drafters=drafters, device=a.device or "cuda",

@@ -265,28 +265,34 @@ def build_sessions(n: int, source: Source, *, chunk_chars: int = 700, max_chunks
 # ---- one turn fed back ------------------------------------------------------------------------------------------------
 
 
-def feed_back(reply: Reply, chunk: Chunk, turn: int) -> list[dict]:
-    """The messages a turn adds: the model's own reply, then the next file chunk as a tool result. A reply with tool
-    calls gets the chunk as its first call's result (a further call: a one-line refusal, as the agent allows one call
-    per reply); a reply without them gets the chunk as a user turn holding the read_file output."""
+def assistant_message(reply: Reply, turn: int) -> dict:
+    """The model's reply as the next request carries it: its text, and its tool calls (ids filled in, arguments that
+    do not parse as a JSON object sent back as {}, as servers re-parse the history through a chat template)."""
     if not reply.tool_calls:
-        return [{"role": "assistant", "content": reply.content},
-                {"role": "user", "content": f"read_file({chunk.call_arguments()}) returned:\n{chunk.tool_output()}"}]
+        return {"role": "assistant", "content": reply.content}
     calls = []
     for i, c in enumerate(reply.tool_calls):
         args = c["function"].get("arguments") or "{}"
-        try:  # servers re-parse the history through a chat template: unparsable arguments go back as {}
+        try:
             if not isinstance(json.loads(args), dict):
                 args = "{}"
         except json.JSONDecodeError:
             args = "{}"
         calls.append({"id": c.get("id") or f"call_{turn}_{i}", "type": "function",
                       "function": {"name": c["function"]["name"], "arguments": args}})
-    out = [{"role": "assistant", "content": reply.content, "tool_calls": calls}]
-    for i, c in enumerate(calls):
-        out.append({"role": "tool", "tool_call_id": c["id"],
-                    "content": chunk.tool_output() if i == 0 else "error: one tool call per reply; this one was not run"})
-    return out
+    return {"role": "assistant", "content": reply.content, "tool_calls": calls}
+
+
+def feed_back(reply: Reply, chunk: Chunk, turn: int) -> list[dict]:
+    """The messages a turn adds: the model's own reply, then the next file chunk as a tool result. A reply with tool
+    calls gets the chunk as its first call's result (a further call: a one-line refusal, as the agent allows one call
+    per reply); a reply without them gets the chunk as a user turn holding the read_file output."""
+    said = assistant_message(reply, turn)
+    if "tool_calls" not in said:
+        return [said, {"role": "user", "content": f"read_file({chunk.call_arguments()}) returned:\n{chunk.tool_output()}"}]
+    return [said] + [{"role": "tool", "tool_call_id": c["id"],
+                      "content": chunk.tool_output() if i == 0 else "error: one tool call per reply; this one was not run"}
+                     for i, c in enumerate(said["tool_calls"])]
 
 
 def anthropic_body(messages: list[dict], tools: list[dict], model: str) -> dict:

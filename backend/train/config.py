@@ -36,6 +36,7 @@ class TrainConfig:
     builtin_prompts: bool = True
     builtin_extra: bool = False
     from_db: str | None = None
+    from_transcripts: str | None = None
     max_prompts: int = 0  # 0: all training prompts
     max_heldout: int = 96
     max_prompt_tokens: int = 4096
@@ -92,6 +93,9 @@ OPTION_HELP = {
                      "review, debugging, performance, agent, README and coding prompts on code and docs the main set "
                      "does not quote; training split only, so the held-out prompts and their figures stay the same).",
     "from_db": "Also learn the review loop's own workload: prompts from the transcripts in this reviews.db.",
+    "from_transcripts": "Also learn agent sessions replayed through `reviewer serve` (`python -m backend.bench.replay "
+                        "--transcripts FILE`): every assistant turn's context, growing to the window (comma-separated "
+                        "files). Raise --max-prompt-tokens to keep the long turns.",
     "max_prompts": "At most this many training prompts (0: all).",
     "max_heldout": "At most this many held-out prompts (features for the estimate; the first --eval-prompts of them "
                    "for the engine).",

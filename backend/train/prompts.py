@@ -1,7 +1,8 @@
 """Where training prompts come from: the built-in sets (backend/prompts/builtin.jsonl, made by
-bench/train_build_prompts.py, and the training-only builtin_extra.jsonl.gz) and the review loop's own transcripts
-in reviews.db (--from-db: every assistant turn's context, with the reviewer's tools), each a PromptRecord with its
-split (train or held out)."""
+bench/train_build_prompts.py, and the training-only builtin_extra.jsonl.gz), the review loop's own transcripts
+in reviews.db (--from-db: every assistant turn's context, with the reviewer's tools) and agent sessions replayed
+through `reviewer serve` (--from-transcripts: the same, from backend/bench/replay.py's --transcripts file), each a
+PromptRecord with its split (train or held out)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ def _split_of(key: str, heldout_fraction: float) -> str:
     return "heldout" if h < heldout_fraction else "train"
 
 
+def turn_prompts(messages: list, key: str, category: str, split: str, tools: list[dict] | None) -> list[PromptRecord]:
+    """One prompt per assistant turn of a conversation: the messages before it (what the server was asked)."""
+    return [PromptRecord(f"{key}-{i}", category, split, messages[:i], tools)
+            for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant" and i > 0]
+
+
 def load_from_db(db: str | Path, heldout_fraction: float = 0.08) -> list[PromptRecord]:
     """Prompts from the review loop's own transcripts: for every assistant turn of every persona run, the
     conversation before it (what the server was asked). Whole transcripts go to one split, so held-out prompts
@@ -88,8 +95,30 @@ def load_from_db(db: str | Path, heldout_fraction: float = 0.08) -> list[PromptR
             continue
         native = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages if isinstance(m, dict))
         split = _split_of(f"db-{run_id}-{row_id}", heldout_fraction)
-        for i, m in enumerate(messages):
-            if isinstance(m, dict) and m.get("role") == "assistant" and i > 0:
-                out.append(PromptRecord(f"db-{row_id}-{i}", f"db:{persona}", split, messages[:i],
-                                        tools if native else None))
+        out += turn_prompts(messages, f"db-{row_id}", f"db:{persona}", split, tools if native else None)
+    return out
+
+
+def load_transcripts(paths: str, heldout_fraction: float = 0.08) -> list[PromptRecord]:
+    """Prompts from replayed agent sessions (`python -m backend.bench.replay --transcripts FILE`, comma-separated
+    files): every assistant turn's context, with the session's tools, so contexts grow to the window the sessions
+    were replayed at. A session goes to one split whole."""
+    out = []
+    for name in (p.strip() for p in paths.split(",") if p.strip()):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise DataError(f"--from-transcripts: no file at {path}")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+                messages, session = raw["messages"], raw["session"]
+                if not isinstance(messages, list) or not messages:
+                    raise ValueError("no messages")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise DataError(f"{path}:{n}: not a replay transcript line ({exc})") from None
+            key = f"tx-{hashlib.sha256(f'{path.name}:{session}'.encode()).hexdigest()[:10]}"
+            out += turn_prompts(messages, key, f"replay:{raw.get('persona', 'agent')}",
+                                _split_of(key, heldout_fraction), raw.get("tools") or None)
     return out

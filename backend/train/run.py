@@ -3,7 +3,7 @@
     backend.train.run.main(model="embedded", out=Path("runs/smol"), loss="kl", attention="mixed", steps=2000)
     python -m backend.train --model embedded --out runs/smol --loss kl --attention mixed --steps 2000
 
-Pipeline: prompts (built-in set and/or --from-db transcripts) -> the target's greedy responses -> the target's features
+Pipeline: prompts (built-in set, --from-db or --from-transcripts transcripts) -> the target's greedy responses -> the target's features
 in shards (backend/train/data.py) -> training -> a z-lab checkpoint in --out (config.json + model.safetensors, what
 dflash.checkpoint.load_drafter and the engine load) -> evaluation: the training-time estimate of the accepted length on
 held-out features, and tau measured by the real speculative engine on held-out prompts.
@@ -121,8 +121,8 @@ def _check(cfg: TrainConfig) -> None:
         raise TrainError("--walk-anchors must be between 0 and 1")
     if cfg.samples_per_prompt < 0 or cfg.sample_temperature <= 0:
         raise TrainError("--samples-per-prompt must be >= 0 and --sample-temperature positive")
-    if not cfg.builtin_prompts and not cfg.builtin_extra and not cfg.from_db:
-        raise TrainError("no prompts: keep the built-in set or give --from-db reviews.db")
+    if not cfg.builtin_prompts and not cfg.builtin_extra and not cfg.from_db and not cfg.from_transcripts:
+        raise TrainError("no prompts: keep the built-in set or give --from-db reviews.db or --from-transcripts FILE")
     if cfg.sliding_window < -1:
         raise TrainError("--sliding-window must be a number of positions, 0 (none) or -1 (the --init-from drafter's)")
 
@@ -146,7 +146,8 @@ def load_records(cfg: TrainConfig) -> list[tp.PromptRecord]:
 
     records = ((tp.load_builtin() if cfg.builtin_prompts else [])
                + (tp.load_builtin(tp.BUILTIN_EXTRA) if cfg.builtin_extra else [])
-               + (tp.load_from_db(cfg.from_db) if cfg.from_db else []))
+               + (tp.load_from_db(cfg.from_db) if cfg.from_db else [])
+               + (tp.load_transcripts(cfg.from_transcripts) if cfg.from_transcripts else []))
     order = sorted(records, key=lambda r: hashlib.sha256(r.id.encode()).hexdigest())  # stable, category-mixed
     train = [r for r in order if r.split == "train"]
     held = [r for r in order if r.split == "heldout"]

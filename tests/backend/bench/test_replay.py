@@ -138,9 +138,10 @@ def test_a_session_replayed_through_real_serve_subprocesses(tmp_path, tiny_model
     sessions = build_sessions(2, repo_files(small_repo(tmp_path, files=2, lines=200)), chunk_chars=150,
                               personas=("tester",), persona_dir=persona_dir, seen=set())
     tools = [t for t in load_tools() if t["function"]["name"] == "read_file"]
-    runs, rows, name = replay.serve_replay(str(model), sessions, drafters=("none", "auto"),
-                                           serve_args=["--device", "cpu"], max_tokens=32, max_turns=None,
-                                           ready_timeout=120, request_timeout=60, tools=tools, on_config=lambda m: None)
+    done = replay.serve_replay(str(model), sessions, drafters=("none", "auto"), serve_args=["--device", "cpu"],
+                               max_tokens=32, max_turns=None, ready_timeout=120, request_timeout=60, tools=tools,
+                               on_config=lambda m: None)
+    runs, rows, name = done.runs, done.rows, done.model
     assert set(runs) == {"none", "auto"} and name == model.name
     for cfg, run in runs.items():
         assert run["ready_line"].startswith("reviewer serve: ready: ") and run["ready_s"] > 0
@@ -161,6 +162,31 @@ def test_a_session_replayed_through_real_serve_subprocesses(tmp_path, tiny_model
                                  interface="serve", forced_tau=None, settings={})
     assert record["replies"] == len([r for r in rows if r.config == "none"]) == record["identical"]
     assert record["speedup"] > 0
+    check_transcripts(tmp_path, done, sessions, tools)
+
+
+def check_transcripts(tmp_path, done, sessions, tools):
+    """--transcripts: each session whole as the server got it, ending at its last reply; read back by `reviewer
+    train --from-transcripts` as one prompt per reply, each the context before it, the session's tools with it."""
+    from backend.train.prompts import load_transcripts
+
+    path = replay.write_transcripts(tmp_path / "tx" / "sessions.jsonl", done.sessions["none"], sessions, tools,
+                                    config="none", model="m", source="small repo")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [x["session"] for x in lines] == [s.name for s in sessions] and not path.with_name("sessions.jsonl.tmp").exists()
+    records = load_transcripts(str(path))
+    by_session: dict[str, list] = {}
+    for r in records:
+        by_session.setdefault(r.id.rsplit("-", 1)[0], []).append(r)
+    assert len(by_session) == len(sessions)
+    for prompts, line, ran in zip(by_session.values(), lines, done.sessions["none"]):
+        messages = line["messages"]
+        assert messages[0]["role"] == "system" and messages[-1]["role"] == "assistant" and line["tools"] == tools
+        assert len(prompts) == len(ran.rows) == sum(m["role"] == "assistant" for m in messages)  # one per reply
+        assert len(prompts[0].messages) == 2  # the first reply's context: the system prompt and the task
+        for r in prompts:  # the context before a reply, as sent
+            assert messages[:len(r.messages)] == r.messages and messages[len(r.messages)]["role"] == "assistant"
+            assert r.tools == tools and r.category == "replay:tester" and r.split == prompts[0].split
 
 
 def test_a_drafter_given_as_a_folder_logs_beside_the_others(tmp_path):
@@ -176,8 +202,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     assert replay.main(["--repo", str(tmp_path / "missing"), "--out", str(out)]) == 2
     assert replay.main(["--forced-tau", "4.9", "--out", str(out)]) == 2
+    assert replay.main(["--interface", "engine", "--transcripts", str(tmp_path / "t.jsonl"), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "not a folder" in err[0] and "--interface engine" in err[1]
+    assert len(err) == 3 and "not a folder" in err[0] and "--interface engine" in err[1]
+    assert "--transcripts needs --interface serve" in err[2] and not (tmp_path / "t.jsonl").exists()
     assert not out.exists()
 
 

@@ -107,6 +107,30 @@ def test_from_db_errors_are_clear(tmp_path):
         tp.load_from_db(bad)
 
 
+def test_from_transcripts_reads_replayed_sessions_and_its_errors_are_clear(tmp_path):
+    """--from-transcripts (backend/bench/replay.py --transcripts lines, several files): a prompt per reply, each
+    session in one split; a missing file or a line that is no transcript is one clear error. (The replay's own test
+    writes such a file from real `reviewer serve` sessions and reads it back.)"""
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("\n".join(json.dumps({"session": f"s{k}", "persona": "docs", "tools": tools,
+                                           "messages": _transcript(k)}) for k in range(12)) + "\n\n")
+    second.write_text(json.dumps({"session": "s0", "messages": _transcript(0)}) + "\n")
+    records = tp.load_transcripts(f"{first}, {second}")
+    assert len(records) == 13 * 2 and {r.category for r in records} == {"replay:docs", "replay:agent"}
+    assert all(r.messages[-1]["role"] in ("user", "tool") for r in records)
+    assert sum(r.tools == tools for r in records) == 24 and sum(r.tools is None for r in records) == 2
+    splits: dict[str, set] = {}
+    for r in records:
+        splits.setdefault(r.id.rsplit("-", 1)[0], set()).add(r.split)
+    assert len(splits) == 13 and all(len(s) == 1 for s in splits.values())  # s0 of each file is its own session
+    with pytest.raises(config.DataError, match="no file at"):
+        tp.load_transcripts(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.jsonl").write_text('{"session": "s0", "messages": []}\n')
+    with pytest.raises(config.DataError, match=r"bad.jsonl:1: not a replay transcript line"):
+        tp.load_transcripts(str(tmp_path / "bad.jsonl"))
+
+
 def test_builtin_prompt_set():
     records = tp.load_builtin()
     assert len(records) > 1500
