@@ -295,7 +295,7 @@ if triton is not None:
                         stride_x, stride_we, stride_wn, stride_sn, stride_inter, stride_split,
                         HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_K: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HP: tl.constexpr):
         """Grid (block, N-tile, K-split): inter[slot] = silu(x@g) * (x@u) in x's dtype. SPLIT_K > 1: each
         program stores fp32 partial g | u sums [split, slot, 2I] to part_ptr, and the last of the tile's splits to
         finish adds them in split order and stores inter (_finish_splits)."""
@@ -353,9 +353,12 @@ if triton is not None:
                      h.to(inter_ptr.dtype.element_ty), mask=out_mask)
         if HAS_SHARED_GATE:  # sigmoid(x @ shared_gate) for the shared expert's rows, by one program
             if (e == E) & (pid_n == 0) & (pid_s == 0):
+                # unrolled over the padded width HP: the chunks' loads go out together, where a loop over a runtime
+                # bound made this program's tail, after its share of the weights, one round trip per chunk (8 at the
+                # 35B-A3B shape), and the launch lasts as long as its last program; same additions in the same order
                 acc_s = tl.zeros([BM], tl.float32)
-                for k0 in range(0, H, BK):
-                    kk = k0 + offs_k
+                for ks in tl.static_range(0, HP, BK):
+                    kk = ks + offs_k
                     xs = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :],
                                  mask=valid[:, None] & (kk < H)[None, :], other=0.0)
                     sgw = tl.load(sgw_ptr + kk, mask=kk < H, other=0.0)
@@ -554,7 +557,7 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(0),
         num_slots * 2 * inter, HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split,
         EVEN_K=hidden % (gu["BK"] * split) == 0, EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m,
-        BN=gu["BN"], BK=gu["BK"], num_warps=gu["warps"], num_stages=gu["stages"])
+        BN=gu["BN"], BK=gu["BK"], HP=triton.next_power_of_2(hidden), num_warps=gu["warps"], num_stages=gu["stages"])
     _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]))](
         inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount,
         num_routed, num_tokens, num_experts, hidden, inter,

@@ -100,7 +100,7 @@ CASES = {
     # the experts in the invariant tile set (fused_moe_configs.json's E256_H2048_I512_K8_S1_invariant), sorted blocks
     "experts_gate_up": ("reviewer_kernels.fused_moe", "_gate_up_kernel",
                         dict(HAS_SHARED_GATE=True, DIRECT=False, SPLIT_K=1, EVEN_K=True, EVEN_N=True, PRECISION="tf32",
-                             BM=16, BN=32, BK=256),
+                             BM=16, BN=32, BK=256, HP=2048),
                         {"part_ptr": F32, "count_ptr": "*i32", "sgate_ptr": F32, "ids_ptr": "*i64",
                          "sorted_ptr": "*i32", "bexp_ptr": "*i32", "bstart_ptr": "*i32", "bcount_ptr": "*i32"}, 4, 3),
     "experts_down": ("reviewer_kernels.fused_moe", "_down_kernel",
