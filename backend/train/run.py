@@ -3,7 +3,7 @@
     backend.train.run.main(model="embedded", out=Path("runs/smol"), loss="kl", attention="mixed", steps=2000)
     python -m backend.train --model embedded --out runs/smol --loss kl --attention mixed --steps 2000
 
-Pipeline: prompts (built-in set, --from-db or --from-transcripts transcripts) -> the target's greedy responses -> the target's features
+Pipeline: prompts (the built-in set, --from-db, --from-transcripts) -> the target's greedy responses -> the target's features
 in shards (backend/train/data.py) -> training -> a z-lab checkpoint in --out (config.json + model.safetensors, what
 dflash.checkpoint.load_drafter and the engine load) -> evaluation: the training-time estimate of the accepted length on
 held-out features, and tau measured by the real speculative engine on held-out prompts.
