@@ -388,6 +388,15 @@ if triton is not None:
             wp = sd_ptr + offs_n[None, :] * stride_sn + offs_k[:, None]
         else:
             wp = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+        # each row's scale (routing weight, or the shared expert's gate) is loaded before the tiles, not after them:
+        # read after the loop, its round trip was the last thing every program waited for
+        routed = slots < num_routed
+        scale = tl.load(topk_w_ptr + slots64, mask=valid & routed, other=0.0).to(tl.float32)
+        if HAS_SHARED_GATE:
+            sg = tl.load(sgate_ptr + (slots64 - num_routed), mask=valid & (slots >= num_routed), other=0.0)
+            scale = tl.where(routed, scale, sg)
+        else:
+            scale = tl.where(routed, scale, 1.0)
         hp = inter_ptr + slots64[:, None] * stride_inter + offs_k[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, I, BK):
@@ -400,13 +409,6 @@ if triton is not None:
             acc = tl.dot(ht, wt, acc, input_precision=PRECISION)
             hp += BK
             wp += BK
-        routed = slots < num_routed
-        scale = tl.load(topk_w_ptr + slots64, mask=valid & routed, other=0.0).to(tl.float32)
-        if HAS_SHARED_GATE:
-            sg = tl.load(sgate_ptr + (slots64 - num_routed), mask=valid & (slots >= num_routed), other=0.0)
-            scale = tl.where(routed, scale, sg)
-        else:
-            scale = tl.where(routed, scale, 1.0)
         tl.store(rows_ptr + slots64[:, None] * stride_rows + offs_n[None, :], acc * scale[:, None],
                  mask=valid[:, None] & n_ok[None, :])
 
