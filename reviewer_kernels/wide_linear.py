@@ -38,15 +38,21 @@ TUNED = {(2048, 4096): {"BN": 64, "BK": 256, "SPLITS": 4, "stages": 4, "warps": 
 
 if triton is not None:
     @triton.jit
-    def _store(acc, m, m_ok, rows, r_ok, y_ptr, N, res_ptr, ss_ptr, p, RESIDUAL: tl.constexpr,
-               SUMSQ: tl.constexpr):
-        """The finished [BN, 16] sums of one tile, cast and stored transposed; RESIDUAL: plus the residual's rows,
-        rounded once more (PyTorch's `res + y` in bf16); SUMSQ: the sum of squares of this tile's columns of each
-        row, fp32, at ss[p, row] (an RMSNorm after it adds the tiles in order)."""
+    def _residual(res_ptr, m, m_ok, rows, r_ok, N, RESIDUAL: tl.constexpr):
+        """The residual's [BN, 16] tile (zeros without one). Loaded before the sums are done: read after them, its
+        round trip was the last thing a tile waited for."""
+        if RESIDUAL:
+            return tl.load(res_ptr + m[None, :] * N + rows[:, None], mask=r_ok[:, None] & m_ok[None, :], other=0.0)
+        return tl.zeros([rows.shape[0], 16], res_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _store(acc, res, m, m_ok, rows, r_ok, y_ptr, N, ss_ptr, p, RESIDUAL: tl.constexpr, SUMSQ: tl.constexpr):
+        """The finished [BN, 16] sums of one tile, cast and stored transposed; RESIDUAL: plus the residual's rows
+        (`res`), rounded once more (PyTorch's `res + y` in bf16); SUMSQ: the sum of squares of this tile's columns of
+        each row, fp32, at ss[p, row] (an RMSNorm after it adds the tiles in order)."""
         ok = r_ok[:, None] & m_ok[None, :]
         y = acc.to(y_ptr.dtype.element_ty)
         if RESIDUAL:
-            res = tl.load(res_ptr + m[None, :] * N + rows[:, None], mask=ok, other=0.0)
             y = (y.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + m[None, :] * N + rows[:, None], y, mask=ok)
         if SUMSQ:
@@ -66,6 +72,8 @@ if triton is not None:
         m = tl.arange(0, 16)
         m_ok = m < T
         acc = tl.zeros([BN, 16], dtype=tl.float32)
+        if SPLITS == 1:
+            res = _residual(res_ptr, m, m_ok, rows, r_ok, N, RESIDUAL)
         for kk in tl.range(0, KS, BK, num_stages=STAGES):
             offs_k = s * KS + kk + tl.arange(0, BK)
             k_ok = offs_k < K
@@ -77,7 +85,7 @@ if triton is not None:
             else:
                 acc = tl.dot(w, xt, acc)
         if SPLITS == 1:
-            _store(acc, m, m_ok, rows, r_ok, y_ptr, N, res_ptr, ss_ptr, p, RESIDUAL, SUMSQ)
+            _store(acc, res, m, m_ok, rows, r_ok, y_ptr, N, ss_ptr, p, RESIDUAL, SUMSQ)
         else:
             tiles = tl.num_programs(0)
             cell = tl.arange(0, BN)[:, None] * 16 + m[None, :]
@@ -88,7 +96,8 @@ if triton is not None:
                 acc = tl.zeros([BN, 16], dtype=tl.float32)
                 for r in tl.static_range(SPLITS):  # split order, whatever order the programs finished in
                     acc += tl.load(part_ptr + (r * tiles + p) * BN * 16 + cell, cache_modifier=".cg")
-                _store(acc, m, m_ok, rows, r_ok, y_ptr, N, res_ptr, ss_ptr, p, RESIDUAL, SUMSQ)
+                _store(acc, _residual(res_ptr, m, m_ok, rows, r_ok, N, RESIDUAL), m, m_ok, rows, r_ok, y_ptr, N,
+                       ss_ptr, p, RESIDUAL, SUMSQ)
                 tl.atomic_xchg(count_ptr + p, 0)  # ready for the next call (launches on a stream run in order)
 
 
