@@ -198,6 +198,8 @@ if triton is not None:
         r = tl.program_id(1)  # query row within the group: head h * GROUP + r // T, token r % T
         d = tl.program_id(2) * DC + tl.arange(0, DC)
         s = tl.arange(0, SP)
+        if HAS_GATE:  # issued first: it depends on nothing the partial sums do
+            g = tl.load(gate_ptr + (r % T) * sg_t + (h * GROUP + r // T) * sg_h + d).to(tl.float32)
         start = tl.load(start_ptr).to(tl.int32)
         limit = start + T - 1 if CAUSAL else start
         active = tl.minimum((limit + SPLIT_COLS - 1) // SPLIT_COLS, N_SPLITS)  # slices holding cached columns
@@ -213,7 +215,6 @@ if triton is not None:
         po = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
         o = (tl.sum(w[:, None] * po, axis=0) / l_sum).to(out_ptr.dtype.element_ty)
         if HAS_GATE:
-            g = tl.load(gate_ptr + (r % T) * sg_t + (h * GROUP + r // T) * sg_h + d).to(tl.float32)
             o = (o.to(tl.float32) * tl.sigmoid(g)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + (r % T) * so_t + (h * GROUP + r // T) * D + d, o)
 
