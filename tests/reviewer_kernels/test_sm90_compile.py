@@ -1,123 +1,18 @@
 """The decode step's and verify's kernels compile for the H200 (sm_90) without a GPU: Triton's compiler and the ptxas
 its wheel carries build each kernel ahead of time at the 35B-A3B shape's constants, with the switches that are off
-by default on (the glue kernels' epilogues). The interpreter tests check what a kernel computes; this checks
-that the GPU's compiler accepts it (layouts, shared memory) and that no thread spills registers to local memory, so
-that a device session is not the first to find out.
-
-Each kernel is specialised as a launch specialises it: pointers 16-byte aligned (torch's allocations and the
-workspaces' slices are: fused_moe.align_workspace) and integer arguments divisible by 16 unless the kernel marks them
-do_not_specialize or the 35B-A3B shape's value is not (NOT_DIVISIBLE). Without that, Triton can prove no vector
-alignment: a build then loads element by element, pipelines no loop, and ptxas reports spills a real launch does
-not have (the experts' gate_up read 1.9 KB a thread that way; specialised, 128 registers and none).
+by default on (the glue kernels' epilogues), specialised as a launch specialises them (tests/sm90.py). The interpreter
+tests check what a kernel computes; this checks that the GPU's compiler accepts it (layouts, shared memory) and that
+no thread spills registers to local memory, so that a device session is not the first to find out.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from reviewer_kernels.moe_routing import ROUTER_NORM_BLOCK_K
-from reviewer_kernels.norms import PADDED_GATED_NORM
-
-triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-H200 = GPUTarget("cuda", 90, 32)
-FLOATS = {"eps", "scale"}
-# integer arguments whose value at the 35B-A3B shape is not a multiple of 16 (top-8 routing)
-NOT_DIVISIBLE = {"top_k"}
-
-
-def compile_for_h200(module: str, kernel: str, constexprs: dict, pointers: dict | None = None,
-                     warps: int = 4, stages: int = 3):
-    """Compile module.kernel for sm_90 as a launch at the 35B-A3B shape specialises it: arguments named *_ptr are
-    bf16 pointers (unless `pointers` says otherwise), 16-byte aligned; eps / scale fp32; the constexprs given; every
-    other argument i32, divisible by 16 unless do_not_specialize or in NOT_DIVISIBLE."""
-    fn = getattr(importlib.import_module(module), kernel)
-    pointers = pointers or {}
-    signature, attrs = {}, {}
-    for i, param in enumerate(fn.params):
-        name = param.name
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in FLOATS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if not param.do_not_specialize and name not in NOT_DIVISIBLE:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=H200, options={"num_warps": warps, "num_stages": stages})
-
-
-def ptxas_report(compiled) -> str:
-    """ptxas -v's resource lines for the compiled kernel's PTX (registers, stack, spill bytes)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        run = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name=sm_90a", str(ptx), "-o",
-                              str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
-    return run.stderr
-
-
-F32 = "*fp32"
-CASES = {
-    "attention_prep": ("reviewer_kernels.attention_prep", "_attention_prep_kernel",
-                       dict(H=16, HKV=2, D=256, ROT=64), {"qn_ptr": F32, "kn_ptr": F32, "pos_ptr": "*i64"},
-                       2, 1),
-    "block_attention_partial": ("reviewer_kernels.block_attention", "_partial_kernel",
-                                dict(GROUP=8, D=256, BLOCK_M=16, BLOCK_N=32, BLOCK_T=16, SPLIT_COLS=288,
-                                     N_SPLITS=114, N_CHUNKS=8, CAUSAL=True, IEEE=False, WINDOW=0),
-                                {"po_ptr": F32, "pm_ptr": F32, "pl_ptr": F32, "start_ptr": "*i64"}, 4, 3),
-    "block_attention_combine_gated": ("reviewer_kernels.block_attention", "_combine_kernel",
-                                      dict(GROUP=8, D=256, DC=64, BLOCK_M=16, N_SPLITS=114, N_CHUNKS=8, SP=128,
-                                           SPLIT_COLS=288, CAUSAL=True, HAS_GATE=True),
-                                      {"po_ptr": F32, "pm_ptr": F32, "pl_ptr": F32, "start_ptr": "*i64"}, 4, 1),
-    "slot_sum_with_norm": ("reviewer_kernels.fused_moe", "_sum_slots_kernel",
-                           dict(TOP_K=8, HAS_SHARED=True, HAS_RESIDUAL=True, HAS_NORM=True, BH=2048),
-                           {"rows_ptr": F32, "nw_ptr": F32}, 8, 1),
-    "wide_linear_residual_sumsq": ("reviewer_kernels.wide_linear", "_wide_kernel",
-                                   dict(K=4096, KS=1024, BK=256, SPLITS=4, BN=64, STAGES=4, IEEE=False,
-                                        RESIDUAL=True, SUMSQ=True),
-                                   {"part_ptr": F32, "count_ptr": "*i32", "ss_ptr": F32}, 4, 1),
-    "router_norm_from_partials": ("reviewer_kernels.moe_routing", "_router_partial_kernel",
-                                  dict(BM=16, BE=16, BK=ROUTER_NORM_BLOCK_K, PRECISION="tf32", HAS_NORM=False, HP=2048,
-                                       ROUTE=False,
-                                       PARTS=4, RENORMALIZE=True, K=8, KP=8, EP=256, SS_PARTS=32, SS_P=32),
-                                  {"nw_ptr": F32, "part_ptr": F32, "ss_ptr": F32, "count_ptr": "*i32",
-                                   "ids_ptr": "*i64"}, 4, 3),
-    # the experts in the invariant tile set (fused_moe_configs.json's E256_H2048_I512_K8_S1_invariant), sorted blocks
-    "experts_gate_up": ("reviewer_kernels.fused_moe", "_gate_up_kernel",
-                        dict(HAS_SHARED_GATE=True, DIRECT=False, SPLIT_K=1, EVEN_K=True, EVEN_N=True, PRECISION="tf32",
-                             BM=16, BN=32, BK=256, HP=2048),
-                        {"part_ptr": F32, "count_ptr": "*i32", "sgate_ptr": F32, "ids_ptr": "*i64",
-                         "sorted_ptr": "*i32", "bexp_ptr": "*i32", "bstart_ptr": "*i32", "bcount_ptr": "*i32"}, 4, 3),
-    "experts_down": ("reviewer_kernels.fused_moe", "_down_kernel",
-                     dict(HAS_SHARED_GATE=True, DIRECT=False, EVEN_K=True, EVEN_N=True, PRECISION="tf32", BM=16,
-                          BN=64, BK=128),
-                     {"sgate_ptr": F32, "rows_ptr": F32, "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
-                      "bstart_ptr": "*i32", "bcount_ptr": "*i32"}, 4, 3),
-    "gated_rms_norm": ("reviewer_kernels.norms", "_gated_rms_norm_kernel", dict(BR=32, BN=128), {}, 4, 1),
-    "gated_rms_norm_padded": ("reviewer_kernels.norms", "_gated_rms_norm_kernel",
-                              dict(BR=PADDED_GATED_NORM["rows_per_program"], BN=128), {},
-                              PADDED_GATED_NORM["num_warps"], 1),
-    "gdn_recurrent": ("reviewer_kernels.gdn_state", "_gdn_recurrent_kernel",
-                      dict(HV=32, GROUP=2, DK=128, DV=128, DKP=128, BV=16, EVERY_POSITION=False, PREFETCH=True,
-                           RAW_GATES=True, RECORD=True, STORE_OUT=True, STORE_STATE=False),
-                      {"neg_a_ptr": F32, "dt_bias_ptr": F32, "state_in_ptr": F32, "states_out_ptr": F32,
-                       "rg_ptr": F32, "rb_ptr": F32}, 1, 1),
-}
+pytest.importorskip("triton")
+from tests.sm90 import CASES, compile_for_h200, ptxas_report, sass_order  # noqa: E402
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -134,3 +29,21 @@ def test_kernel_compiles_for_sm90(case):
     assert spills and not any(spills), report
     if "mma" in ptx:
         assert "async_copy_global_to_local" in compiled.asm["ttgir"], f"{case}: its loop is not pipelined"
+
+
+def loop_tail(order: str) -> tuple[int, str]:
+    """(loops, what follows the last one) of a sass_order string, the idle branch-to-self after the exit dropped."""
+    body = order[:-1] if order.endswith("<") else order
+    return body.count("<"), body[body.rfind("<") + 1:] if "<" in body else body
+
+
+def test_no_program_of_the_experts_waits_on_a_load_after_its_weight_tiles():
+    """Latency a launch pays at its end, found in the SASS (docs/kernels.md): the down kernel loads each row's scale
+    before its tiles, so no global load follows its loop; gate_up computes the shared expert's gate without a loop of
+    its own after the tiles (eight dependent round trips at the 35B-A3B shape), so the tiles' loop is its only one."""
+    order = {name: sass_order(compile_for_h200(*CASES[name][:4], *CASES[name][4:]))
+             for name in ("experts_down", "experts_gate_up")}
+    loops, tail = loop_tail(order["experts_down"])
+    assert loops == 1 and "L" not in tail, order["experts_down"]
+    loops, tail = loop_tail(order["experts_gate_up"])
+    assert loops == 1 and tail.count("L") > 8, order["experts_gate_up"]  # the gate's chunks, loaded after the tiles
