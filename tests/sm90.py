@@ -56,18 +56,6 @@ def compile_for_h200(module: str, kernel: str, constexprs: dict, pointers: dict 
     return triton.compile(src, target=H200, options={"num_warps": warps, "num_stages": stages})
 
 
-def ptxas_report(compiled) -> str:
-    """ptxas -v's resource lines for the compiled kernel's PTX (registers, stack, spill bytes)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-    ptxas = get_ptxas(90)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        run = subprocess.run([getattr(ptxas, "path", ptxas), "-v", "--gpu-name=sm_90a", str(ptx), "-o",
-                              str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
-    return run.stderr
-
-
 def _nvdisasm() -> str:
     """nvdisasm from Triton's wheel."""
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
