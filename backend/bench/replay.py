@@ -80,12 +80,15 @@ class SessionRun:
 
 @dataclass
 class ServeReplay:
-    """Every configuration's run: the runs as dicts (for the record), all turn rows, the served model's name, and
-    each configuration's sessions."""
+    """Every configuration's run: the runs as dicts (for the record), the served model's name, and each
+    configuration's sessions (their turn rows in `rows`)."""
     runs: dict[str, dict]
-    rows: list[TurnRow]
     model: str
     sessions: dict[str, list[SessionRun]]
+
+    @property
+    def rows(self) -> list[TurnRow]:
+        return [r for done in self.sessions.values() for d in done for r in d.rows]
 
 
 # ---- the server as a user starts it ---------------------------------------------------------------------------------
@@ -393,11 +396,17 @@ def write_record(record: dict, out: Path) -> Path:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d_%H%M%S")
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(record["model"]))
         out = out / f"serve_replay-{safe}-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(out)
-    return out
+    return write_whole(out, json.dumps(record, indent=2) + "\n")
+
+
+def write_whole(path: Path, text: str) -> Path:
+    """Write text to path through a temporary file beside it: the file is there whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
 
 
 # ---- the command --------------------------------------------------------------------------------------------------
@@ -409,7 +418,7 @@ def serve_replay(model: str, sessions: list[Session], *, drafters: tuple[str, ..
     """Every configuration cold, one after the other. tools: the agent's (backend/prompts/agent_tools.json) unless
     given. log_dir: keep the servers' stderr there (serve-<drafter>.log; default a temporary folder, removed)."""
     tools = load_tools() if tools is None else tools
-    result = ServeReplay({}, [], model, {})
+    result = ServeReplay({}, model, {})
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     with (contextlib.nullcontext(str(log_dir)) if log_dir else tempfile.TemporaryDirectory(prefix="serve-replay-")
@@ -420,7 +429,6 @@ def serve_replay(model: str, sessions: list[Session], *, drafters: tuple[str, ..
                                    request_timeout=request_timeout)
             result.runs[drafter], result.model = asdict(run), run.served_model or model
             result.sessions[drafter] = done
-            result.rows += [r for d in done for r in d.rows]
             on_config(f"--drafter {drafter}: ready in {run.ready_s:.1f} s ({run.ready_line}); "
                       f"{sum(len(d.rows) for d in done)} turns in {sum(run.sessions_wall_s.values()):.1f} s")
     return result
@@ -434,12 +442,7 @@ def write_transcripts(path: Path, done: list[SessionRun], sessions: list[Session
     lines = [json.dumps({"session": d.name, "persona": by_name[d.name].persona, "files": by_name[d.name].files,
                          "config": config, "model": model, "source": source, "stop_reason": d.stop_reason,
                          "tools": tools, "messages": d.messages}) for d in done]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
-    return path
+    return write_whole(path, "\n".join(lines) + "\n")
 
 
 def parse_args(argv: list[str] | None):
@@ -518,13 +521,14 @@ def main(argv: list[str] | None = None) -> int:
             serve_args += ["--device", a.device] if a.device else []
             serve_args += ["--max-context", str(a.max_context)] if a.max_context else []
             settings["serve_args"] = serve_args
+            tools = load_tools()
             done = serve_replay(a.model, sessions, drafters=drafters, serve_args=serve_args,
                                 max_tokens=a.max_tokens, max_turns=a.max_turns, ready_timeout=a.ready_timeout,
-                                request_timeout=a.request_timeout, log_dir=a.logs)
+                                request_timeout=a.request_timeout, tools=tools, log_dir=a.logs)
             runs, rows, name = done.runs, done.rows, done.model
             interface = "reviewer serve over HTTP (openai client, streamed)"
             if a.transcripts:
-                wrote = write_transcripts(a.transcripts, done.sessions[drafters[0]], sessions, load_tools(),
+                wrote = write_transcripts(a.transcripts, done.sessions[drafters[0]], sessions, tools,
                                           config=drafters[0], model=name, source=source.held_out)
                 print(f"wrote {len(sessions)} session transcript(s) to {wrote}")
         else:
