@@ -47,10 +47,35 @@ if triton is not None:
     _SWIGLU, _ROPE = tl.constexpr(SWIGLU), tl.constexpr(ROPE)
 
     @triton.jit
-    def _epilogue(acc_a, acc_b, ss, m, m_ok, rows_a, rows_b, j, a_ok, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr,
-                  N_OUT, ROTATED, stride_cs, eps, K: tl.constexpr, NORM: tl.constexpr, EPILOGUE: tl.constexpr,
-                  HALF: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-        """The finished [16, BN] sums of one output tile: the norm's rstd, the cast, the epilogue, the store."""
+    def _epilogue_inputs(res_ptr, cos_ptr, sin_ptr, pos_ptr, m, m_ok, rows_a, j, a_ok, N_OUT, stride_cs,
+                         EPILOGUE: tl.constexpr, HALF: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BN: tl.constexpr):
+        """What the epilogue reads besides the sums: the residual's [16, BN] tile, or the rows' cos / sin (each
+        row's position first). Loaded before the K loop: read after the sums, these were two dependent round trips
+        (position, then its cos / sin rows) at the end of every program, which a launch waits for; unused ones are
+        zeros."""
+        ok = m_ok[:, None] & a_ok[None, :]
+        res = tl.zeros([16, BN], dtype=tl.float32)
+        cos_a = res
+        sin_a = res
+        cos_b = res
+        sin_b = res
+        if EPILOGUE == _ROPE:
+            pos = tl.load(pos_ptr + m, mask=m_ok, other=0)
+            cs = cos_ptr + pos[:, None] * stride_cs + j[None, :]
+            sn = sin_ptr + pos[:, None] * stride_cs + j[None, :]
+            cos_a, sin_a = tl.load(cs, mask=ok, other=0.0).to(tl.float32), tl.load(sn, mask=ok, other=0.0).to(tl.float32)
+            cos_b = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
+            sin_b = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
+        elif EPILOGUE == 0 and HAS_RESIDUAL:
+            res = tl.load(res_ptr + m[:, None] * N_OUT + rows_a[None, :], mask=ok, other=0.0).to(tl.float32)
+        return res, cos_a, sin_a, cos_b, sin_b
+
+    @triton.jit
+    def _epilogue(acc_a, acc_b, ss, m, m_ok, rows_a, rows_b, a_ok, y_ptr, res, cos_a, sin_a, cos_b, sin_b, N_OUT,
+                  ROTATED, eps, K: tl.constexpr, NORM: tl.constexpr, EPILOGUE: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr):
+        """The finished [16, BN] sums of one output tile: the norm's rstd, the cast, the epilogue (its inputs from
+        _epilogue_inputs), the store."""
         dt = y_ptr.dtype.element_ty
         if NORM:
             rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -64,19 +89,12 @@ if triton is not None:
             tl.store(out + rows_a[None, :], (ya * tl.sigmoid(ya) * yb).to(dt), mask=ok)
         elif EPILOGUE == _ROPE:
             yb = acc_b.to(dt).to(tl.float32)
-            pos = tl.load(pos_ptr + m, mask=m_ok, other=0)
-            cs = cos_ptr + pos[:, None] * stride_cs + j[None, :]
-            sn = sin_ptr + pos[:, None] * stride_cs + j[None, :]
-            cos_a, sin_a = tl.load(cs, mask=ok, other=0.0).to(tl.float32), tl.load(sn, mask=ok, other=0.0).to(tl.float32)
-            cos_b = tl.load(cs + HALF, mask=ok, other=0.0).to(tl.float32)
-            sin_b = tl.load(sn + HALF, mask=ok, other=0.0).to(tl.float32)
             rot = (rows_a < ROTATED)[None, :]  # queries and keys; values pass through
             tl.store(out + rows_a[None, :], tl.where(rot, ya * cos_a - yb * sin_a, ya).to(dt), mask=ok)
             tl.store(out + rows_b[None, :], tl.where(rot, yb * cos_b + ya * sin_b, yb).to(dt), mask=ok)
         else:
             if HAS_RESIDUAL:  # residual + y, each rounded as PyTorch rounds the two steps
-                res = tl.load(res_ptr + m[:, None] * N_OUT + rows_a[None, :], mask=ok, other=0.0)
-                ya = res.to(tl.float32) + ya
+                ya = res + ya
             tl.store(out + rows_a[None, :], ya.to(dt), mask=ok)
 
     @triton.jit
@@ -139,6 +157,8 @@ if triton is not None:
         acc_a = tl.zeros([16, BN], dtype=tl.float32)
         acc_b = tl.zeros([16, BN], dtype=tl.float32)
         ss = tl.zeros([16], dtype=tl.float32)
+        res, cos_a, sin_a, cos_b, sin_b = _epilogue_inputs(res_ptr, cos_ptr, sin_ptr, pos_ptr, m, m_ok, rows_a, j,
+                                                           a_ok, N_OUT, stride_cs, EPILOGUE, HALF, HAS_RESIDUAL, BN)
         # STAGES 0: the K steps unrolled, each load waited for where it is used; else Triton's software pipeline
         # keeps STAGES - 1 steps' loads in flight. The sums run in the same order either way.
         if STAGES == 0:
@@ -150,8 +170,8 @@ if triton is not None:
                 acc_a, acc_b, ss = _k_step(acc_a, acc_b, ss, s * KS + kk, x_ptr, nw_ptr, w_ptr, m, m_ok, rows_a,
                                            rows_b, a_ok, stride_wn, K, BK, NORM, EPILOGUE, IEEE)
         if SPLITS == 1:
-            _epilogue(acc_a, acc_b, ss, m, m_ok, rows_a, rows_b, j, a_ok, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr,
-                      N_OUT, ROTATED, stride_cs, eps, K, NORM, EPILOGUE, HALF, HAS_RESIDUAL)
+            _epilogue(acc_a, acc_b, ss, m, m_ok, rows_a, rows_b, a_ok, y_ptr, res, cos_a, sin_a, cos_b, sin_b, N_OUT,
+                      ROTATED, eps, K, NORM, EPILOGUE, HAS_RESIDUAL)
         else:
             tiles = tl.num_programs(0)
             cell = m[:, None] * BN + lane[None, :]
@@ -174,8 +194,8 @@ if triton is not None:
                         acc_b += tl.load(part_ptr + there + 16 * BN + cell, cache_modifier=".cg")
                     if NORM:
                         ss += tl.load(ss_ptr + (r * tiles + p) * 16 + m, cache_modifier=".cg")
-                _epilogue(acc_a, acc_b, ss, m, m_ok, rows_a, rows_b, j, a_ok, y_ptr, res_ptr, cos_ptr, sin_ptr,
-                          pos_ptr, N_OUT, ROTATED, stride_cs, eps, K, NORM, EPILOGUE, HALF, HAS_RESIDUAL)
+                _epilogue(acc_a, acc_b, ss, m, m_ok, rows_a, rows_b, a_ok, y_ptr, res, cos_a, sin_a, cos_b, sin_b,
+                          N_OUT, ROTATED, eps, K, NORM, EPILOGUE, HAS_RESIDUAL)
                 tl.atomic_xchg(count_ptr + p, 0)  # ready for the next call (launches on a stream run in order)
 
 
