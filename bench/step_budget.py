@@ -17,7 +17,9 @@ and the graph's launch chain; this is the replay itself. (No wall times inside t
 and stop sit inside them, so only the kernels' times are figures there. The prefill piece's wall, launches from
 Python included, is timed again outside any window: `wall_ms`; so are the decode step's and the verify's, graph replay
 and host work: `wall_us`.) --glue-kernels on / off times the padded steps' glue in our kernels or compiled
-(QwenNumerics.glue_kernels): run it twice in one call for a side-by-side pair.
+(QwenNumerics.glue_kernels): run it twice in one call for a side-by-side pair. --numerics one_token traces the
+one-token kernels instead (reviewer bench's "plain (default kernels)", which L_target times): beside an invariant run
+on the same machine it shows, kernel by kernel, what the invariant plain step pays over them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from backend.bench.report import cpu_model  # noqa: E402
 from backend.bench.routing import install_routing_trace, trace_distinct_experts  # noqa: E402
-from backend.models import invariant_numerics  # noqa: E402
+from backend.models import Numerics, invariant_numerics  # noqa: E402
 from reviewer_kernels import moe_routing as routing  # noqa: E402
 from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa: E402
 
@@ -229,6 +231,10 @@ def main() -> None:
     ap.add_argument("--glue-kernels", choices=["default", "on", "off"], default="default",
                     help="the padded steps' glue in our Triton kernels or in compiled PyTorch (QwenNumerics."
                          "glue_kernels; default: backend/models/numerics.py QWEN_GLUE_KERNELS)")
+    ap.add_argument("--numerics", choices=["invariant", "one_token"], default="invariant",
+                    help="invariant: the padded batch-invariant steps `reviewer serve` runs; one_token: the one-token "
+                         "kernels (reviewer bench's 'plain (default kernels)', L_target): run both in one call to see, "
+                         "kernel by kernel, what the invariant step costs over them (its verify is not serve's)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
@@ -240,15 +246,20 @@ def main() -> None:
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16)
-    numerics = invariant_numerics("bench/step_budget.py: the numerics `reviewer serve` runs on the GPU", compile=True)
+    if args.numerics == "one_token":
+        numerics = Numerics("one_token", "bench/step_budget.py --numerics one_token: L_target's kernels", compile=True)
+    else:
+        numerics = invariant_numerics("bench/step_budget.py: the numerics `reviewer serve` runs on the GPU",
+                                      compile=True)
     if args.glue_kernels != "default":
         numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=args.glue_kernels == "on"))
     fast = fast_cls(model, max(contexts) + args.prefill + 64, cuda_graphs=True, compile=True, numerics=numerics)
     tables = install_routing_trace(fast, hot=args.hot_experts)
     distinct = trace_distinct_experts(tables)
     record = {"benchmark": "step_budget", "model": "qwen3.6-35b-a3b shape, random weights (bf16)",
-              "numerics": "batch-invariant padded rows (serve's default), glue "
-                          + ("in our kernels" if numerics.qwen.glue_kernels else "compiled") + ", CUDA graphs",
+              "numerics": ("one-token kernels (L_target's; the verify is not serve's), glue compiled"
+                           if args.numerics == "one_token" else "batch-invariant padded rows (serve's default), glue "
+                           + ("in our kernels" if numerics.qwen.glue_kernels else "compiled")) + ", CUDA graphs",
               "glue_kernels": numerics.qwen.glue_kernels,
               "routing": f"synthetic trace, hot set {args.hot_experts}: {distinct:.1f} distinct experts per 16 "
                          "positions (a forced condition)",

@@ -72,11 +72,18 @@ def test_a_forward_the_cut_does_not_fit_is_an_error_not_a_wrong_table():
                            ["full_attention", "full_attention"])
 
 
-def test_without_a_gpu_the_script_says_so_in_one_line():
+@pytest.mark.parametrize("args", [[], ["--numerics", "one_token"]])
+def test_without_a_gpu_the_script_says_so_in_one_line(args):
     pytest.importorskip("torch")
     import torch
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_budget.py")], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_budget.py"), *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "needs a GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_numerics_it_does_not_know_is_refused_by_the_parser():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_budget.py"), "--numerics", "exact"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "invalid choice: 'exact'" in proc.stderr
