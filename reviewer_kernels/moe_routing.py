@@ -28,10 +28,11 @@ ROUTER_MAX_TOKENS = 16  # route_topk_from_hidden's own matmul up to this many to
 ROUTER_K_SPLIT = 4  # K slices of the router matmul
 ROUTER_BLOCK_E = 16  # experts per program
 ROUTER_BLOCK_K = 128  # the K step of a slice's loop: pipelined, nothing between a load and its MMA
-# With the norm inside (rms_norm=...), the rows are normed between their load and the MMA, which keeps the loop from
-# overlapping one step's loads with the previous step's work: the router with the norm from partial sums took 5.8 us a
-# layer against 3.1 without (H200, 2026-12-05). So a slice is one step there, every load issued at once. A guess until
-# `python bench/kernel_sweep.py --only glue` times both (each checked: a token alone routes to the block's bits).
+# With the norm from partial sums inside (sumsq=..., the glue kernels' path), the rows are normed between their load
+# and the MMA, which keeps the loop from overlapping one step's loads with the previous step's work: that router took
+# 5.8 us a layer against 3.1 without (H200, 2026-12-05). So a slice is one step there, every load issued at once. A
+# guess until `python bench/kernel_sweep.py --only glue` times both (each checked: a token alone routes to the block's
+# bits). The one-token norm (rms_norm without sumsq, one token) keeps ROUTER_BLOCK_K, as it was timed.
 ROUTER_NORM_BLOCK_K = 512
 # Route inside the router matmul's launch (its last program to finish adds the K slices and routes all tokens as one
 # [16, E] tile) instead of a second launch. Off: timed on the H200 on 2026-12-03 it took 13.3 us a layer against 5.7
@@ -206,8 +207,8 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     sumsq [P, 16] (with rms_norm; M <= 16): h's rows' sums of squares as wide_linear(..., sumsq=True) left them, added
     in order: the norm runs inside the matmul kernel for every M, rows normed as x * rsqrt(sum / H + eps) * weight.
     one_launch: route in the matmul's launch (default ROUTE_IN_MATMUL). block_k: the K step within a slice (default
-    ROUTER_BLOCK_K; with the norm inside, up to ROUTER_NORM_BLOCK_K, a slice's width; a power of two >= 16): a token's
-    bits depend on it, never on the other tokens."""
+    ROUTER_BLOCK_K; with sumsq, up to ROUTER_NORM_BLOCK_K, a slice's width; a power of two >= 16): a token's bits
+    depend on it, never on the other tokens."""
     if h.dim() != 2 or router.dim() != 2 or h.shape[1] != router.shape[1]:
         raise ValueError(f"expected h [tokens, hidden] and router [experts, hidden], got {tuple(h.shape)} and "
                          f"{tuple(router.shape)}")
@@ -233,9 +234,12 @@ def route_topk_from_hidden(h: torch.Tensor, router: torch.Tensor, top_k: int, re
     h = h if h.stride(-1) == 1 else h.contiguous()
     router = router if router.stride(-1) == 1 else router.contiguous()
     normed = norm_inside or from_parts
-    if block_k is None:  # with the norm, a slice in one step where the slice is wider than ROUTER_BLOCK_K
+    # with the norm from partial sums (the glue kernels' path), a slice in one step where the slice is wider than
+    # ROUTER_BLOCK_K; the one-token norm (norm_inside: the one-token numerics, L_target's) keeps the step it was timed
+    # with
+    if block_k is None:
         slice_k = triton.next_power_of_2(triton.cdiv(hidden, ROUTER_K_SPLIT))
-        block_k = max(ROUTER_BLOCK_K, min(ROUTER_NORM_BLOCK_K, slice_k)) if normed else ROUTER_BLOCK_K
+        block_k = max(ROUTER_BLOCK_K, min(ROUTER_NORM_BLOCK_K, slice_k)) if from_parts else ROUTER_BLOCK_K
     k_per_split = triton.cdiv(hidden, ROUTER_K_SPLIT * block_k) * block_k
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, ROUTER_MAX_TOKENS, experts, dtype=torch.float32, device=h.device)
