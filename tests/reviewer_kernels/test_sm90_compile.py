@@ -57,9 +57,9 @@ def expanded(order: str) -> str:
 def test_the_embedded_projections_load_their_epilogue_inputs_before_the_sums():
     """rows_linear's epilogue inputs (the residual; each row's position, then its cos / sin rows) are read before the
     K loop: the o-projection (one split) has no global load after the last barrier of its K steps (Triton may unroll
-    its 3 steps, so there need be no loop), and the q/k/v projection's last split
-    reads only the partial sums (2 accumulators and the norm's sum of squares a split) after its atomic; both used to
-    end in dependent round trips (found by bench/sass_order.py)."""
+    its 3 steps, so there need be no loop), and the q/k/v projection's last split reads only the partial sums (2
+    accumulators and the norm's sum of squares a split) after its atomic; both used to end in dependent round trips
+    (found by bench/sass_order.py)."""
     o = sass_order(compile_for_h200(*CASES["rows_linear_o_residual"][:4], *CASES["rows_linear_o_residual"][4:]))
     assert "M" in o and "L" not in o[o.rfind("B"):], o
     qkv = expanded(sass_order(compile_for_h200(*CASES["rows_linear_qkv_rope"][:4], *CASES["rows_linear_qkv_rope"][4:])))
