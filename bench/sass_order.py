@@ -12,7 +12,8 @@ latency, one letter each:
 A thread issues in order and waits at the first instruction that reads a load still in flight. So a global load that
 comes after a loop's `<` and feeds the last store is a round trip every program pays at its end. A loop of `L...S`
 without pipelining waits for each iteration's loads in turn. On 2026-12-05 this reading found four such tails
-(docs/kernels.md: the experts' shared gate and down scales, the recurrence's prefetch, the combine's gate).
+(docs/kernels.md: the experts' shared gate and down scales, the recurrence's prefetch, the combine's gate; the
+recurrence's fix was reverted after it proved nondeterministic on a GPU).
 
     python bench/sass_order.py                          # every case
     python bench/sass_order.py experts_gate_up:DIRECT=True:BN=16 --out bench/results/sass_order.json

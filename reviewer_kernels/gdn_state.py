@@ -73,29 +73,20 @@ if triton is not None:
         return tl.where(x > 20.0, x, tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0)))
 
     @triton.jit
-    def _gdn_load(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, hk, h, rk, rv, k_ok, v_ok,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt):
-        """Token t's q, k (its key head), v (this program's columns), g and beta as stored. Nothing here reads the
-        loaded values: a GPU thread issues in order and stalls at the first instruction that reads a load still in
-        flight, so a prefetch whose values were converted (or its gates computed) where it was issued waited the
-        whole round trip there, before the current token's arithmetic. _gdn_fp32 converts them where they are used."""
-        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rk, mask=k_ok, other=0.0)
-        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rk, mask=k_ok, other=0.0)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + rv, mask=v_ok, other=0.0)
-        g = tl.load(g_ptr + t * stride_gt + h)
-        beta = tl.load(beta_ptr + t * stride_bt + h)
-        return q, k, v, g, beta
-
-    @triton.jit
-    def _gdn_fp32(q, k, v, g, beta, neg_a, dt_bias, RAW_GATES: tl.constexpr):
-        """The loaded inputs in fp32. RAW_GATES: g and beta hold the projections a and b, and g = neg_a *
-        softplus(a + dt_bias), beta = sigmoid(b) here (beta rounded to b's dtype, as b.sigmoid() is)."""
-        g32 = g.to(tl.float32)
-        beta32 = beta.to(tl.float32)
+    def _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, hk, h, rk, rv, k_ok, v_ok,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                    neg_a, dt_bias, RAW_GATES: tl.constexpr):
+        """Token t's q, k (its key head), v (this program's columns), g and beta, in fp32. RAW_GATES: g_ptr and
+        beta_ptr hold the projections a and b, and g = neg_a * softplus(a + dt_bias), beta = sigmoid(b) here."""
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + rk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + rk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + rv, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + h).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
         if RAW_GATES:
-            g32 = neg_a * _softplus(g32 + dt_bias)
-            beta32 = tl.sigmoid(beta32).to(beta.dtype).to(tl.float32)
-        return q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g32, beta32
+            g = neg_a * _softplus(g + dt_bias)
+            beta = tl.sigmoid(beta).to(beta_ptr.dtype.element_ty).to(tl.float32)  # rounded as b.sigmoid() is
+        return q, k, v, g, beta
 
     @triton.jit(do_not_specialize=["T"])
     def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, neg_a_ptr, dt_bias_ptr, state_in_ptr,
@@ -126,29 +117,32 @@ if triton is not None:
         v_ok = rv < DV
         s_mask = k_ok[:, None] & v_ok[None, :]
         s_offs = h * DK * DV + rk[:, None] * DV + rv[None, :]
-        # one program per key head records q and k (the condition per lane: Triton's interpreter refuses a scalar
-        # condition and'ed with a vector mask)
-        qk_mask = k_ok & ((rk * 0 + vb) == 0) & ((rk * 0 + h) % GROUP == 0)
+        qk_writer = (vb == 0) & (h % GROUP == 0)  # one program per key head records q and k
         S = tl.load(state_in_ptr + s_offs, mask=s_mask, other=0.0).to(tl.float32)
         neg_a = 0.0
         dt_bias = 0.0
         if RAW_GATES:
             neg_a = tl.load(neg_a_ptr + h).to(tl.float32)
             dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        lq, lk, lv, lg, lb = _gdn_load(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, 0, hk, h, rk, rv, k_ok, v_ok, stride_qt,
-                                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt)
+        q, k, v, g, beta = _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, 0, hk, h, rk, rv, k_ok, v_ok,
+                                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                                       stride_gt, stride_bt, neg_a, dt_bias, RAW_GATES)
         for t in range(T):
-            if PREFETCH:  # the next token's loads go out first, and nothing reads them until its own step
-                nq, nk, nv, ng, nb = _gdn_load(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(t + 1, T - 1), hk, h,
-                                               rk, rv, k_ok, v_ok, stride_qt, stride_qh, stride_kt, stride_kh,
-                                               stride_vt, stride_vh, stride_gt, stride_bt)
-            q, k, v, g, beta = _gdn_fp32(lq, lk, lv, lg, lb, neg_a, dt_bias, RAW_GATES)
-            if RECORD:  # predicated stores, not branches: the step stays one block for the scheduler
-                tl.store(rq_ptr + (t * (HV // GROUP) + hk) * DK + rk, q.to(rq_ptr.dtype.element_ty), mask=qk_mask)
-                tl.store(rk_ptr + (t * (HV // GROUP) + hk) * DK + rk, k.to(rk_ptr.dtype.element_ty), mask=qk_mask)
+            if PREFETCH:  # the next token's inputs are loaded before this token's arithmetic waits on them
+                nq, nk, nv, ng, nbeta = _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(t + 1, T - 1),
+                                                    hk, h, rk, rv, k_ok, v_ok, stride_qt, stride_qh, stride_kt,
+                                                    stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                                                    neg_a, dt_bias, RAW_GATES)
+            else:
+                nq, nk, nv, ng, nbeta = q, k, v, g, beta
+            if RECORD:
+                if qk_writer:
+                    tl.store(rq_ptr + (t * (HV // GROUP) + hk) * DK + rk, q.to(rq_ptr.dtype.element_ty), mask=k_ok)
+                    tl.store(rk_ptr + (t * (HV // GROUP) + hk) * DK + rk, k.to(rk_ptr.dtype.element_ty), mask=k_ok)
                 tl.store(rv_ptr + (t * HV + h) * DV + rv, v.to(rv_ptr.dtype.element_ty), mask=v_ok)
-                tl.store(rg_ptr + t * HV + h, g, mask=vb == 0)
-                tl.store(rb_ptr + t * HV + h, beta, mask=vb == 0)
+                if vb == 0:
+                    tl.store(rg_ptr + t * HV + h, g)
+                    tl.store(rb_ptr + t * HV + h, beta)
             q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
             k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
             S = S * tl.exp(g)
@@ -160,11 +154,12 @@ if triton is not None:
             if EVERY_POSITION:
                 tl.store(states_out_ptr + t * HV * DK * DV + s_offs, S, mask=s_mask)
             if PREFETCH:
-                lq, lk, lv, lg, lb = nq, nk, nv, ng, nb
+                q, k, v, g, beta = nq, nk, nv, ng, nbeta
             else:
-                lq, lk, lv, lg, lb = _gdn_load(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(t + 1, T - 1), hk, h,
-                                               rk, rv, k_ok, v_ok, stride_qt, stride_qh, stride_kt, stride_kh,
-                                               stride_vt, stride_vh, stride_gt, stride_bt)
+                q, k, v, g, beta = _gdn_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(t + 1, T - 1),
+                                               hk, h, rk, rv, k_ok, v_ok, stride_qt, stride_qh, stride_kt,
+                                               stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                                               neg_a, dt_bias, RAW_GATES)
         if STORE_STATE and not EVERY_POSITION:
             tl.store(states_out_ptr + s_offs, S, mask=s_mask)
 
