@@ -41,7 +41,7 @@ def test_no_program_of_the_experts_waits_on_a_load_after_its_weight_tiles():
     """Latency a launch pays at its end, found in the SASS (docs/kernels.md): the down kernel loads each row's scale
     before its tiles, so no global load follows its loop; gate_up computes the shared expert's gate without a loop of
     its own after the tiles (eight dependent round trips at the 35B-A3B shape), so the tiles' loop is its only one."""
-    order = {name: sass_order(compile_for_h200(*CASES[name][:4], *CASES[name][4:]))
+    order = {name: sass_order(compile_for_h200(*CASES[name]))
              for name in ("experts_down", "experts_gate_up")}
     loops, tail = loop_tail(order["experts_down"])
     assert loops == 1 and "L" not in tail, order["experts_down"]
@@ -60,8 +60,8 @@ def test_the_embedded_projections_load_their_epilogue_inputs_before_the_sums():
     its 3 steps, so there need be no loop), and the q/k/v projection's last split reads only the partial sums (2
     accumulators and the norm's sum of squares a split) after its atomic; both used to end in dependent round trips
     (found by bench/sass_order.py)."""
-    o = sass_order(compile_for_h200(*CASES["rows_linear_o_residual"][:4], *CASES["rows_linear_o_residual"][4:]))
+    o = sass_order(compile_for_h200(*CASES["rows_linear_o_residual"]))
     assert "M" in o and "L" not in o[o.rfind("B"):], o
-    qkv = expanded(sass_order(compile_for_h200(*CASES["rows_linear_qkv_rope"][:4], *CASES["rows_linear_qkv_rope"][4:])))
+    qkv = expanded(sass_order(compile_for_h200(*CASES["rows_linear_qkv_rope"])))
     finisher = qkv[qkv.find("X") + 1:]  # the programs that are not the last of their tile exit first
     assert finisher.count("L") == 3 * CASES["rows_linear_qkv_rope"][2]["SPLITS"], qkv
