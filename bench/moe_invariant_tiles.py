@@ -26,6 +26,7 @@ import argparse
 import datetime
 import importlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -200,7 +201,8 @@ def main() -> None:
               "entry": {fm.shape_key(E, H, I, K, True) + "_invariant": entry}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"moe_invariant_tiles_h200_{now.strftime('%Y%m%d_%H%M%S')}.json"
+    gpu = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower().replace("nvidia ", "")).strip("_")
+    path = out / f"moe_invariant_tiles_{gpu}_{now.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print("table entry (reviewer_kernels/fused_moe_configs.json, under this device):", json.dumps(result["entry"]),
           "\nwrote", path, flush=True)

@@ -235,9 +235,14 @@ def main() -> None:
                     help="invariant: the padded batch-invariant steps `reviewer serve` runs; one_token: the one-token "
                          "kernels (reviewer bench's 'plain (default kernels)', L_target): run both in one call to see, "
                          "kernel by kernel, what the invariant step costs over them (its verify is not serve's)")
+    ap.add_argument("--layers", type=int, default=40,
+                    help="layers of the shape to build (a multiple of 4; default all 40). 20 fits an 80 GB card; the "
+                         "per-layer rows keep their meaning, the whole-step totals do not (the record says so)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
+    if args.layers < 4 or args.layers > 40 or args.layers % 4:
+        raise SystemExit(f"--layers {args.layers}: a multiple of 4 from 4 to 40 (the shape repeats 3 linear + 1 full)")
     if not torch.cuda.is_available():
         raise SystemExit("step_budget traces CUDA-graph replays: it needs a GPU")
     contexts = args.context or [3000]
@@ -245,7 +250,7 @@ def main() -> None:
         routing.ROUTE_IN_MATMUL = True  # read at each call; set before the graphs are captured
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
-    model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16)
+    model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16, layers=args.layers)
     if args.numerics == "one_token":
         numerics = Numerics("one_token", "bench/step_budget.py --numerics one_token: L_target's kernels", compile=True)
     else:

@@ -89,15 +89,16 @@ def _instantiate(cls, config, device, dtype):
         torch.set_default_dtype(torch.float32)
 
 
-def random_qwen_without_transformers(shape: str, device, dtype):
+def random_qwen_without_transformers(shape: str, device, dtype, layers: int = 40):
     """Our Qwen35Moe with random weights from the shape's numbers alone (transformers' Qwen3_5MoeTextConfig defaults
-    for the 35B-A3B shape), for machines whose transformers predates Qwen3.5."""
+    for the 35B-A3B shape), for machines whose transformers predates Qwen3.5. `layers` below 40 keeps the first ones
+    (the same three-linear-one-full pattern): per-layer figures unchanged, and the weights fit an 80 GB card."""
     from backend.models.qwen3_5_moe import Qwen35MoeConfig
     if shape != "qwen3.6-35b-a3b":
         raise SystemExit(f"{shape}: this transformers has no Qwen3.5-MoE")
     return random_qwen(Qwen35MoeConfig(vocab_size=248320, hidden_size=2048,
                              layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                                          for i in range(40)],
+                                          for i in range(layers)],
                              num_heads=16, num_kv_heads=2, head_dim=256, linear_num_key_heads=16,
                              linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
                              conv_kernel=4, num_experts=256, top_k=8, moe_intermediate_size=512,

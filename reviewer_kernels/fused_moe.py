@@ -181,9 +181,16 @@ def invariant_config(device_name: str, key: str, top_k: int) -> dict:
     """One tile set for every call of 1..16 tokens, for batch-invariant steps (a row's bits must not depend on how
     many tokens share the call): the table's "<key>_invariant" entry, tuned under a real router's locality by
     bench/moe_invariant_tiles.py (direct mode up to `direct_tokens`, sorted above: same bits), else the 16-token
-    entry. Never the one-token kernels (reviewer_kernels/moe_decode.py), whose order of additions differs."""
+    entry's tiles with direct blocks while a call's routed slots fit one block (default_config's rule: 2 tokens at
+    top-8), sorted above. Never the one-token kernels (reviewer_kernels/moe_decode.py), whose order of additions
+    differs."""
     entry = _tuned_table().get(device_name, {}).get(key + "_invariant")
-    return dict(entry if entry else get_config(device_name, key, 16, top_k), decode=False)
+    if entry:
+        return dict(entry, decode=False)
+    # Untuned here (any GPU but the H200, the interpreter): the 16-token entry alone is sorted, so every decode step
+    # paid the align launch, 5.2 us at each MoE layer on an H100 (2026-12-07), where direct blocks need none. A row's
+    # bits are the same both ways (see fused_moe_triton), so the mode may change with the token count.
+    return dict(get_config(device_name, key, 16, top_k), direct=True, direct_tokens=max(1, 16 // top_k), decode=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -244,6 +244,22 @@ def test_residual_is_added_by_the_sum_kernel_with_pytorch_rounding():
         fused_moe(*inputs, residual=res[:2])
 
 
+def test_invariant_config_takes_the_tuned_entry_else_direct_blocks_for_a_decode_step():
+    """The batch-invariant tile set: a device's tuned `_invariant` entry as it stands; on a device without one, the
+    16-token entry's tiles with direct blocks up to 2 tokens at top-8 (no align launch in a decode step) and sorted
+    blocks above. Never the one-token kernels."""
+    from reviewer_kernels.fused_moe import _tuned_table, get_config, invariant_config, shape_key
+
+    key = shape_key(256, 2048, 512, 8, True)
+    tuned = _tuned_table()["NVIDIA H200"][key + "_invariant"]
+    assert invariant_config("NVIDIA H200", key, 8) == dict(tuned, decode=False)
+    untuned = invariant_config("NVIDIA A100-SXM4-80GB", key, 8)
+    sixteen = get_config("NVIDIA A100-SXM4-80GB", key, 16, 8)
+    assert sixteen["direct"] is False  # what the untuned fallback ran before: sorted, an align launch every step
+    assert untuned == dict(sixteen, direct=True, direct_tokens=2, decode=False)
+    assert invariant_config("cpu", shape_key(8, 64, 32, 2, True), 2)["direct_tokens"] == 8
+
+
 def test_align_workspace_slices_start_on_16_byte_boundaries_for_every_token_count():
     """Triton specialises pointers on 16-byte alignment: slices at token-count-dependent offsets compiled new kernel
     variants for new prompt lengths while serving (the 35B-A3B replay's compilations after ready)."""
