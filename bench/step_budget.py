@@ -19,7 +19,9 @@ Python included, is timed again outside any window: `wall_ms`; so are the decode
 and host work: `wall_us`.) --glue-kernels on / off times the padded steps' glue in our kernels or compiled
 (QwenNumerics.glue_kernels): run it twice in one call for a side-by-side pair. --numerics one_token traces the
 one-token kernels instead (reviewer bench's "plain (default kernels)", which L_target times): beside an invariant run
-on the same machine it shows, kernel by kernel, what the invariant plain step pays over them.
+on the same machine it shows, kernel by kernel, what the invariant plain step pays over them:
+
+    python bench/step_budget.py --compare one_token.json invariant.json [--compare-call verify16]   # no GPU
 """
 
 from __future__ import annotations
@@ -219,6 +221,51 @@ def call_wall_us(call, fast, start, reps: int) -> float:
     return round(statistics.median(walls), 1)
 
 
+def compare(a: dict, b: dict, call: str = "decode", top: int = 25) -> str:
+    """Two step_budget records side by side, context by context: the call's kernel and wall totals, its per-layer parts
+    by layer kind, and its kernels (each record keeps its top 25 by time; a kernel outside one record's list shows
+    "-" there). For pairs taken in one call on one machine; other pairs are labelled so, since kernel times move
+    between machines of one kind too."""
+    lines = []
+    ma, mb = a.get("machine", {}).get("gpu"), b.get("machine", {}).get("gpu")
+    if ma != mb:
+        lines.append(f"machines differ: A {ma}, B {mb} (not a side-by-side pair)")
+    if a.get("layers", 40) != b.get("layers", 40):
+        lines.append(f"layer counts differ: A {a.get('layers', 40)}, B {b.get('layers', 40)} (totals do not compare)")
+    lines.append(f"A: {a.get('numerics')} ({a.get('date')})")
+    lines.append(f"B: {b.get('numerics')} ({b.get('date')})")
+    by_context = {c["context"]: c for c in b["contexts"]}
+    for ca in a["contexts"]:
+        cb = by_context.get(ca["context"])
+        if cb is None:
+            lines.append(f"context {ca['context']}: not in B")
+            continue
+        ra, rb = ca[call], cb[call]
+        lines.append(f"context {ca['context']}, {call}: kernels {ra['kernel_us']:.0f} -> {rb['kernel_us']:.0f} us "
+                     f"(B/A {rb['kernel_us'] / ra['kernel_us']:.3f}), launches {ra['launches']:.0f} -> "
+                     f"{rb['launches']:.0f}" + (f", wall {ra['wall_us']:.0f} -> {rb['wall_us']:.0f} us"
+                                                if "wall_us" in ra and "wall_us" in rb else ""))
+        for kind in ra.get("per_layer", {}):
+            pa, pb = ra["per_layer"][kind]["parts"], rb.get("per_layer", {}).get(kind, {}).get("parts", {})
+            parts = sorted(set(pa) | set(pb), key=lambda p: -max(pa.get(p, {}).get("us", 0), pb.get(p, {}).get("us", 0)))
+            cells = [f"{p} {pa.get(p, {}).get('us', 0):.1f} -> {pb.get(p, {}).get('us', 0):.1f}" for p in parts
+                     if pa.get(p, {}).get("us", 0) or pb.get(p, {}).get("us", 0)]
+            lines.append(f"  {kind} (us a layer): " + ", ".join(cells))
+        ka = {k["kernel"]: k for k in ra["top_kernels"]}
+        kb = {k["kernel"]: k for k in rb["top_kernels"]}
+        names = sorted(set(ka) | set(kb), key=lambda n: -max(ka.get(n, {}).get("us_per_call", 0),
+                                                             kb.get(n, {}).get("us_per_call", 0)))[:top]
+        lines.append(f"  {'A us':>8} {'B us':>8} {'B - A':>8} {'A n':>5} {'B n':>5}  kernel")
+        for n in names:
+            ua, ub = ka.get(n, {}).get("us_per_call"), kb.get(n, {}).get("us_per_call")
+            na, nb = ka.get(n, {}).get("launches_per_call"), kb.get(n, {}).get("launches_per_call")
+            fmt = lambda x, f: f"{x:{f}}" if x is not None else "-"  # noqa: E731
+            diff = f"{ub - ua:+8.1f}" if ua is not None and ub is not None else f"{'':8}"
+            lines.append(f"  {fmt(ua, '8.1f'):>8} {fmt(ub, '8.1f'):>8} {diff} {fmt(na, '5.0f'):>5} "
+                         f"{fmt(nb, '5.0f'):>5}  {n[:80]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, action="append", help="cached tokens before the measured calls "
@@ -238,9 +285,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=40,
                     help="layers of the shape to build (a multiple of 4; default all 40). 20 fits an 80 GB card; the "
                          "per-layer rows keep their meaning, the whole-step totals do not (the record says so)")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print two records side by side (the decode "
+                    "step, or --compare-call) and exit: no GPU needed")
+    ap.add_argument("--compare-call", choices=["decode", "verify16", "accept", "prefill"], default="decode")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args()
+    if args.compare:
+        records = []
+        for path in args.compare:
+            try:
+                records.append(json.loads(Path(path).read_text()))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise SystemExit(f"--compare {path}: {exc}")
+            if records[-1].get("benchmark") != "step_budget":
+                raise SystemExit(f"--compare {path}: not a step_budget record")
+        print(compare(*records, call=args.compare_call))
+        return
     if args.layers < 4 or args.layers > 40 or args.layers % 4:
         raise SystemExit(f"--layers {args.layers}: a multiple of 4 from 4 to 40 (the shape repeats 3 linear + 1 full)")
     if not torch.cuda.is_available():

@@ -1,6 +1,7 @@
 """bench/step_budget.py's trace arithmetic on the CPU: kernels put in parts by name (with the names the H200 traces
 hold), a forward's kernels cut into layers where each layer's experts end, and the per-layer medians. The profiling
 itself needs a GPU (the script refuses without one)."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,52 @@ def test_a_layer_count_the_shape_cannot_have_is_one_clear_line(layers):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and f"--layers {layers}: a multiple of 4" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def record(gpu: str, numerics: str, kernels: dict[str, tuple[float, float]], wall: float, layers: int = 40) -> dict:
+    """A step_budget record of one context, its decode step's top kernels {name: (us, launches)}."""
+    top = [{"kernel": n, "us_per_call": us, "launches_per_call": c, "part": step_budget.part_of(n)}
+           for n, (us, c) in kernels.items()]
+    parts = {"experts": {"us": 30.0}, "glue": {"us": 8.0}}
+    return {"benchmark": "step_budget", "machine": {"gpu": gpu}, "numerics": numerics, "date": "2026-12-07",
+            "layers": layers, "contexts": [{"context": 3000, "decode": {
+                "kernel_us": sum(us for us, _ in kernels.values()), "launches": sum(c for _, c in kernels.values()),
+                "wall_us": wall, "top_kernels": top, "per_layer": {"linear_attention": {"parts": parts}}}}]}
+
+
+def test_compare_sets_two_records_kernel_by_kernel():
+    a = record("NVIDIA H100 80GB HBM3", "one-token", {"_gate_up_kernel": (300.0, 20), "_gemv_kernel": (160.0, 20)},
+               2270.0)
+    b = record("NVIDIA H100 80GB HBM3", "invariant", {"_gate_up_kernel": (460.0, 20), "_align_kernel": (100.0, 20)},
+               2550.0)
+    out = step_budget.compare(a, b)
+    assert "machines differ" not in out
+    assert "kernels 460 -> 560 us (B/A 1.217), launches 40 -> 40, wall 2270 -> 2550 us" in out
+    gate_up = next(line for line in out.splitlines() if line.endswith("_gate_up_kernel"))
+    assert gate_up.split()[:3] == ["300.0", "460.0", "+160.0"]
+    align = next(line for line in out.splitlines() if line.endswith("_align_kernel"))
+    assert align.split()[:2] == ["-", "100.0"]  # only in B
+    assert "linear_attention (us a layer): experts 30.0 -> 30.0, glue 8.0 -> 8.0" in out
+
+
+def test_compare_says_when_two_records_are_no_side_by_side_pair():
+    a = record("NVIDIA H100 80GB HBM3", "invariant", {"_gate_up_kernel": (300.0, 20)}, 2300.0, layers=20)
+    b = record("NVIDIA H200", "invariant", {"_gate_up_kernel": (600.0, 40)}, 3400.0)
+    out = step_budget.compare(a, b)
+    assert "machines differ: A NVIDIA H100 80GB HBM3, B NVIDIA H200" in out
+    assert "layer counts differ: A 20, B 40" in out
+
+
+def test_compare_from_the_command_line_needs_no_gpu_and_refuses_other_records(tmp_path):
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(record("H", "x", {"_down_kernel": (10.0, 1)}, 20.0)))
+    other = tmp_path / "other.json"
+    other.write_text('{"benchmark": "serve_replay"}')
+    script = [sys.executable, str(ROOT / "bench" / "step_budget.py"), "--compare"]
+    ok = subprocess.run(script + [str(a), str(a)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ok.returncode == 0 and "_down_kernel" in ok.stdout
+    bad = subprocess.run(script + [str(a), str(other)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "not a step_budget record" in bad.stderr and "Traceback" not in bad.stderr
+    missing = subprocess.run(script + [str(a), str(tmp_path / "none.json")], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+    assert missing.returncode != 0 and "none.json" in missing.stderr and "Traceback" not in missing.stderr
