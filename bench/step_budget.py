@@ -266,7 +266,7 @@ def compare(a: dict, b: dict, call: str = "decode", top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, action="append", help="cached tokens before the measured calls "
                     "(repeatable; default 3000)")
@@ -290,17 +290,40 @@ def main() -> None:
     ap.add_argument("--compare-call", choices=["decode", "verify16", "accept", "prefill"], default="decode")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def compare_files(paths: list[str], call: str) -> str:
+    records = []
+    for path in paths:
+        try:
+            records.append(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--compare {path}: {exc}")
+        if records[-1].get("benchmark") != "step_budget":
+            raise SystemExit(f"--compare {path}: not a step_budget record")
+    return compare(*records, call=call)
+
+
+def print_context(r: dict) -> None:
+    for name in ("decode", "verify16", "accept", "prefill"):
+        wall = f", wall {r[name]['wall_us']:.0f} us" if "wall_us" in r[name] else ""
+        print(f"  {name}: kernels {r[name]['kernel_us']:.0f} us, {r[name]['launches']:.0f} launches{wall}", flush=True)
+    print(f"  prefill wall {r['prefill']['wall_ms']} ms in {r['prefill']['pieces']} piece(s)", flush=True)
+    for name in ("decode", "verify16"):
+        for kind, row in r[name]["per_layer"].items():
+            parts = ", ".join(f"{p} {v['us']:.1f}" + (f" ({v['over_floor']}x)" if v["over_floor"] else "")
+                              for p, v in row["parts"].items())
+            print(f"  {name} {kind}: {row['us']:.1f} us/layer: {parts}", flush=True)
+    for k in r["prefill"]["top_kernels"][:12]:
+        print(f"  prefill {k['us_per_call']:9.1f} us {k['launches_per_call']:6.0f}x {k['part']:11s} "
+              f"{k['kernel'][:70]}", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
     if args.compare:
-        records = []
-        for path in args.compare:
-            try:
-                records.append(json.loads(Path(path).read_text()))
-            except (OSError, json.JSONDecodeError) as exc:
-                raise SystemExit(f"--compare {path}: {exc}")
-            if records[-1].get("benchmark") != "step_budget":
-                raise SystemExit(f"--compare {path}: not a step_budget record")
-        print(compare(*records, call=args.compare_call))
+        print(compare_files(args.compare, args.compare_call))
         return
     if args.layers < 4 or args.layers > 40 or args.layers % 4:
         raise SystemExit(f"--layers {args.layers}: a multiple of 4 from 4 to 40 (the shape repeats 3 linear + 1 full)")
@@ -320,9 +343,12 @@ def main() -> None:
     if args.glue_kernels != "default":
         numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=args.glue_kernels == "on"))
     fast = fast_cls(model, max(contexts) + args.prefill + 64, cuda_graphs=True, compile=True, numerics=numerics)
-    tables = install_routing_trace(fast, hot=args.hot_experts)
-    distinct = trace_distinct_experts(tables)
-    record = {"benchmark": "step_budget", "model": "qwen3.6-35b-a3b shape, random weights (bf16)",
+    distinct = trace_distinct_experts(install_routing_trace(fast, hot=args.hot_experts))
+    record = {"benchmark": "step_budget",
+              "model": "qwen3.6-35b-a3b shape, random weights (bf16)" + (
+                  f", {args.layers} of its 40 layers (whole-step totals cover only those)" if args.layers != 40
+                  else ""),
+              "layers": args.layers,
               "numerics": ("one-token kernels (L_target's; the verify is not serve's), glue compiled"
                            if args.numerics == "one_token" else "batch-invariant padded rows (serve's default), glue "
                            + ("in our kernels" if numerics.qwen.glue_kernels else "compiled")) + ", CUDA graphs",
@@ -335,21 +361,8 @@ def main() -> None:
               "torch": torch.__version__, "contexts": []}
     for context in contexts:
         print(f"context {context}", flush=True)
-        r = measure_context(fast, model, context, args, bandwidth, distinct)
-        record["contexts"].append(r)
-        for name in ("decode", "verify16", "accept", "prefill"):
-            wall = f", wall {r[name]['wall_us']:.0f} us" if "wall_us" in r[name] else ""
-            print(f"  {name}: kernels {r[name]['kernel_us']:.0f} us, "
-                  f"{r[name]['launches']:.0f} launches{wall}", flush=True)
-        print(f"  prefill wall {r['prefill']['wall_ms']} ms in {r['prefill']['pieces']} piece(s)", flush=True)
-        for name in ("decode", "verify16"):
-            for kind, row in r[name]["per_layer"].items():
-                parts = ", ".join(f"{p} {v['us']:.1f}" + (f" ({v['over_floor']}x)" if v["over_floor"] else "")
-                                  for p, v in row["parts"].items())
-                print(f"  {name} {kind}: {row['us']:.1f} us/layer: {parts}", flush=True)
-        for k in r["prefill"]["top_kernels"][:12]:
-            print(f"  prefill {k['us_per_call']:9.1f} us {k['launches_per_call']:6.0f}x {k['part']:11s} "
-                  f"{k['kernel'][:70]}", flush=True)
+        record["contexts"].append(measure_context(fast, model, context, args, bandwidth, distinct))
+        print_context(record["contexts"][-1])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"step_budget_qwen3.6-35b-a3b-shape{args.label}_{datetime.date.today():%Y%m%d}.json"
     path.write_text(json.dumps(record, indent=1))
