@@ -189,8 +189,8 @@ def invariant_config(device_name: str, key: str, top_k: int) -> dict:
         return dict(entry, decode=False)
     # No entry for this device (a GPU the tuner has not run on, the interpreter): the 16-token entry alone is sorted,
     # so every decode step paid the align launch, 5.2 us at each MoE layer on an untuned H100 (2026-12-07), where
-    # direct blocks need none. A row's
-    # bits are the same both ways (see fused_moe_triton), so the mode may change with the token count.
+    # direct blocks need none. A row's bits are the same both ways (see fused_moe_triton), so the mode may change
+    # with the token count.
     return dict(get_config(device_name, key, 16, top_k), direct=True, direct_tokens=max(1, 16 // top_k), decode=False)
 
 
