@@ -11,7 +11,9 @@ slot, where "sorted" mode (slots grouped by expert, a block per expert of <= BM 
 For each candidate (gate_up tiles with K-split, down tiles) and both modes: microseconds per layer at 1..16 tokens
 (CUDA-graph replay of --layers distinct layers back to back, so weights come from HBM), routing among a hot set of
 --hot experts per layer (as backend/bench/routing.py does), and whether every row of each call is bitwise the row
-computed alone in direct mode: the condition under which the mode may change with the token count.
+computed alone in direct mode: the condition under which the mode may change with the token count. Last, the best
+tiles with the slots summed inside the down kernel (`sum_in_down`: one launch fewer a layer): the entry takes it if
+its output is bitwise the slot sum's and it is faster over the entry's own token counts.
 
     python bench/moe_invariant_tiles.py --out bench/results          # H200: ~2 minutes
 
@@ -130,6 +132,30 @@ def candidates() -> list[dict]:
     return base, gate_up, down
 
 
+def entry_us(direct: dict, sorted_: dict, direct_tokens: int, tokens: list[int]) -> float:
+    """us per layer summed over the token counts, each in the mode the entry takes for it."""
+    return sum((direct if m <= direct_tokens else sorted_)[f"us_{m}"] for m in tokens)
+
+
+def choose_sum_in_down(measure_summed, curves: dict, direct_tokens: int, tokens: list[int], layer, x, route,
+                       entry: dict) -> tuple[bool, dict]:
+    """Whether the entry sums the slots inside the down kernel (one launch fewer a layer): only if its output is
+    bitwise the slot sum's at 1, 5 and 16 tokens in both modes, and it is faster over the entry's own curve."""
+    summed = {mode: measure_summed(mode) for mode in ("direct", "sorted")}
+    w, ids = route
+    cfg = dict(entry, decode=False)
+    same = all(torch.equal(fm.fused_moe(x[:m], layer["gate_up"], layer["down"], w[:m], ids[:m], layer["shared"],
+                                        config=dict(cfg, direct=mode == "direct", sum_in_down=True)),
+                           fm.fused_moe(x[:m], layer["gate_up"], layer["down"], w[:m], ids[:m], layer["shared"],
+                                        config=dict(cfg, direct=mode == "direct", sum_in_down=False)))
+               for m in (1, 5, 16) for mode in ("direct", "sorted"))
+    if any("error" in r for r in summed.values()):
+        return False, {"summed": summed, "same_bits": same}
+    plain = entry_us(curves["best_direct_traced"], curves["best_sorted_traced"], direct_tokens, tokens)
+    fused = entry_us(summed["direct"], summed["sorted"], direct_tokens, tokens)
+    return same and fused < plain, {"summed": summed, "same_bits": same, "entry_us": plain, "summed_us": fused}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
@@ -150,10 +176,10 @@ def main() -> None:
     base, gate_up, down = candidates()
     base = {k: v for k, v in base.items() if k != "decode"}
 
-    def measure(gu, dn, mode: str, ms, routes) -> dict:
+    def measure(gu, dn, mode: str, ms, routes, sum_in_down: bool = False) -> dict:
         cfg = dict(base, gate_up=gu, down=dn, decode=False, direct=mode == "direct",
-                   direct_tokens=16 if mode == "direct" else 1)
-        row = {"gate_up": gu, "down": dn, "mode": mode}
+                   direct_tokens=16 if mode == "direct" else 1, sum_in_down=sum_in_down)
+        row = {"gate_up": gu, "down": dn, "mode": mode, "sum_in_down": sum_in_down}
         try:
             for m in ms:
                 row[f"us_{m}"] = time_graph_us(run_layers(layers, x, routes, cfg, m)) / args.layers
@@ -189,6 +215,9 @@ def main() -> None:
         direct_tokens = m
     entry = {"direct": direct_tokens > 0, "direct_tokens": max(direct_tokens, 1), "BM": base["BM"],
              "gate_up": best["gate_up"], "down": best["down"]}
+    entry["sum_in_down"], curves["best_sum_in_down"] = choose_sum_in_down(
+        lambda mode: measure(best["gate_up"], best["down"], mode, tokens, traced, sum_in_down=True),
+        curves, direct_tokens, tokens, layers[0], x, traced[0], entry)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {"benchmark": "moe_invariant_tiles", "device": torch.cuda.get_device_name(), "date": now.isoformat(),
               "command": "python " + " ".join(sys.argv), "torch": torch.__version__,

@@ -17,7 +17,10 @@ Launches (all shapes depend only on M, so the whole thing can be captured in a C
   3. `_down_kernel`, grid (blocks, H/BN): inter @ down^T, scaled by the routing weight in the epilogue,
      stored in fp32 to `rows[slot]`.
   4. `_sum_slots_kernel`: out[t] = sum of its K (+1) rows in a fixed order. The order of every addition is
-     fixed whoever finishes first: results are deterministic, which greedy decoding relies on.
+     fixed whoever finishes first: results are deterministic, which greedy decoding relies on. With the config's
+     "sum_in_down" the down kernel does it instead: each program counts an arrival per token and N-tile (atomic
+     counters, left at zero), and the one that stores a token's last row adds them in the same order (same bits,
+     one launch fewer; not with `norm`, which needs whole rows).
 K splits were meant for one token (a decode step in the batch-invariant numerics, which must use the verify's tiles:
 9 active experts, ~144 programs of 256 KB over 132 SMs, a wave and a bit). Measured on the H200 they do not pay: 4 or
 8 splits took 26-38 us a layer at one token against 25 unsplit, and far longer at 16 tokens (bench/results/
@@ -373,15 +376,54 @@ if triton is not None:
                     acc_s += tl.sum(xs.to(tl.float32) * sgw.to(tl.float32)[None, :], axis=1)
                 tl.store(sgate_ptr + tok, tl.sigmoid(acc_s), mask=valid)
 
+    @triton.jit
+    def _sum_when_last(rows_ptr, out_ptr, res_ptr, count_ptr, slots, valid, offs_n, n_ok, num_routed,
+                       stride_rows, stride_out, stride_res, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                       HAS_RESIDUAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """After a down program stored its rows: count one arrival for each row's token (count_ptr: this N-tile's
+        counters, one a token; a block's rows are distinct tokens, since a token's experts are distinct); for each
+        token whose last row (of TOP_K routed + the shared one) this was, add its rows in _sum_slots_kernel's order
+        (k = 0..K-1, then the shared row; fp32, cast once, plus the residual rounded once more), store them, and
+        leave its counter at zero. Whichever program arrives last, the additions and so the bits are the same."""
+        # int32 offsets (slots x hidden stay below 2^31: 131k tokens at top-8 and H 2048); int64 pointer tiles
+        # spilled a register in Triton 3.6's sm_90 build
+        tok = tl.where(slots < num_routed, slots // TOP_K, slots - num_routed)
+        # the rows this CTA stored are visible before any of its arrivals is (acq_rel at GPU scope, after a barrier)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tok, 1, mask=valid, sem="acq_rel")
+        tl.debug_barrier()
+        rows_a_token = TOP_K
+        if HAS_SHARED:
+            rows_a_token = TOP_K + 1
+        last = valid & (arrived == rows_a_token - 1)
+        mask = last[:, None] & n_ok[None, :]
+        acc = tl.zeros([BM, BN], tl.float32)
+        routed_rows = rows_ptr + (tok * TOP_K)[:, None] * stride_rows + offs_n[None, :]  # one pointer tile, offset
+        for k in tl.static_range(TOP_K):  # unrolled: every row's load issued before the first add
+            acc += tl.load(routed_rows + k * stride_rows, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_SHARED:
+            acc += tl.load(rows_ptr + (num_routed + tok)[:, None] * stride_rows + offs_n[None, :], mask=mask,
+                           other=0.0, cache_modifier=".cg")
+        out = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + tok[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0)
+            out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + tok[:, None] * stride_out + offs_n[None, :], out, mask=mask)
+        tl.atomic_xchg(count_ptr + tok, 0, mask=last)  # ready for the next call (launches on a stream run in order)
+
     @triton.jit(do_not_specialize=_RUNTIME_SIZES[:2])
     def _down_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, rows_ptr,
                      ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
+                     out_ptr, res_ptr, count_ptr,
                      num_routed, num_tokens, E, H, I,
-                     stride_inter, stride_we, stride_wn, stride_sn, stride_rows,
+                     stride_inter, stride_we, stride_wn, stride_sn, stride_rows, stride_out, stride_res,
                      HAS_SHARED_GATE: tl.constexpr, DIRECT: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Grid (block, N-tile): rows[slot] = routing weight * (inter[slot] @ down^T), fp32."""
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUM_IN_DOWN: tl.constexpr,
+                     TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        """Grid (block, N-tile): rows[slot] = routing weight * (inter[slot] @ down^T), fp32. SUM_IN_DOWN: the
+        program that stores the last of a token's rows for an N-tile also sums them into out (_sum_when_last), and
+        _sum_slots_kernel does not run."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         e, slots, valid = _block_rows(pid_b, ids_ptr, sorted_ptr, bexp_ptr, bstart_ptr, bcount_ptr,
@@ -419,6 +461,9 @@ if triton is not None:
             wp += BK
         tl.store(rows_ptr + slots64[:, None] * stride_rows + offs_n[None, :], acc * scale[:, None],
                  mask=valid[:, None] & n_ok[None, :])
+        if SUM_IN_DOWN:
+            _sum_when_last(rows_ptr, out_ptr, res_ptr, count_ptr + pid_n * num_tokens, slots, valid, offs_n, n_ok,
+                           num_routed, stride_rows, stride_out, stride_res, TOP_K, HAS_SHARED, HAS_RESIDUAL, BM, BN)
 
     @triton.jit(do_not_specialize=["num_routed"])
     def _sum_slots_kernel(rows_ptr, out_ptr, res_ptr, nw_ptr, normed_ptr, num_routed, H, eps, stride_rows,
@@ -568,15 +613,24 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         num_slots * 2 * inter, HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split,
         EVEN_K=hidden % (gu["BK"] * split) == 0, EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m,
         BN=gu["BN"], BK=gu["BK"], HP=triton.next_power_of_2(hidden), num_warps=gu["warps"], num_stages=gu["stages"])
-    _down_kernel[(num_blocks, triton.cdiv(hidden, dn["BN"]))](
-        inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount,
-        num_routed, num_tokens, num_experts, hidden, inter,
-        inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0),
-        HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % dn["BK"] == 0,
-        EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
-        num_warps=dn["warps"], num_stages=dn["stages"])
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
+    # sum_in_down: the down kernel sums each token's rows (one launch fewer); not with the next norm, which needs
+    # whole rows where a down program has an N-tile
+    sum_in_down = bool(cfg.get("sum_in_down")) and norm is None
+    d_tiles = triton.cdiv(hidden, dn["BN"])
+    arrivals = split_workspace(dev, 0, 0, d_tiles * num_tokens)[2] if sum_in_down else inter_buf
+    res = residual if residual is not None else out  # unused without a residual
+    _down_kernel[(num_blocks, d_tiles)](
+        inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount, out, res, arrivals,
+        num_routed, num_tokens, num_experts, hidden, inter,
+        inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0), out.stride(0),
+        res.stride(0), HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % dn["BK"] == 0,
+        EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
+        SUM_IN_DOWN=sum_in_down, TOP_K=top_k, HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None,
+        num_warps=dn["warps"], num_stages=dn["stages"])
+    if sum_in_down:
+        return out
     return sum_slots(rows, num_tokens, top_k, has_shared, out, residual, norm)
 
 

@@ -129,7 +129,13 @@ for case in INTERPRETER_CASES:
     nw, normed = 1 + 0.2 * torch.randn(h), torch.empty_like(x)
     with_norm = fused_moe(*inputs, use_triton=True, config=config, residual=res, norm=(nw, 1e-6, normed))
     plain = fused_moe(*inputs, use_triton=True, config=config, residual=res)
+    # the slots summed by the down kernel's last program of each token and N-tile: the slot sum's bits, twice over
+    # (its counters are left at zero), with and without the residual
+    summed = dict(config, sum_in_down=True)
+    in_down = [fused_moe(*inputs, use_triton=True, config=summed, residual=res) for _ in range(2)]
     print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)),
+                      "sum_in_down": all(torch.equal(r, plain) for r in in_down)
+                      and torch.equal(fused_moe(*inputs, use_triton=True, config=summed), out),
                       "finite": bool(torch.isfinite(out).all()), "dtype": str(out.dtype),
                       "rows_alone": bool(torch.equal(alone, out[:alone.shape[0]])),
                       "repeatable": bool(torch.equal(out, fused_moe(*inputs, use_triton=True, config=config))),
@@ -160,11 +166,12 @@ def interpreter_results():
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_triton_kernel_matches_reference_in_interpreter(interpreter_results, case):
     """The grouped kernels against float64, with K splits in gate_up (the last split to finish adds them): a token's
-    row is bitwise the same computed alone, and again on a second call (the arrival counters are left at zero)."""
+    row is bitwise the same computed alone, and again on a second call (the arrival counters are left at zero); the
+    slots summed inside the down kernel ("sum_in_down") bitwise as the slot sum's launch sums them."""
     result = interpreter_results[tuple(case)]
     assert result["finite"] and result["dtype"] == f"torch.{case[0]}"
     assert result["err"] < (1e-5 if case[0] == "float32" else 2e-3), result
-    assert result["rows_alone"] and result["repeatable"], result
+    assert result["rows_alone"] and result["repeatable"] and result["sum_in_down"], result
     assert result["norm_result"] and result["norm_err"] < (1e-6 if case[0] == "float32" else 1e-3), result
 
 
@@ -695,6 +702,38 @@ def test_split_tiles_on_gpu_compute_each_row_as_alone_inside_graphs(gate_up, dow
         static.fill_(float("nan"))
         graph.replay()
         assert torch.equal(static, alone)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "sorted"])
+def test_cuda_slots_summed_in_the_down_kernel_are_the_slot_sum_s_bits_inside_graphs(direct):
+    """sum_in_down (the last down program of each token and N-tile adds its rows): bitwise the slot sum's launch at
+    1..16 tokens with the residual, under hot-set routing, and a CUDA graph replayed twice gives the same bits (the
+    arrival counters are left at zero)."""
+    x, gate_up, down, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=6, device="cuda")
+    g = torch.Generator().manual_seed(6)
+    hot = torch.randperm(256, generator=g)[:50]
+    ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(16)]).cuda()
+    weights = torch.softmax(torch.randn(16, 8, generator=g), -1).to("cuda", torch.bfloat16)
+    res = torch.randn(16, 2048, device="cuda").bfloat16()
+    config = {"direct": direct, "direct_tokens": 16, "BM": 16, "decode": False,
+              "gate_up": {"BN": 32, "BK": 256, "warps": 4, "stages": 3, "split": 1},
+              "down": {"BN": 64, "BK": 128, "warps": 4, "stages": 3}}
+
+    def run(m: int, summed: bool) -> torch.Tensor:
+        return fused_moe(x[:m], gate_up, down, weights[:m], ids[:m], shared, residual=res[:m],
+                         config=dict(config, sum_in_down=summed))
+
+    for m in (1, 2, 5, 16):
+        assert torch.equal(run(m, True), run(m, False)), m
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run(16, True)
+    for _ in range(2):
+        static.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(static, run(16, False))
 
 
 @pytest.mark.gpu
