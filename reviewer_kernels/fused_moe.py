@@ -38,6 +38,7 @@ shape and token count; nothing is tuned at serve time.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 import json
 import os
 from pathlib import Path
@@ -551,6 +552,22 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
     return sorted_slots, bexp, bstart, bcount
 
 
+@dataclass
+class Blocks:
+    """A grouped call's block table: direct (block b < M*K is slot b alone, the last block the shared slots) or
+    sorted by expert (align_slots: each block's expert, first sorted slot and row count, -1 for unused blocks)."""
+    direct: bool
+    count: int  # blocks launched (the table's length when sorted)
+    rows: int  # BM
+    sorted_slots: torch.Tensor
+    expert: torch.Tensor
+    start: torch.Tensor
+    size: torch.Tensor
+
+    def args(self) -> tuple:
+        return self.sorted_slots, self.expert, self.start, self.size
+
+
 def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, config=None,
                      residual=None, out=None, norm=None):
     """The Triton path (see the module docstring). Inputs as for `fused_moe`; no host synchronisation."""
@@ -559,79 +576,97 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
     x = hidden_states.to(gate_up_proj.dtype).contiguous()  # as transformers' grouped_mm does
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up_proj.shape
-    inter = two_inter // 2
     top_k = topk_ids.shape[1]
     num_routed = num_tokens * top_k
-    has_shared = shared is not None
-    num_slots = num_routed + (num_tokens if has_shared else 0)
     if gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
         raise ValueError("expert weights must be contiguous along their last dimension")
-    if has_shared:
+    if shared is not None:
         shared = SharedExpert(*(w.contiguous() if w is not None else None for w in shared))
-    cfg = config or get_config(_device_name(x), shape_key(num_experts, hidden, inter, top_k, has_shared),
-                               num_tokens, top_k)
+    cfg = config or get_config(_device_name(x), shape_key(num_experts, hidden, two_inter // 2, top_k,
+                                                          shared is not None), num_tokens, top_k)
     if num_tokens == 1 and cfg.get("decode") is not False:  # a decode step: two GEMV-shaped launches
         result = decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
                             None if residual is None else residual.contiguous(), cfg.get("decode"),
                             hidden_states.dtype)
         return _normed(result if out is None else out.copy_(result), norm)
+    ids = topk_ids.contiguous()
     # direct_tokens: direct mode up to that many tokens, sorted above (a row's bits are the same in both: each
     # block row is its own slot's dot products over the same tiles, whoever shares the block)
-    direct = cfg["direct"] and num_tokens <= min(cfg["BM"], cfg.get("direct_tokens", cfg["BM"]))
-    block_m = cfg["BM"]
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    dev = x.device
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-
-    if direct:
-        num_blocks = num_routed + int(has_shared)
-        sorted_slots = bexp = bstart = bcount = ids  # unused in direct mode
+    if cfg["direct"] and num_tokens <= min(cfg["BM"], cfg.get("direct_tokens", cfg["BM"])):
+        blocks = Blocks(True, num_routed + int(shared is not None), cfg["BM"], ids, ids, ids, ids)  # no table
     else:
-        sorted_slots, bexp, bstart, bcount = align_slots(ids, num_experts, has_shared, block_m)
-        num_blocks = bexp.numel()
+        table = align_slots(ids, num_experts, shared is not None, cfg["BM"])
+        blocks = Blocks(False, table[1].numel(), cfg["BM"], *table)
+    inter_buf, sgate = _gate_up(x, gate_up_proj, shared, ids, blocks, cfg["gate_up"])
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=x.device)
+    # sum_in_down: the down kernel sums each token's rows (one launch fewer); not with the next norm, which needs
+    # whole rows where a down program has an N-tile
+    sum_in_down = bool(cfg.get("sum_in_down")) and norm is None
+    rows = _down(inter_buf, down_proj, shared, topk_weights.contiguous(), sgate, ids, blocks, cfg["down"], out,
+                 residual if sum_in_down else None, sum_in_down)
+    if sum_in_down:
+        return out
+    return sum_slots(rows, num_tokens, top_k, shared is not None, out, residual, norm)
 
-    gu, dn = cfg["gate_up"], cfg["down"]
+
+def _gate_up(x, gate_up_proj, shared, ids, blocks: Blocks, gu: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first grouped launch: inter [slots, I] = SiLU(x @ gate) * (x @ up) in x's dtype, and the shared expert's
+    sigmoid gate per token (fp32)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up_proj.shape
+    inter, top_k, dev = two_inter // 2, ids.shape[1], x.device
+    num_routed = num_tokens * top_k
+    num_slots = num_routed + (num_tokens if shared is not None else 0)
     split = gu.get("split", 1)
     inter_buf = torch.empty(num_slots, inter, dtype=x.dtype, device=dev)
     # fp32 partial sums [split, slot, gate | up] and one arrival counter per (block, N-tile): split > 1 only
     part = torch.empty(split, num_slots, 2 * inter, dtype=torch.float32, device=dev) if split > 1 else inter_buf
     n_tiles = triton.cdiv(inter, gu["BN"])
-    count = split_workspace(dev, 0, 0, num_blocks * n_tiles)[2] if split > 1 else inter_buf
-    k_per_split = triton.cdiv(hidden, split * gu["BK"]) * gu["BK"]
-    rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=dev)
-    has_gate = has_shared and shared.gate is not None
+    count = split_workspace(dev, 0, 0, blocks.count * n_tiles)[2] if split > 1 else inter_buf
+    has_gate = shared is not None and shared.gate is not None
     sgate = torch.empty(num_tokens if has_gate else 1, dtype=torch.float32, device=dev)
-    sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
-        gate_up_proj, gate_up_proj, down_proj)
+    sg, su = (shared.gate_proj, shared.up_proj) if shared is not None else (gate_up_proj, gate_up_proj)
     sgw = shared.gate.reshape(-1) if has_gate else x
-
-    _gate_up_kernel[(num_blocks, n_tiles, split)](
-        x, gate_up_proj, sg, su, sgw, inter_buf, part, count, sgate, ids, sorted_slots, bexp, bstart, bcount,
-        num_routed, num_tokens, top_k, num_experts, hidden, inter, k_per_split,
+    _gate_up_kernel[(blocks.count, n_tiles, split)](
+        x, gate_up_proj, sg, su, sgw, inter_buf, part, count, sgate, ids, *blocks.args(),
+        num_routed, num_tokens, top_k, num_experts, hidden, inter, triton.cdiv(hidden, split * gu["BK"]) * gu["BK"],
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0), inter_buf.stride(0),
-        num_slots * 2 * inter, HAS_SHARED_GATE=has_gate, DIRECT=direct, SPLIT_K=split,
-        EVEN_K=hidden % (gu["BK"] * split) == 0, EVEN_N=inter % gu["BN"] == 0, PRECISION=precision, BM=block_m,
-        BN=gu["BN"], BK=gu["BK"], HP=triton.next_power_of_2(hidden), num_warps=gu["warps"], num_stages=gu["stages"])
-    if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=dev)
-    # sum_in_down: the down kernel sums each token's rows (one launch fewer); not with the next norm, which needs
-    # whole rows where a down program has an N-tile
-    sum_in_down = bool(cfg.get("sum_in_down")) and norm is None
+        num_slots * 2 * inter, HAS_SHARED_GATE=has_gate, DIRECT=blocks.direct, SPLIT_K=split,
+        EVEN_K=hidden % (gu["BK"] * split) == 0, EVEN_N=inter % gu["BN"] == 0, PRECISION=_precision(x),
+        BM=blocks.rows, BN=gu["BN"], BK=gu["BK"], HP=triton.next_power_of_2(hidden), num_warps=gu["warps"],
+        num_stages=gu["stages"])
+    return inter_buf, sgate
+
+
+def _down(inter_buf, down_proj, shared, weights, sgate, ids, blocks: Blocks, dn: dict, out, residual,
+          sum_in_down: bool) -> torch.Tensor:
+    """The second grouped launch: rows [slots, H] = scale * (inter @ down^T) in fp32 (scale: the routing weight or
+    the shared gate); with sum_in_down also out = each token's rows summed (+ residual), in this launch."""
+    num_tokens, top_k = ids.shape
+    num_experts, hidden, inter = down_proj.shape
+    num_slots, dev = inter_buf.shape[0], inter_buf.device
+    has_shared = shared is not None
+    rows = torch.empty(num_slots, hidden, dtype=torch.float32, device=dev)
+    sd = shared.down_proj if has_shared else down_proj
     d_tiles = triton.cdiv(hidden, dn["BN"])
     arrivals = split_workspace(dev, 0, 0, d_tiles * num_tokens)[2] if sum_in_down else inter_buf
     res = residual if residual is not None else out  # unused without a residual
-    _down_kernel[(num_blocks, d_tiles)](
-        inter_buf, down_proj, sd, weights, sgate, rows, ids, sorted_slots, bexp, bstart, bcount, out, res, arrivals,
-        num_routed, num_tokens, num_experts, hidden, inter,
+    _down_kernel[(blocks.count, d_tiles)](
+        inter_buf, down_proj, sd, weights, sgate, rows, ids, *blocks.args(), out, res, arrivals,
+        num_tokens * top_k, num_tokens, num_experts, hidden, inter,
         inter_buf.stride(0), down_proj.stride(0), down_proj.stride(1), sd.stride(0), rows.stride(0), out.stride(0),
-        res.stride(0), HAS_SHARED_GATE=has_gate, DIRECT=direct, EVEN_K=inter % dn["BK"] == 0,
-        EVEN_N=hidden % dn["BN"] == 0, PRECISION=precision, BM=block_m, BN=dn["BN"], BK=dn["BK"],
-        SUM_IN_DOWN=sum_in_down, TOP_K=top_k, HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None,
-        num_warps=dn["warps"], num_stages=dn["stages"])
-    if sum_in_down:
-        return out
-    return sum_slots(rows, num_tokens, top_k, has_shared, out, residual, norm)
+        res.stride(0), HAS_SHARED_GATE=has_shared and shared.gate is not None, DIRECT=blocks.direct,
+        EVEN_K=inter % dn["BK"] == 0, EVEN_N=hidden % dn["BN"] == 0, PRECISION=_precision(inter_buf),
+        BM=blocks.rows, BN=dn["BN"], BK=dn["BK"], SUM_IN_DOWN=sum_in_down, TOP_K=top_k, HAS_SHARED=has_shared,
+        HAS_RESIDUAL=residual is not None, num_warps=dn["warps"], num_stages=dn["stages"])
+    return rows
+
+
+def _precision(x: torch.Tensor) -> str:
+    """tl.dot's input precision: exact fp32 products for fp32 models (the tests' and the interpreter's), tf32 else
+    (bf16 / fp16 inputs: exact either way)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def sum_slots(rows: torch.Tensor, num_tokens: int, top_k: int, has_shared: bool, out: torch.Tensor,
