@@ -38,9 +38,9 @@ shape and token count; nothing is tuned at serve time.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
