@@ -13,7 +13,9 @@ For each candidate (gate_up tiles with K-split, down tiles) and both modes: micr
 --hot experts per layer (as backend/bench/routing.py does), and whether every row of each call is bitwise the row
 computed alone in direct mode: the condition under which the mode may change with the token count. Last, the best
 tiles with the slots summed inside the down kernel (`sum_in_down`: one launch fewer a layer): the entry takes it if
-its output is bitwise the slot sum's and it is faster over the entry's own token counts.
+its output is bitwise the slot sum's and it is faster over the entry's own token counts. And the one-token kernels
+for every token count ("gemv": `gemv_tokens` 16), recorded beside the entry's curve but never chosen here (a faster
+plain step against a slower verify is `reviewer bench`'s and the replay's to weigh).
 
     python bench/moe_invariant_tiles.py --out bench/results          # H200: ~2 minutes
 
@@ -179,6 +181,8 @@ def main() -> None:
     def measure(gu, dn, mode: str, ms, routes, sum_in_down: bool = False) -> dict:
         cfg = dict(base, gate_up=gu, down=dn, decode=False, direct=mode == "direct",
                    direct_tokens=16 if mode == "direct" else 1, sum_in_down=sum_in_down)
+        if mode == "gemv":  # every token through the one-token programs (gu, dn unused)
+            cfg = dict(base, decode=None, gemv_tokens=16)
         row = {"gate_up": gu, "down": dn, "mode": mode, "sum_in_down": sum_in_down}
         try:
             for m in ms:
@@ -215,6 +219,10 @@ def main() -> None:
         direct_tokens = m
     entry = {"direct": direct_tokens > 0, "direct_tokens": max(direct_tokens, 1), "BM": base["BM"],
              "gate_up": best["gate_up"], "down": best["down"]}
+    # the one-token kernels for every token count (gemv_tokens): a decode step at the one-token path's cost, a verify
+    # at whatever 16 tokens of one-token programs cost. Recorded, never chosen here: it trades the plain step against
+    # the verify, which `reviewer bench` and the replay weigh
+    curves["gemv_traced"] = measure(None, None, "gemv", tokens, traced)
     entry["sum_in_down"], curves["best_sum_in_down"] = choose_sum_in_down(
         lambda mode: measure(best["gate_up"], best["down"], mode, tokens, traced, sum_in_down=True),
         curves, direct_tokens, tokens, layers[0], x, traced[0], entry)
@@ -233,6 +241,9 @@ def main() -> None:
     gpu = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower().replace("nvidia ", "")).strip("_")
     path = out / f"moe_invariant_tiles_{gpu}_{now.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
+    for name in ("best_direct_traced", "best_sorted_traced", "gemv_traced"):
+        print(f"{name}: " + ", ".join(f"{m} tokens {curves[name].get(f'us_{m}', float('nan')):.1f} us"
+                                      for m in tokens), flush=True)
     print("table entry (reviewer_kernels/fused_moe_configs.json, under this device):", json.dumps(result["entry"]),
           "\nwrote", path, flush=True)
 

@@ -19,7 +19,9 @@ Python included, is timed again outside any window: `wall_ms`; so are the decode
 and host work: `wall_us`.) --glue-kernels on / off times the padded steps' glue in our kernels or compiled
 (QwenNumerics.glue_kernels): run it twice in one call for a side-by-side pair. --numerics one_token traces the
 one-token kernels instead (reviewer bench's "plain (default kernels)", which L_target times): beside an invariant run
-on the same machine it shows, kernel by kernel, what the invariant plain step pays over them:
+on the same machine it shows, kernel by kernel, what the invariant plain step pays over them. --experts gemv runs the
+invariant step's experts through the one-token kernels for every token count (still invariant: each token runs the
+one-token programs), to weigh a plain step at one-token cost against the verify's:
 
     python bench/step_budget.py --compare one_token.json invariant.json [--compare-call verify16]   # no GPU
 """
@@ -282,6 +284,10 @@ def parse_args() -> argparse.Namespace:
                     help="invariant: the padded batch-invariant steps `reviewer serve` runs; one_token: the one-token "
                          "kernels (reviewer bench's 'plain (default kernels)', L_target): run both in one call to see, "
                          "kernel by kernel, what the invariant step costs over them (its verify is not serve's)")
+    ap.add_argument("--experts", choices=["tuned", "gemv"], default="tuned",
+                    help="the invariant step's experts: the device's tuned grouped tiles, or every token through the "
+                         "one-token kernels (fused_moe's gemv_tokens: the decode step's experts cost what one-token "
+                         "decoding's do; the verify's cost what 16 tokens of them do)")
     ap.add_argument("--layers", type=int, default=40,
                     help="layers of the shape to build (a multiple of 4; default all 40). 20 fits an 80 GB card; the "
                          "per-layer rows keep their meaning, the whole-step totals do not (the record says so)")
@@ -335,6 +341,9 @@ def main() -> None:
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16, layers=args.layers)
+    if args.experts == "gemv":  # before any graph is captured: _padded_rows asks for the tiles at each forward
+        tiles = model.expert_tiles
+        model.expert_tiles = lambda x: dict(tiles(x), decode=None, gemv_tokens=16)
     if args.numerics == "one_token":
         numerics = Numerics("one_token", "bench/step_budget.py --numerics one_token: L_target's kernels", compile=True)
     else:
@@ -349,6 +358,8 @@ def main() -> None:
                   f", {args.layers} of its 40 layers (whole-step totals cover only those)" if args.layers != 40
                   else ""),
               "layers": args.layers,
+              "experts": "one-token kernels for every token count (gemv_tokens 16)" if args.experts == "gemv"
+              else "tuned grouped tiles",
               "numerics": ("one-token kernels (L_target's; the verify is not serve's), glue compiled"
                            if args.numerics == "one_token" else "batch-invariant padded rows (serve's default), glue "
                            + ("in our kernels" if numerics.qwen.glue_kernels else "compiled")) + ", CUDA graphs",

@@ -26,7 +26,8 @@ K splits were meant for one token (a decode step in the batch-invariant numerics
 8 splits took 26-38 us a layer at one token against 25 unsplit, and far longer at 16 tokens (bench/results/
 moe_invariant_tiles_split_finish_h200_20261204_170057.json), so no shipped entry splits; the tuner may still try them.
 (Before 2026-12-04 the down kernel added the partials, in every one of its programs: 52-83 us at one token.)
-One token (a decode step) takes reviewer_kernels/moe_decode.py instead: two GEMV-shaped launches, no block table.
+One token (a decode step) takes reviewer_kernels/moe_decode.py instead: two GEMV-shaped launches, no block table;
+so do up to `gemv_tokens` tokens when the config says so, each token through the one-token programs.
 Direct mode (small M, as vLLM does for small tokens*top_k): block b < M*K is slot b alone, the last block holds
 the shared expert's M slots; no sorting launch. Each expert is then read once per token routed to it, which
 costs nothing extra while M*K is small.
@@ -89,7 +90,10 @@ def fused_moe(
     gate_up_proj [E, 2I, H], down_proj [E, H, I] (transformers' layout), topk_weights / topk_ids [M, K].
     use_triton=None picks Triton when it can run (CUDA, or TRITON_INTERPRET=1), else the PyTorch fallback.
     config overrides the tuned tile sizes (used by the tuner); its "decode" entry holds reviewer_kernels/moe_decode.py's
-    tiles for one token (None: DECODE_TILES; False: the grouped path at one token too, for comparisons).
+    tiles for one token (None: DECODE_TILES; False: the grouped path at one token too, for comparisons), and
+    "gemv_tokens" N sends calls of up to N tokens there too, each token through the one-token programs (a row's bits
+    then do not depend on the token count, as with the grouped tiles, and a decode step costs what one-token
+    decoding does).
     residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
     the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
     out [M, H]: write the result there (e.g. rows of a larger tensor) instead of a new tensor.
@@ -186,11 +190,12 @@ def invariant_config(device_name: str, key: str, top_k: int) -> dict:
     many tokens share the call): the table's "<key>_invariant" entry, tuned under a real router's locality by
     bench/moe_invariant_tiles.py (direct mode up to `direct_tokens`, sorted above: same bits), else the 16-token
     entry's tiles with direct blocks while a call's routed slots fit one block (default_config's rule: 2 tokens at
-    top-8), sorted above. Never the one-token kernels (reviewer_kernels/moe_decode.py), whose order of additions
-    differs."""
+    top-8), sorted above. Not the one-token kernels (reviewer_kernels/moe_decode.py), whose order of additions
+    differs, unless the entry says gemv_tokens: then they run every token count, so a row's bits still do not
+    depend on it."""
     entry = _tuned_table().get(device_name, {}).get(key + "_invariant")
-    if entry:
-        return dict(entry, decode=False)
+    if entry:  # an entry with gemv_tokens runs the one-token kernels (for every token count up to it)
+        return dict(entry, decode=entry.get("decode") if entry.get("gemv_tokens") else False)
     # No entry for this device (a GPU the tuner has not run on, the interpreter): the 16-token entry alone is sorted,
     # so every decode step paid the align launch, 5.2 us at each MoE layer on an untuned H100 (2026-12-07), where
     # direct blocks need none. A row's bits are the same both ways (see fused_moe_triton), so the mode may change
@@ -584,7 +589,8 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
         shared = SharedExpert(*(w.contiguous() if w is not None else None for w in shared))
     cfg = config or get_config(_device_name(x), shape_key(num_experts, hidden, two_inter // 2, top_k,
                                                           shared is not None), num_tokens, top_k)
-    if num_tokens == 1 and cfg.get("decode") is not False:  # a decode step: two GEMV-shaped launches
+    # a decode step, or up to the config's gemv_tokens each through the one-token programs: two GEMV-shaped launches
+    if num_tokens <= max(1, cfg.get("gemv_tokens", 1)) and cfg.get("decode") is not False:
         result = decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
                             None if residual is None else residual.contiguous(), cfg.get("decode"),
                             hidden_states.dtype)

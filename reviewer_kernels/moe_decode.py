@@ -39,14 +39,20 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, ids_ptr, inter_ptr, sgate_ptr,
-                        top_k, stride_we, stride_wn, stride_sn,
+                        top_k, slots, stride_x, stride_we, stride_wn, stride_sn,
                         H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr, HAS_SHARED_GATE: tl.constexpr,
                         BN: tl.constexpr):
-        """Grid (slots, I / BN): inter[slot, n-tile] = silu(g . x) * (u . x); slot top_k is the shared expert.
-        Each program loads its whole [BN, H] gate and up tiles at once (no loop): a program's loads are all in
-        flight together, and the many small programs of an SM cover each other's latency."""
-        slot = tl.program_id(0)
+        """Grid (tokens x slots, I / BN): inter[token, slot, n-tile] = silu(g . x) * (u . x); slots = top_k (+ 1:
+        slot top_k is the shared expert). Each program loads its whole [BN, H] gate and up tiles at once (no loop):
+        a program's loads are all in flight together, and the many small programs of an SM cover each other's
+        latency. A token's programs are the one-token call's, whatever the token count: the same code on its row."""
+        tok = tl.program_id(0) // slots
+        slot = tl.program_id(0) % slots
         pid_n = tl.program_id(1)
+        x_ptr += tok.to(tl.int64) * stride_x
+        ids_ptr += tok * top_k
+        inter_ptr += tok.to(tl.int64) * slots * I
+        sgate_ptr += tok
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, HP)
         n_ok = offs_n < I
@@ -73,13 +79,22 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, ids_ptr, res_ptr, out_ptr,
-                     stride_we, stride_wn, stride_sn,
+                     slots, stride_we, stride_wn, stride_sn, stride_res, stride_out,
                      H: tl.constexpr, I: tl.constexpr, IP: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
                      HAS_SHARED: tl.constexpr, HAS_SHARED_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      BH: tl.constexpr):
-        """Grid (H / BH): out[h-tile] = sum over the routed slots of weight * (down_e @ inter[slot]), plus the shared
-        slot (times its gate), then + residual. One load brings the BH rows of all K routed experts ([K, BH, I])."""
-        offs_h = tl.program_id(0) * BH + tl.arange(0, BH)
+        """Grid (tokens, H / BH): out[token, h-tile] = sum over its routed slots of weight * (down_e @ inter[slot]),
+        plus the shared slot (times its gate), then + residual. One load brings the BH rows of all K routed experts
+        ([K, BH, I]). Tokens vary fastest, so the tokens of an h-tile run side by side and an expert they share is
+        read from memory once and from L2 after; each token's program is the one-token call's."""
+        tok = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+        inter_ptr += tok * slots * I
+        topk_w_ptr += tok * TOP_K
+        ids_ptr += tok * TOP_K
+        sgate_ptr += tok
+        res_ptr += tok * stride_res
+        out_ptr += tok * stride_out
         offs_i = tl.arange(0, IP)
         ks = tl.arange(0, KP)
         h_ok = offs_h < H
@@ -111,11 +126,13 @@ if triton is not None:
 
 def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, residual=None, tiles=None,
                out_dtype=None):
-    """fused_moe for x [1, H] (inputs already checked and made contiguous by fused_moe_triton). tiles overrides
-    DECODE_TILES (bench/kernel_sweep.py)."""
+    """fused_moe for x [T, H] (inputs already checked and made contiguous by fused_moe_triton): a decode step's one
+    token, or T tokens each through exactly the one-token programs (the grids gain a token axis), so a token's row
+    has the same bits whatever T is (fused_moe's config "gemv_tokens"). tiles overrides DECODE_TILES
+    (bench/kernel_sweep.py)."""
     tiles = tiles or DECODE_TILES
     gu, dn = tiles["gate_up"], tiles["down"]
-    hidden = x.shape[1]
+    num_tokens, hidden = x.shape
     inter = down_proj.shape[-1]
     top_k = topk_ids.shape[1]
     has_shared = shared is not None
@@ -124,18 +141,19 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
     sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
         gate_up_proj, gate_up_proj, down_proj)
     sgw = shared.gate.reshape(-1) if has_gate else x
-    inter_buf = torch.empty(top_k + int(has_shared), inter, dtype=x.dtype, device=dev)
-    sgate = torch.empty(1, dtype=torch.float32, device=dev)
-    _gate_up_kernel[(top_k + int(has_shared), triton.cdiv(inter, gu["BN"]))](
-        x, gate_up_proj, sg, su, sgw, topk_ids, inter_buf, sgate, top_k,
+    slots = top_k + int(has_shared)  # a token's: rows token * slots + 0..K-1 routed, then the shared one
+    inter_buf = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=dev)
+    sgate = torch.empty(num_tokens, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(num_tokens * slots, triton.cdiv(inter, gu["BN"]))](
+        x, gate_up_proj, sg, su, sgw, topk_ids, inter_buf, sgate, top_k, slots, x.stride(0),
         gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
         H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
         num_warps=gu["warps"])
-    out = torch.empty(1, hidden, dtype=out_dtype or x.dtype, device=dev)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype or x.dtype, device=dev)
     res = residual if residual is not None else out  # unused without a residual
-    _down_kernel[(triton.cdiv(hidden, dn["BH"]),)](
+    _down_kernel[(num_tokens, triton.cdiv(hidden, dn["BH"]))](
         inter_buf, down_proj, sd, topk_weights, sgate, topk_ids, res, out,
-        down_proj.stride(0), down_proj.stride(1), sd.stride(0),
+        slots, down_proj.stride(0), down_proj.stride(1), sd.stride(0), res.stride(0), out.stride(0),
         H=hidden, I=inter, IP=triton.next_power_of_2(inter), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None, BH=dn["BH"],
         num_warps=dn["warps"])

@@ -28,7 +28,7 @@ from reviewer_kernels.norms import PADDED_GATED_NORM
 H200 = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "scale"}
 # integer arguments whose value at the 35B-A3B shape is not a multiple of 16 (top-8 routing)
-NOT_DIVISIBLE = {"top_k"}
+NOT_DIVISIBLE = {"top_k", "slots"}
 
 
 def compile_for_h200(module: str, kernel: str, constexprs: dict, pointers: dict | None = None,
@@ -151,6 +151,14 @@ CASES = {
                                  {"sgate_ptr": F32, "rows_ptr": F32, "ids_ptr": "*i64", "sorted_ptr": "*i32",
                                   "bexp_ptr": "*i32", "bstart_ptr": "*i32", "bcount_ptr": "*i32",
                                   "count_ptr": "*i32"}, 4, 3),
+    # the one-token experts (reviewer_kernels/moe_decode.py), with their token axis (gemv_tokens)
+    "one_token_gate_up": ("reviewer_kernels.moe_decode", "_gate_up_kernel",
+                          dict(H=2048, I=512, HP=2048, HAS_SHARED_GATE=True, BN=1),
+                          {"ids_ptr": "*i64", "sgate_ptr": F32}, 8, 1),
+    "one_token_down": ("reviewer_kernels.moe_decode", "_down_kernel",
+                       dict(H=2048, I=512, IP=512, TOP_K=8, KP=8, HAS_SHARED=True, HAS_SHARED_GATE=True,
+                            HAS_RESIDUAL=True, BH=1),
+                       {"ids_ptr": "*i64", "sgate_ptr": F32}, 1, 1),
     "experts_align": ("reviewer_kernels.fused_moe", "_align_kernel",
                       dict(HAS_SHARED=True, EP=512, CH=128, BM=16, IN_REGISTERS=True),
                       {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32", "bexp_ptr": "*i32",

@@ -201,7 +201,18 @@ for case in DECODE_CASES:
     res = torch.randn(1, h).to(out.dtype)
     with_res = fused_moe(*inputs, use_triton=True, config={"decode": tiles}, residual=res)
     fallback = fused_moe(*inputs, use_triton=False)
+    # 5 tokens through the one-token programs (gemv_tokens): each row bitwise that token's one-token call, and the
+    # residual rows added as for one token
+    x5, gate_up5, down5, w5, ids5, sh5 = random_moe(5, e, h, i, k, getattr(torch, dt), shared, seed=e + h + 1)
+    rows = {"decode": tiles, "gemv_tokens": 16}
+    res5 = torch.randn(5, h).to(out.dtype)
+    together = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=rows, residual=res5)
+    alone = torch.cat([fused_moe(x5[t:t + 1], gate_up5, down5, w5[t:t + 1], ids5[t:t + 1], sh5, use_triton=True,
+                                 config={"decode": tiles}, residual=res5[t:t + 1]) for t in range(5)])
+    plain5 = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=rows)
     print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)),
+                      "tokens_alone": bool(torch.equal(together, alone)),
+                      "tokens_err": rel_err(plain5, reference64(x5, gate_up5, down5, w5, ids5, sh5)),
                       "residual_equal": bool(torch.equal(with_res, res + out)),
                       "deterministic": bool(torch.equal(out, fused_moe(*inputs, use_triton=True,
                                                                         config={"decode": tiles}))),
@@ -217,11 +228,13 @@ def decode_results():
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_decode_kernels_match_reference_in_interpreter(decode_results, case):
     """One token: the two GEMV-shaped kernels give the float64 reference's output, the residual added with
-    PyTorch's rounding, the same bits on a second run, and the CPU fallback's output to rounding."""
+    PyTorch's rounding, the same bits on a second run, and the CPU fallback's output to rounding. Several tokens
+    through them (gemv_tokens): each row bitwise the token's one-token call."""
     r = decode_results[tuple(case)]
     tol = 1e-5 if case[0] == "float32" else 2e-3
     assert r["dtype"] == f"torch.{case[0]}" and r["err"] < tol and r["fallback_err"] < tol, r
     assert r["residual_equal"] and r["deterministic"], r
+    assert r["tokens_alone"] and r["tokens_err"] < tol, r
 
 
 RESIDUAL_SCRIPT = r"""

@@ -764,21 +764,23 @@ def test_cuda_compiled_glue_matches_eager(arch):
 
 
 @cuda
-@pytest.mark.parametrize("glue_kernels, sum_in_down", [(False, False), (True, False), (False, True)],
-                         ids=["compiled-glue", "glue-kernels", "sum-in-down"])
-def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_kernels, sum_in_down):
+@pytest.mark.parametrize("glue_kernels, experts", [(False, {}), (True, {}), (False, {"sum_in_down": True}),
+                                                    (False, {"decode": None, "gemv_tokens": 16})],
+                         ids=["compiled-glue", "glue-kernels", "sum-in-down", "experts-gemv"])
+def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_kernels, experts):
     """A CUDA engine's Qwen3.5-MoE numerics (the invariant record: _padded_rows), with CUDA graphs and the
     compiled glue as the engine runs them (or the glue in our kernels: QwenNumerics.glue_kernels; or the experts'
-    slots summed inside their down kernel, as a tuned entry's sum_in_down asks): a position's logits are bitwise the
-    same from a plain decode step and from inside a verify block of every size 2..16, from a restored prompt
-    checkpoint and after an accept cut a block short (the conv window and recurrent states handed over)."""
+    slots summed inside their down kernel, as a tuned entry's sum_in_down asks; or every token's experts through the
+    one-token kernels, gemv_tokens): a position's logits are bitwise the same from a plain decode step and from inside
+    a verify block of every size 2..16, from a restored prompt checkpoint and after an accept cut a block short (the
+    conv window and recurrent states handed over)."""
     seeded()
     numerics = invariant_numerics("test", compile=True)
     numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=glue_kernels))
     fm = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 600, compile=True, numerics=numerics)
-    if sum_in_down:  # before the first forward: the graphs capture what this returns
+    if experts:  # before the first forward: the graphs capture what this returns
         tiles = fm.model.expert_tiles
-        fm.model.expert_tiles = lambda x: dict(tiles(x), sum_in_down=True)
+        fm.model.expert_tiles = lambda x: dict(tiles(x), **experts)
     assert fm.model.numerics.qwen.padded_rows and fm.model.batch_invariant
     prompt = torch.randint(0, 320, (CHUNKED_FROM,)).tolist()  # the chunked prefill, as real prompts take
     logits, _ = fm.prefill(prompt)
