@@ -139,23 +139,27 @@ def entry_us(direct: dict, sorted_: dict, direct_tokens: int, tokens: list[int])
     return sum((direct if m <= direct_tokens else sorted_)[f"us_{m}"] for m in tokens)
 
 
-def choose_sum_in_down(measure_summed, curves: dict, direct_tokens: int, tokens: list[int], layer, x, route,
-                       entry: dict) -> tuple[bool, dict]:
-    """Whether the entry sums the slots inside the down kernel (one launch fewer a layer): only if its output is
-    bitwise the slot sum's at 1, 5 and 16 tokens in both modes, and it is faster over the entry's own curve."""
-    summed = {mode: measure_summed(mode) for mode in ("direct", "sorted")}
+def summed_bits_match(layer, x, route, entry: dict) -> bool:
+    """Whether the slots summed inside the down kernel give the slot sum's bits, at 1, 5 and 16 tokens in both modes."""
     w, ids = route
-    cfg = dict(entry, decode=False)
-    same = all(torch.equal(fm.fused_moe(x[:m], layer["gate_up"], layer["down"], w[:m], ids[:m], layer["shared"],
-                                        config=dict(cfg, direct=mode == "direct", sum_in_down=True)),
-                           fm.fused_moe(x[:m], layer["gate_up"], layer["down"], w[:m], ids[:m], layer["shared"],
-                                        config=dict(cfg, direct=mode == "direct", sum_in_down=False)))
-               for m in (1, 5, 16) for mode in ("direct", "sorted"))
+
+    def run(m: int, mode: str, summed: bool) -> torch.Tensor:
+        config = dict(entry, decode=False, direct=mode == "direct", sum_in_down=summed)
+        return fm.fused_moe(x[:m], layer["gate_up"], layer["down"], w[:m], ids[:m], layer["shared"], config=config)
+
+    return all(torch.equal(run(m, mode, True), run(m, mode, False)) for m in (1, 5, 16) for mode in ("direct", "sorted"))
+
+
+def choose_sum_in_down(summed: dict, same_bits: bool, curves: dict, direct_tokens: int,
+                       tokens: list[int]) -> tuple[bool, dict]:
+    """Whether the entry sums the slots inside the down kernel (one launch fewer a layer): only if it builds, gives
+    the slot sum's bits, and is faster over the entry's own curve. summed: its curves by mode ("direct", "sorted")."""
+    record = {"summed": summed, "same_bits": same_bits}
     if any("error" in r for r in summed.values()):
-        return False, {"summed": summed, "same_bits": same}
+        return False, record
     plain = entry_us(curves["best_direct_traced"], curves["best_sorted_traced"], direct_tokens, tokens)
     fused = entry_us(summed["direct"], summed["sorted"], direct_tokens, tokens)
-    return same and fused < plain, {"summed": summed, "same_bits": same, "entry_us": plain, "summed_us": fused}
+    return same_bits and fused < plain, dict(record, entry_us=plain, summed_us=fused)
 
 
 def main() -> None:
@@ -223,9 +227,10 @@ def main() -> None:
     # at whatever 16 tokens of one-token programs cost. Recorded, never chosen here: it trades the plain step against
     # the verify, which `reviewer bench` and the replay weigh
     curves["gemv_traced"] = measure(None, None, "gemv", tokens, traced)
+    summed = {mode: measure(best["gate_up"], best["down"], mode, tokens, traced, sum_in_down=True)
+              for mode in ("direct", "sorted")}
     entry["sum_in_down"], curves["best_sum_in_down"] = choose_sum_in_down(
-        lambda mode: measure(best["gate_up"], best["down"], mode, tokens, traced, sum_in_down=True),
-        curves, direct_tokens, tokens, layers[0], x, traced[0], entry)
+        summed, summed_bits_match(layers[0], x, traced[0], entry), curves, direct_tokens, tokens)
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {"benchmark": "moe_invariant_tiles", "device": torch.cuda.get_device_name(), "date": now.isoformat(),
               "command": "python " + " ".join(sys.argv), "torch": torch.__version__,

@@ -261,11 +261,15 @@ def compare(a: dict, b: dict, call: str = "decode", top: int = 25) -> str:
         for n in names:
             ua, ub = ka.get(n, {}).get("us_per_call"), kb.get(n, {}).get("us_per_call")
             na, nb = ka.get(n, {}).get("launches_per_call"), kb.get(n, {}).get("launches_per_call")
-            fmt = lambda x, f: f"{x:{f}}" if x is not None else "-"  # noqa: E731
             diff = f"{ub - ua:+8.1f}" if ua is not None and ub is not None else f"{'':8}"
-            lines.append(f"  {fmt(ua, '8.1f'):>8} {fmt(ub, '8.1f'):>8} {diff} {fmt(na, '5.0f'):>5} "
-                         f"{fmt(nb, '5.0f'):>5}  {n[:80]}")
+            lines.append(f"  {_cell(ua, '8.1f'):>8} {_cell(ub, '8.1f'):>8} {diff} {_cell(na, '5.0f'):>5} "
+                         f"{_cell(nb, '5.0f'):>5}  {n[:80]}")
     return "\n".join(lines)
+
+
+def _cell(x: float | None, spec: str) -> str:
+    """A number of one record's table, or "-" where that record does not list the kernel."""
+    return "-" if x is None else f"{x:{spec}}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -333,6 +337,8 @@ def main() -> None:
         return
     if args.layers < 4 or args.layers > 40 or args.layers % 4:
         raise SystemExit(f"--layers {args.layers}: a multiple of 4 from 4 to 40 (the shape repeats 3 linear + 1 full)")
+    if args.experts == "gemv" and args.numerics == "one_token":
+        raise SystemExit("--experts gemv chooses the invariant step's experts; the one-token kernels are gemv already")
     if not torch.cuda.is_available():
         raise SystemExit("step_budget traces CUDA-graph replays: it needs a GPU")
     contexts = args.context or [3000]
@@ -341,9 +347,6 @@ def main() -> None:
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
     model, fast_cls = random_qwen_without_transformers("qwen3.6-35b-a3b", dev, torch.bfloat16, layers=args.layers)
-    if args.experts == "gemv":  # before any graph is captured: _padded_rows asks for the tiles at each forward
-        tiles = model.expert_tiles
-        model.expert_tiles = lambda x: dict(tiles(x), decode=None, gemv_tokens=16)
     if args.numerics == "one_token":
         numerics = Numerics("one_token", "bench/step_budget.py --numerics one_token: L_target's kernels", compile=True)
     else:
@@ -351,6 +354,7 @@ def main() -> None:
                                       compile=True)
     if args.glue_kernels != "default":
         numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=args.glue_kernels == "on"))
+    numerics = replace(numerics, qwen=replace(numerics.qwen, experts=args.experts))
     fast = fast_cls(model, max(contexts) + args.prefill + 64, cuda_graphs=True, compile=True, numerics=numerics)
     distinct = trace_distinct_experts(install_routing_trace(fast, hot=args.hot_experts))
     record = {"benchmark": "step_budget",
@@ -358,8 +362,7 @@ def main() -> None:
                   f", {args.layers} of its 40 layers (whole-step totals cover only those)" if args.layers != 40
                   else ""),
               "layers": args.layers,
-              "experts": "one-token kernels for every token count (gemv_tokens 16)" if args.experts == "gemv"
-              else "tuned grouped tiles",
+              "experts": numerics.qwen.experts,
               "numerics": ("one-token kernels (L_target's; the verify is not serve's), glue compiled"
                            if args.numerics == "one_token" else "batch-invariant padded rows (serve's default), glue "
                            + ("in our kernels" if numerics.qwen.glue_kernels else "compiled")) + ", CUDA graphs",

@@ -143,14 +143,6 @@ CASES = {
                           BN=64, BK=128, SUM_IN_DOWN=False, TOP_K=8, HAS_SHARED=True, HAS_RESIDUAL=True),
                      {"sgate_ptr": F32, "rows_ptr": F32, "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32",
                       "bstart_ptr": "*i32", "bcount_ptr": "*i32", "count_ptr": "*i32"}, 4, 3),
-    # the slots summed by the last program of each token and N-tile (the config's sum_in_down)
-    "experts_down_sum_in_down": ("reviewer_kernels.fused_moe", "_down_kernel",
-                                 dict(HAS_SHARED_GATE=True, DIRECT=False, EVEN_K=True, EVEN_N=True, PRECISION="tf32",
-                                      BM=16, BN=64, BK=128, SUM_IN_DOWN=True, TOP_K=8, HAS_SHARED=True,
-                                      HAS_RESIDUAL=True),
-                                 {"sgate_ptr": F32, "rows_ptr": F32, "ids_ptr": "*i64", "sorted_ptr": "*i32",
-                                  "bexp_ptr": "*i32", "bstart_ptr": "*i32", "bcount_ptr": "*i32",
-                                  "count_ptr": "*i32"}, 4, 3),
     # the one-token experts (reviewer_kernels/moe_decode.py), with their token axis (gemv_tokens)
     "one_token_gate_up": ("reviewer_kernels.moe_decode", "_gate_up_kernel",
                           dict(H=2048, I=512, HP=2048, HAS_SHARED_GATE=True, BN=1),
@@ -186,3 +178,6 @@ CASES = {
                       {"neg_a_ptr": F32, "dt_bias_ptr": F32, "state_in_ptr": F32, "states_out_ptr": F32,
                        "rg_ptr": F32, "rb_ptr": F32}, 1, 1),
 }
+# the down kernel again, with the slots summed by the last program of each token and N-tile (the config's sum_in_down)
+_module, _kernel, _constexprs, *_launch = CASES["experts_down"]
+CASES["experts_down_sum_in_down"] = (_module, _kernel, dict(_constexprs, SUM_IN_DOWN=True), *_launch)

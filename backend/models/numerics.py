@@ -86,17 +86,23 @@ class QwenNumerics:
     ("in": the mixers' input projections, "out": their output projections) run reviewer_kernels/wide_linear.py instead
     of cuBLAS (bench/target_step.py --wide measures a set). "in" is no faster than cuBLAS at the 35B-A3B shape (15.2 vs
     15.5 us, 12.2 vs 11.8: reviewer_kernels/README.md). glue_kernels: _padded_rows' glue in our kernels instead of
-    the compiled glue (QWEN_GLUE_KERNELS says which); batch-invariant either way."""
+    the compiled glue (QWEN_GLUE_KERNELS says which); batch-invariant either way. experts: _padded_rows' experts on
+    the device's tuned grouped tiles ("tuned", fused_moe.invariant_config), or every token through the one-token
+    kernels ("gemv": fused_moe's gemv_tokens; invariant too, each token runs the one-token programs; untimed, so not
+    the default)."""
 
     padded_rows: bool = False
     wide_projections: frozenset = frozenset({"out"})
     glue_kernels: bool = QWEN_GLUE_KERNELS
+    experts: str = "tuned"
 
     def __post_init__(self):
         object.__setattr__(self, "wide_projections", frozenset(self.wide_projections))
         if self.wide_projections - WIDE_PROJECTIONS:
             raise ValueError(f"wide_projections must be drawn from {sorted(WIDE_PROJECTIONS)}, got "
                              f"{sorted(self.wide_projections)}")
+        if self.experts not in ("tuned", "gemv"):
+            raise ValueError(f"experts must be 'tuned' or 'gemv', got {self.experts!r}")
 
 
 @dataclass(frozen=True)

@@ -520,10 +520,13 @@ class Qwen35Moe(nn.Module):
         return (logits[:T] if all_logits else logits[T - 1:T]), features
 
     def expert_tiles(self, x: torch.Tensor) -> dict | None:
-        """The grouped experts' one tile set for every call of 1..16 rows (_padded_rows), or None off Triton."""
+        """The experts' one configuration for every call of 1..16 rows (_padded_rows), or None off Triton: the grouped
+        tile set, or with QwenNumerics.experts "gemv" every token through the one-token kernels."""
         if not triton_usable(x):
             return None
         c = self.config
+        if self.numerics.qwen.experts == "gemv":
+            return {"decode": None, "gemv_tokens": PADDED_ROWS}
         key = shape_key(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.top_k, True)
         name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
         return invariant_config(name, key, c.top_k)

@@ -90,6 +90,14 @@ def test_a_numerics_it_does_not_know_is_refused_by_the_parser():
     assert proc.returncode == 2 and "invalid choice: 'exact'" in proc.stderr
 
 
+def test_gemv_experts_with_the_one_token_numerics_is_one_clear_line():
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step_budget.py"), "--numerics", "one_token",
+                           "--experts", "gemv"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "--experts gemv chooses the invariant step's experts" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("layers", ["6", "44", "0"])
 def test_a_layer_count_the_shape_cannot_have_is_one_clear_line(layers):
     """--layers keeps the shape's pattern (3 linear-attention layers, then 1 full): a multiple of 4 up to its 40."""

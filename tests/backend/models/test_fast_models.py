@@ -763,11 +763,30 @@ def test_cuda_compiled_glue_matches_eager(arch):
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 2e-2  # fused bf16 rounding differs
 
 
+def test_qwen_numerics_choose_the_padded_steps_experts(monkeypatch):
+    """QwenNumerics.experts: the grouped tiles of the device (here the untuned fallback), or every token through the
+    one-token kernels for all PADDED_ROWS token counts; anything else is refused where the record is made."""
+    from backend.models.numerics import QwenNumerics
+    from backend.models.qwen3_5_moe import PADDED_ROWS
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton_usable on the CPU; no kernel runs here
+    pytest.importorskip("triton")
+    x = torch.zeros(1, 64)
+    for experts in ("tuned", "gemv"):
+        numerics = replace(invariant_numerics("test"), qwen=QwenNumerics(padded_rows=True, experts=experts))
+        tiles = load_fast(tiny_qwen(), max_context=64, numerics=numerics).model.expert_tiles(x)
+        if experts == "gemv":
+            assert tiles == {"decode": None, "gemv_tokens": PADDED_ROWS}
+        else:
+            assert tiles["decode"] is False and tiles["direct"] and "gemv_tokens" not in tiles
+    with pytest.raises(ValueError, match="experts must be 'tuned' or 'gemv'"):
+        QwenNumerics(experts="one_token")
+
+
 @cuda
-@pytest.mark.parametrize("glue_kernels, experts", [(False, {}), (True, {}), (False, {"sum_in_down": True}),
-                                                    (False, {"decode": None, "gemv_tokens": 16})],
-                         ids=["compiled-glue", "glue-kernels", "sum-in-down", "experts-gemv"])
-def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_kernels, experts):
+@pytest.mark.parametrize("glue_kernels, experts, sum_in_down", [
+    (False, "tuned", False), (True, "tuned", False), (False, "tuned", True), (False, "gemv", False)],
+    ids=["compiled-glue", "glue-kernels", "sum-in-down", "experts-gemv"])
+def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_kernels, experts, sum_in_down):
     """A CUDA engine's Qwen3.5-MoE numerics (the invariant record: _padded_rows), with CUDA graphs and the
     compiled glue as the engine runs them (or the glue in our kernels: QwenNumerics.glue_kernels; or the experts'
     slots summed inside their down kernel, as a tuned entry's sum_in_down asks; or every token's experts through the
@@ -776,11 +795,11 @@ def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_ker
     conv window and recurrent states handed over)."""
     seeded()
     numerics = invariant_numerics("test", compile=True)
-    numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=glue_kernels))
+    numerics = replace(numerics, qwen=replace(numerics.qwen, glue_kernels=glue_kernels, experts=experts))
     fm = load_fast(tiny_qwen().to("cuda", torch.bfloat16), 600, compile=True, numerics=numerics)
-    if experts:  # before the first forward: the graphs capture what this returns
+    if sum_in_down:  # as a tuned entry asks (none does yet); before the first forward, which the graphs capture
         tiles = fm.model.expert_tiles
-        fm.model.expert_tiles = lambda x: dict(tiles(x), **experts)
+        fm.model.expert_tiles = lambda x: dict(tiles(x), sum_in_down=True)
     assert fm.model.numerics.qwen.padded_rows and fm.model.batch_invariant
     prompt = torch.randint(0, 320, (CHUNKED_FROM,)).tolist()  # the chunked prefill, as real prompts take
     logits, _ = fm.prefill(prompt)
