@@ -124,11 +124,17 @@ def fused_moe(
     return _normed(result if out is None else out.copy_(result), norm)
 
 
-def _normed(result: torch.Tensor, norm) -> torch.Tensor:
-    """fused_moe's `norm` where no kernel computed it: result unchanged."""
+def _normed(result: torch.Tensor, norm, use_triton: bool = False) -> torch.Tensor:
+    """fused_moe's `norm` where no kernel summed the slots: result unchanged. use_triton (the one-token programs,
+    which have no slot sum): one launch of norms.py's row norm, a row's bits its own, where eager PyTorch spends ~8
+    in every layer of a CUDA graph."""
     if norm is not None:
         weight, eps, normed_out = norm
-        normed_out.copy_(rms_norm_scaled(result, weight, eps))
+        if use_triton:
+            from reviewer_kernels import norms  # norms imports this module's triton
+            norms.rms_norm(result, weight, eps, use_triton=True, out=normed_out)
+        else:
+            normed_out.copy_(rms_norm_scaled(result, weight, eps))
     return result
 
 
@@ -593,8 +599,8 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
     if num_tokens <= max(1, cfg.get("gemv_tokens", 1)) and cfg.get("decode") is not False:
         result = decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
                             None if residual is None else residual.contiguous(), cfg.get("decode"),
-                            hidden_states.dtype)
-        return _normed(result if out is None else out.copy_(result), norm)
+                            hidden_states.dtype, out)
+        return _normed(result, norm, use_triton=True)
     ids = topk_ids.contiguous()
     # direct_tokens: direct mode up to that many tokens, sorted above (a row's bits are the same in both: each
     # block row is its own slot's dot products over the same tiles, whoever shares the block)

@@ -125,11 +125,11 @@ if triton is not None:
 
 
 def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, residual=None, tiles=None,
-               out_dtype=None):
+               out_dtype=None, out=None):
     """fused_moe for x [T, H] (inputs already checked and made contiguous by fused_moe_triton): a decode step's one
     token, or T tokens each through exactly the one-token programs (the grids gain a token axis), so a token's row
     has the same bits whatever T is (fused_moe's config "gemv_tokens"). tiles overrides DECODE_TILES
-    (bench/kernel_sweep.py)."""
+    (bench/kernel_sweep.py). out: the [T, H] tensor to write (rows of a larger one, contiguous along H), else new."""
     tiles = tiles or DECODE_TILES
     gu, dn = tiles["gate_up"], tiles["down"]
     num_tokens, hidden = x.shape
@@ -149,7 +149,8 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
         gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
         H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
         num_warps=gu["warps"])
-    out = torch.empty(num_tokens, hidden, dtype=out_dtype or x.dtype, device=dev)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=out_dtype or x.dtype, device=dev)
     res = residual if residual is not None else out  # unused without a residual
     _down_kernel[(num_tokens, triton.cdiv(hidden, dn["BH"]))](
         inter_buf, down_proj, sd, topk_weights, sgate, topk_ids, res, out,

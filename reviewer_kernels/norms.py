@@ -96,15 +96,18 @@ def _launch_shape(n: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // bn)), bn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None) -> torch.Tensor:
-    """x [M, N] -> rms_norm_torch(x, weight, eps), one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_triton: bool | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, N] -> rms_norm_torch(x, weight, eps), one launch; written to out [M, N] (contiguous rows) if given."""
     if use_triton is None:
         use_triton = triton_usable(x)
     if not use_triton:
-        return rms_norm_torch(x, weight, eps)
+        return rms_norm_torch(x, weight, eps) if out is None else out.copy_(rms_norm_torch(x, weight, eps))
     _rows(x, "x")
     M, N = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else _rows(out, "out")
+    if out.shape != x.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have x's shape {tuple(x.shape)}")
     br, bn = _launch_shape(N)
     _rms_norm_kernel[(triton.cdiv(M, br),)](x, x, weight, out, out, M, N, eps, x.stride(0), x.stride(0),
                                             out.stride(0), out.stride(0), ADD=False, BR=br, BN=bn, num_warps=4)

@@ -193,6 +193,7 @@ sys.path.insert(0, sys.argv[1])
 from tests.reviewer_kernels.test_fused_moe import DECODE_CASES, random_moe, reference64, rel_err
 from reviewer_kernels import fused_moe
 from reviewer_kernels.moe_decode import decode_moe
+from reviewer_kernels.moe_reference import rms_norm_scaled
 for case in DECODE_CASES:
     dt, e, h, i, k, shared, bn, bh = case
     inputs = random_moe(1, e, h, i, k, getattr(torch, dt), shared, seed=e + h)
@@ -210,9 +211,19 @@ for case in DECODE_CASES:
     alone = torch.cat([fused_moe(x5[t:t + 1], gate_up5, down5, w5[t:t + 1], ids5[t:t + 1], sh5, use_triton=True,
                                  config={"decode": tiles}, residual=res5[t:t + 1]) for t in range(5)])
     plain5 = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=rows)
+    # written into `out`, with the next layer's norm (norms.py's row kernel: no slot sum to hold it)
+    nw, o5, n5 = torch.rand(h) + 0.5, torch.empty_like(together), torch.empty_like(together)
+    fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=rows, residual=res5, out=o5,
+              norm=(nw, 1e-6, n5))
+    n_alone = torch.empty_like(n5)
+    for t in range(5):
+        fused_moe(x5[t:t + 1], gate_up5, down5, w5[t:t + 1], ids5[t:t + 1], sh5, use_triton=True, config=rows,
+                  residual=res5[t:t + 1], norm=(nw, 1e-6, n_alone[t:t + 1]))
     print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)),
                       "tokens_alone": bool(torch.equal(together, alone)),
                       "tokens_err": rel_err(plain5, reference64(x5, gate_up5, down5, w5, ids5, sh5)),
+                      "out_equal": bool(torch.equal(o5, together)), "normed_alone": bool(torch.equal(n5, n_alone)),
+                      "normed_err": rel_err(n5, rms_norm_scaled(together, nw, 1e-6)),
                       "residual_equal": bool(torch.equal(with_res, res + out)),
                       "deterministic": bool(torch.equal(out, fused_moe(*inputs, use_triton=True,
                                                                         config={"decode": tiles}))),
@@ -229,12 +240,14 @@ def decode_results():
 def test_decode_kernels_match_reference_in_interpreter(decode_results, case):
     """One token: the two GEMV-shaped kernels give the float64 reference's output, the residual added with
     PyTorch's rounding, the same bits on a second run, and the CPU fallback's output to rounding. Several tokens
-    through them (gemv_tokens): each row bitwise the token's one-token call."""
+    through them (gemv_tokens): each row bitwise the token's one-token call, also when written into `out` with the
+    next layer's norm (each normed row bitwise the token's own, and the PyTorch norm's to rounding)."""
     r = decode_results[tuple(case)]
     tol = 1e-5 if case[0] == "float32" else 2e-3
     assert r["dtype"] == f"torch.{case[0]}" and r["err"] < tol and r["fallback_err"] < tol, r
     assert r["residual_equal"] and r["deterministic"], r
     assert r["tokens_alone"] and r["tokens_err"] < tol, r
+    assert r["out_equal"] and r["normed_alone"] and r["normed_err"] < tol, r
 
 
 RESIDUAL_SCRIPT = r"""
