@@ -784,8 +784,8 @@ def test_qwen_numerics_choose_the_padded_steps_experts(monkeypatch):
 
 @cuda
 @pytest.mark.parametrize("glue_kernels, experts, sum_in_down", [
-    (False, "tuned", False), (True, "tuned", False), (False, "tuned", True), (False, "gemv", False)],
-    ids=["compiled-glue", "glue-kernels", "sum-in-down", "experts-gemv"])
+    (False, "tuned", False), (True, "tuned", False), (False, "tuned", True), (False, "gemv", False),
+    (True, "gemv", False)], ids=["compiled-glue", "glue-kernels", "sum-in-down", "experts-gemv", "glue-kernels-gemv"])
 def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_kernels, experts, sum_in_down):
     """A CUDA engine's Qwen3.5-MoE numerics (the invariant record: _padded_rows), with CUDA graphs and the
     compiled glue as the engine runs them (or the glue in our kernels: QwenNumerics.glue_kernels; or the experts'
