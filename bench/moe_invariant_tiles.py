@@ -14,7 +14,8 @@ For each candidate (gate_up tiles with K-split, down tiles) and both modes: micr
 computed alone in direct mode: the condition under which the mode may change with the token count. Last, the best
 tiles with the slots summed inside the down kernel (`sum_in_down`: one launch fewer a layer): the entry takes it if
 its output is bitwise the slot sum's and it is faster over the entry's own token counts. And the one-token kernels
-for every token count ("gemv": `gemv_tokens` 16), recorded beside the entry's curve but never chosen here (a faster
+for every token count ("gemv": `gemv_tokens` 16; "gemv_blocks": the same arithmetic, each expert's rows read once a
+call), recorded beside the entry's curve but never chosen here (a faster
 plain step against a slower verify is `reviewer bench`'s and the replay's to weigh).
 
     python bench/moe_invariant_tiles.py --out bench/results          # H200: ~2 minutes
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from backend.models.numerics import QWEN_EXPERTS  # noqa: E402
 from reviewer_kernels import SharedExpert  # noqa: E402
 fm = importlib.import_module("reviewer_kernels.fused_moe")
 
@@ -185,8 +187,9 @@ def main() -> None:
     def measure(gu, dn, mode: str, ms, routes, sum_in_down: bool = False) -> dict:
         cfg = dict(base, gate_up=gu, down=dn, decode=False, direct=mode == "direct",
                    direct_tokens=16 if mode == "direct" else 1, sum_in_down=sum_in_down)
-        if mode == "gemv":  # every token through the one-token programs (gu, dn unused)
-            cfg = dict(base, decode=None, gemv_tokens=16)
+        if mode.startswith("gemv"):  # every token through the one-token programs (gu, dn unused); gemv_blocks:
+            # moe_decode.blocks_moe, each expert's rows read once a call (backend/models/numerics.py QWEN_EXPERTS)
+            cfg = dict(base, decode=None, **QWEN_EXPERTS[mode])
         row = {"gate_up": gu, "down": dn, "mode": mode, "sum_in_down": sum_in_down}
         try:
             for m in ms:
@@ -227,6 +230,7 @@ def main() -> None:
     # at whatever 16 tokens of one-token programs cost. Recorded, never chosen here: it trades the plain step against
     # the verify, which `reviewer bench` and the replay weigh
     curves["gemv_traced"] = measure(None, None, "gemv", tokens, traced)
+    curves["gemv_blocks_traced"] = measure(None, None, "gemv_blocks", tokens, traced)
     summed = {mode: measure(best["gate_up"], best["down"], mode, tokens, traced, sum_in_down=True)
               for mode in ("direct", "sorted")}
     entry["sum_in_down"], curves["best_sum_in_down"] = choose_sum_in_down(
@@ -246,7 +250,7 @@ def main() -> None:
     gpu = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower().replace("nvidia ", "")).strip("_")
     path = out / f"moe_invariant_tiles_{gpu}_{now.strftime('%Y%m%d_%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    for name in ("best_direct_traced", "best_sorted_traced", "gemv_traced"):
+    for name in ("best_direct_traced", "best_sorted_traced", "gemv_traced", "gemv_blocks_traced"):
         print(f"{name}: " + ", ".join(f"{m} tokens {curves[name].get(f'us_{m}', float('nan')):.1f} us"
                                       for m in tokens), flush=True)
     print("table entry (reviewer_kernels/fused_moe_configs.json, under this device):", json.dumps(result["entry"]),

@@ -21,7 +21,8 @@ and host work: `wall_us`.) --glue-kernels on / off times the padded steps' glue 
 one-token kernels instead (reviewer bench's "plain (default kernels)", which L_target times): beside an invariant run
 on the same machine it shows, kernel by kernel, what the invariant plain step pays over them. --experts gemv runs the
 invariant step's experts through the one-token kernels for every token count (still invariant: each token runs the
-one-token programs), to weigh a plain step at one-token cost against the verify's:
+one-token programs), --experts gemv_blocks the same arithmetic with each expert's rows read once a verify, to weigh a
+plain step at one-token cost against the verify's:
 
     python bench/step_budget.py --compare one_token.json invariant.json [--compare-call verify16]   # no GPU
 """
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend.bench.report import cpu_model  # noqa: E402
 from backend.bench.routing import install_routing_trace, trace_distinct_experts  # noqa: E402
 from backend.models import Numerics, invariant_numerics  # noqa: E402
+from backend.models.numerics import QWEN_EXPERTS  # noqa: E402
 from reviewer_kernels import moe_routing as routing  # noqa: E402
 from target_step import copy_bandwidth, random_qwen_without_transformers  # noqa: E402
 
@@ -56,7 +58,8 @@ PARTS = [
     ("routing", r"router|_route|topk|radix"),  # before attention: _router_partial_kernel is no attention kernel
     ("attention", r"^_partial_kernel|^_combine_kernel|^_write_block_kernel|flash|fmha|sdpa"),
     ("recurrence", r"gdn|trsm|triangular|_chunk_|getrs|trsv"),
-    ("experts", r"_gate_up_kernel|_down_kernel|_sum_slots|_align_kernel|_block_rows|_chunk_ranks|moe"),
+    ("experts", r"_gate_up_kernel|_down_kernel|_gate_up_blocks_kernel|_down_tokens_kernel|_sum_slots|_align_kernel|"
+                r"_block_rows|_chunk_ranks|moe"),
     ("projections", r"_wide_kernel|gemm|gemv|nvjet|cutlass|xmma|_rows_linear|_norm_gemv|sm90_|sm80_"),
     # _conv_kernel: the Gated DeltaNet convolution (reviewer_kernels/gdn_conv.py); norms.py's; attention_prep.py's
     ("glue", r"^triton_|^_conv_kernel|_rms_norm_kernel|^_attention_prep_kernel"),
@@ -288,10 +291,11 @@ def parse_args() -> argparse.Namespace:
                     help="invariant: the padded batch-invariant steps `reviewer serve` runs; one_token: the one-token "
                          "kernels (reviewer bench's 'plain (default kernels)', L_target): run both in one call to see, "
                          "kernel by kernel, what the invariant step costs over them (its verify is not serve's)")
-    ap.add_argument("--experts", choices=["tuned", "gemv"], default="tuned",
+    ap.add_argument("--experts", choices=list(QWEN_EXPERTS), default="tuned",
                     help="the invariant step's experts: the device's tuned grouped tiles, or every token through the "
-                         "one-token kernels (fused_moe's gemv_tokens: the decode step's experts cost what one-token "
-                         "decoding's do; the verify's cost what 16 tokens of them do)")
+                         "one-token kernels (gemv: fused_moe's gemv_tokens, the decode step's experts cost what "
+                         "one-token decoding's do, the verify's what 16 tokens of them do; gemv_blocks: the same "
+                         "programs with each expert's rows read once a verify, moe_decode.blocks_moe)")
     ap.add_argument("--layers", type=int, default=40,
                     help="layers of the shape to build (a multiple of 4; default all 40). 20 fits an 80 GB card; the "
                          "per-layer rows keep their meaning, the whole-step totals do not (the record says so)")
@@ -337,8 +341,9 @@ def main() -> None:
         return
     if args.layers < 4 or args.layers > 40 or args.layers % 4:
         raise SystemExit(f"--layers {args.layers}: a multiple of 4 from 4 to 40 (the shape repeats 3 linear + 1 full)")
-    if args.experts == "gemv" and args.numerics == "one_token":
-        raise SystemExit("--experts gemv chooses the invariant step's experts; the one-token kernels are gemv already")
+    if args.experts != "tuned" and args.numerics == "one_token":
+        raise SystemExit(f"--experts {args.experts} chooses the invariant step's experts; the one-token kernels are "
+                         "gemv already")
     if not torch.cuda.is_available():
         raise SystemExit("step_budget traces CUDA-graph replays: it needs a GPU")
     contexts = args.context or [3000]

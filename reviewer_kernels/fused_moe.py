@@ -27,7 +27,9 @@ K splits were meant for one token (a decode step in the batch-invariant numerics
 moe_invariant_tiles_split_finish_h200_20261204_170057.json), so no shipped entry splits; the tuner may still try them.
 (Before 2026-12-04 the down kernel added the partials, in every one of its programs: 52-83 us at one token.)
 One token (a decode step) takes reviewer_kernels/moe_decode.py instead: two GEMV-shaped launches, no block table;
-so do up to `gemv_tokens` tokens when the config says so, each token through the one-token programs.
+so do up to `gemv_tokens` tokens when the config says so, each token through the one-token programs; with
+`gemv_sorted_from` N, through moe_decode's block kernels (one binary for every token count, each expert's rows read
+once a call: slots sorted by expert from N tokens, an align launch; direct below).
 Direct mode (small M, as vLLM does for small tokens*top_k): block b < M*K is slot b alone, the last block holds
 the shared expert's M slots; no sorting launch. Each expert is then read once per token routed to it, which
 costs nothing extra while M*K is small.
@@ -46,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from reviewer_kernels.moe_decode import decode_moe
+from reviewer_kernels.moe_decode import blocks_moe, decode_moe
 from reviewer_kernels.moe_reference import SharedExpert, fused_moe_torch, rms_norm_scaled, shared_expert_torch
 from reviewer_kernels.rows_linear import split_workspace
 
@@ -59,6 +61,9 @@ except ImportError:  # CPU-only installs: the PyTorch fallback is used
 CONFIG_PATH = Path(__file__).with_name("fused_moe_configs.json")
 # slots (tokens x top_k) up to which align_slots sorts in registers: a 16-token verify with top-8 routing
 ONE_CHUNK_SLOTS = 128
+# block rows of the one-token programs' sorted calls (gemv_sorted_from): an expert's slots in one block up to a
+# verify's 16 tokens (a token takes an expert once), so its rows are read once
+GEMV_BLOCK_ROWS = 16
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -93,7 +98,8 @@ def fused_moe(
     tiles for one token (None: DECODE_TILES; False: the grouped path at one token too, for comparisons), and
     "gemv_tokens" N sends calls of up to N tokens there too, each token through the one-token programs (a row's bits
     then do not depend on the token count, as with the grouped tiles, and a decode step costs what one-token
-    decoding does).
+    decoding does); with "gemv_sorted_from" S as well, through moe_decode.blocks_moe for every token count (each
+    expert's rows read once a call; its slots sorted by expert from S tokens, direct blocks below: same bits).
     residual [M, H]: return residual + MoE(x), rounded as `residual + fused_moe(...)` would be (the MoE output in
     the model dtype first), with the add done by the kernel that sums the slots: one launch less per layer.
     out [M, H]: write the result there (e.g. rows of a larger tensor) instead of a new tensor.
@@ -124,17 +130,12 @@ def fused_moe(
     return _normed(result if out is None else out.copy_(result), norm)
 
 
-def _normed(result: torch.Tensor, norm, use_triton: bool = False) -> torch.Tensor:
-    """fused_moe's `norm` where no kernel summed the slots: result unchanged. use_triton (the one-token programs,
-    which have no slot sum): one launch of norms.py's row norm, a row's bits its own, where eager PyTorch spends ~8
-    in every layer of a CUDA graph."""
+def _normed(result: torch.Tensor, norm) -> torch.Tensor:
+    """fused_moe's `norm` where no kernel computed it (the fallback; the one-token programs, which have no slot sum:
+    a caller in a CUDA graph norms with reviewer_kernels/norms.py's one launch instead): result unchanged."""
     if norm is not None:
         weight, eps, normed_out = norm
-        if use_triton:
-            from reviewer_kernels import norms  # norms imports this module's triton
-            norms.rms_norm(result, weight, eps, use_triton=True, out=normed_out)
-        else:
-            normed_out.copy_(rms_norm_scaled(result, weight, eps))
+        normed_out.copy_(rms_norm_scaled(result, weight, eps))
     return result
 
 
@@ -597,10 +598,16 @@ def fused_moe_triton(hidden_states, gate_up_proj, down_proj, topk_weights, topk_
                                                           shared is not None), num_tokens, top_k)
     # a decode step, or up to the config's gemv_tokens each through the one-token programs: two GEMV-shaped launches
     if num_tokens <= max(1, cfg.get("gemv_tokens", 1)) and cfg.get("decode") is not False:
-        result = decode_moe(x, gate_up_proj, down_proj, topk_weights.contiguous(), topk_ids.contiguous(), shared,
-                            None if residual is None else residual.contiguous(), cfg.get("decode"),
-                            hidden_states.dtype, out)
-        return _normed(result, norm, use_triton=True)
+        ids = topk_ids.contiguous()
+        args = (x, gate_up_proj, down_proj, topk_weights.contiguous(), ids, shared,
+                None if residual is None else residual.contiguous())
+        if "gemv_sorted_from" in cfg:  # the block kernels: each expert's rows read once a call, sorted from N tokens
+            table = (align_slots(ids, num_experts, shared is not None, GEMV_BLOCK_ROWS)
+                     if num_tokens >= cfg["gemv_sorted_from"] else None)
+            result = blocks_moe(*args, table, cfg.get("decode"), hidden_states.dtype, out)
+        else:
+            result = decode_moe(*args, cfg.get("decode"), hidden_states.dtype, out)
+        return _normed(result, norm)
     ids = topk_ids.contiguous()
     # direct_tokens: direct mode up to that many tokens, sorted above (a row's bits are the same in both: each
     # block row is its own slot's dot products over the same tiles, whoever shares the block)

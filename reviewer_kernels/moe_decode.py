@@ -159,3 +159,151 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
         HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None, BH=dn["BH"],
         num_warps=dn["warps"])
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The one-token programs for a verify block: each expert's weights read once (fused_moe's "gemv_sorted_from")
+# ---------------------------------------------------------------------------------------------------------------
+# decode_moe's token axis (gemv_tokens) gives a 16-token verify 16 one-token calls side by side: a row's bits are its
+# one-token call's, but every token re-reads its 9 experts' 57 MB (35B-A3B shape), from L2 when a neighbour shares
+# the expert, and L2 on Hopper is barely faster than HBM. Here the gate/up launch takes one block per expert (its
+# slots sorted together by fused_moe.align_slots), loads the expert's rows once and walks its slots; the down launch
+# takes one h-tile per program and walks the tokens, so the rows of an expert two tokens share come from L1. Both
+# run the same binary for every token count (the count, the block table and direct-or-sorted are runtime values,
+# none specialised), and a token's arithmetic inside the walk is the same instruction sequence each time: a row's
+# bits cannot depend on how many tokens the call has. They are not decode_moe's bits (another kernel), so a
+# configuration takes these for every token count or not at all.
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_tokens", "direct"])
+    def _gate_up_blocks_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, ids_ptr, slots_ptr, bexp_ptr, bstart_ptr,
+                               bcount_ptr, inter_ptr, sgate_ptr, num_tokens, direct, E, top_k, slots, stride_x,
+                               stride_we, stride_wn, stride_sn, H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr,
+                               HAS_SHARED_GATE: tl.constexpr, BN: tl.constexpr):
+        """Grid (blocks, I / BN). Sorted (direct == 0): block b is align_slots' block b, one expert's slots (expert
+        E: the shared one; expert -1: unused). Direct: block b is slot b alone (b < T*K routed, then token b - T*K's
+        shared slot). The program loads its expert's [BN, H] gate and up rows once, then for each slot of the block
+        stores inter[token, k, n-tile] = silu(g . x) * (u . x) (and the shared gate's sigmoid once per token)."""
+        blk = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        num_routed = num_tokens * top_k
+        nd = (tl.full([], 0, tl.int32) + direct) == 0  # a tensor, also where the interpreter passes a Python int
+        # branch-free, so both modes share one body: direct reads the slot's expert from the routing ids
+        e_direct = tl.load(ids_ptr + blk, mask=(~nd) & (blk < num_routed), other=E).to(tl.int32)
+        e = tl.where(nd, tl.load(bexp_ptr + blk, mask=nd, other=-1), e_direct)
+        start = tl.where(nd, tl.load(bstart_ptr + blk, mask=nd, other=0), blk)
+        count = tl.where(nd, tl.load(bcount_ptr + blk, mask=nd, other=0), 1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, HP)
+        n_ok = offs_n < I
+        k_ok = offs_k < H
+        used = (tl.zeros([BN], tl.int32) + e) >= 0  # unused blocks (expert -1) load nothing; broadcast first, as
+        w_ok = (n_ok & used)[:, None] & k_ok[None, :]  # Triton's interpreter takes no scalar in a mask
+        if e < E:
+            wg = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+            wu = wg + I * stride_wn
+        else:
+            wg = sg_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
+            wu = su_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
+        g = tl.load(wg, mask=w_ok, other=0.0)  # widened inside the walk: a slot's x load issues before they land
+        u = tl.load(wu, mask=w_ok, other=0.0)
+        if HAS_SHARED_GATE:
+            sgw = tl.load(sgw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        for j in range(count):
+            s = tl.where(nd, tl.load(slots_ptr + start + j, mask=nd, other=0), start)
+            routed = s < num_routed
+            tok = tl.where(routed, s // top_k, s - num_routed).to(tl.int64)
+            k = tl.where(routed, s % top_k, top_k)
+            x = tl.load(x_ptr + tok * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            acc_g = tl.sum(g.to(tl.float32) * x[None, :], axis=1)
+            acc_u = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+            h = acc_g * tl.sigmoid(acc_g) * acc_u
+            tl.store(inter_ptr + (tok * slots + k) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
+            if HAS_SHARED_GATE:
+                if (k == top_k) & (pid_n == 0):  # sigmoid(x . shared_gate), in fp32 like fused_moe.py
+                    tl.store(sgate_ptr + tok, tl.sigmoid(tl.sum(x * sgw, axis=0)))
+
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _down_tokens_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, ids_ptr, res_ptr, out_ptr, num_tokens,
+                            slots, stride_we, stride_wn, stride_sn, stride_res, stride_out,
+                            H: tl.constexpr, I: tl.constexpr, IP: tl.constexpr, TOP_K: tl.constexpr,
+                            KP: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_SHARED_GATE: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, BH: tl.constexpr):
+        """Grid (H / BH): for each token in turn, out[token, h-tile] = sum over its routed slots of weight *
+        (down_e @ inter[slot]), plus the shared slot (times its gate), then + residual: _down_kernel's arithmetic
+        for one token. The shared expert's rows are loaded once; a routed expert's rows, from L1 when an earlier
+        token of the walk had it."""
+        offs_h = tl.program_id(0) * BH + tl.arange(0, BH)
+        offs_i = tl.arange(0, IP)
+        ks = tl.arange(0, KP)
+        h_ok = offs_h < H
+        i_ok = offs_i < I
+        k_ok = ks < TOP_K
+        if HAS_SHARED:
+            ws = tl.load(sd_ptr + offs_h[:, None] * stride_sn + offs_i[None, :],
+                         mask=h_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+        for t in range(num_tokens):
+            tok = t  # offsets stay small: T x slots x I elements
+            e = tl.load(ids_ptr + tok * TOP_K + ks, mask=k_ok, other=0).to(tl.int64)
+            w = tl.load(w_ptr + e[:, None, None] * stride_we + offs_h[None, :, None] * stride_wn
+                        + offs_i[None, None, :], mask=k_ok[:, None, None] & h_ok[None, :, None] & i_ok[None, None, :],
+                        other=0.0)
+            hv = tl.load(inter_ptr + tok * slots * I + ks[:, None] * I + offs_i[None, :],
+                         mask=k_ok[:, None] & i_ok[None, :], other=0.0).to(tl.float32)
+            scale = tl.load(topk_w_ptr + tok * TOP_K + ks, mask=k_ok, other=0.0).to(tl.float32)
+            rows = tl.sum(w.to(tl.float32) * hv[:, None, :], axis=2)  # [K, BH], fp32
+            acc = tl.sum(rows * scale[:, None], axis=0)
+            if HAS_SHARED:
+                hs = tl.load(inter_ptr + tok * slots * I + TOP_K * I + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+                row = tl.sum(ws * hs[None, :], axis=1)
+                if HAS_SHARED_GATE:
+                    row = row * tl.load(sgate_ptr + tok)
+                acc += row
+            out = acc.to(out_ptr.dtype.element_ty)
+            if HAS_RESIDUAL:
+                res = tl.load(res_ptr + tok * stride_res + offs_h, mask=h_ok, other=0.0)
+                out = (out.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + tok * stride_out + offs_h, out, mask=h_ok)
+
+
+def blocks_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, residual=None, table=None,
+               tiles=None, out_dtype=None, out=None):
+    """decode_moe's math for x [T, H] with each expert's weights read once per call: table None runs direct blocks
+    (a slot each: a decode step, no sorting launch), else fused_moe.align_slots' (sorted_slots, expert, start, count)
+    for the shared expert too (one block per expert when its block rows are >= T). Same binary for both and for
+    every T: a row's bits depend on its token alone. Inputs checked and contiguous as for decode_moe."""
+    tiles = tiles or DECODE_TILES
+    gu, dn = tiles["gate_up"], tiles["down"]
+    num_tokens, hidden = x.shape
+    num_experts, inter = down_proj.shape[0], down_proj.shape[-1]
+    top_k = topk_ids.shape[1]
+    has_shared = shared is not None
+    has_gate = has_shared and shared.gate is not None
+    dev = x.device
+    sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
+        gate_up_proj, gate_up_proj, down_proj)
+    sgw = shared.gate.reshape(-1) if has_gate else x
+    slots = top_k + int(has_shared)
+    inter_buf = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=dev)
+    sgate = torch.empty(num_tokens, dtype=torch.float32, device=dev)
+    if table is None:  # direct: block b is slot b (the routed ones, then each token's shared slot); the table's
+        # int32 placeholder is never read, and keeps the kernel's argument types (so its binary) the sorted call's
+        blocks, direct, table = num_tokens * slots, 1, (torch.empty(1, dtype=torch.int32, device=dev),) * 4
+    else:
+        blocks, direct = table[1].numel(), 0
+    _gate_up_blocks_kernel[(blocks, triton.cdiv(inter, gu["BN"]))](
+        x, gate_up_proj, sg, su, sgw, topk_ids, *table, inter_buf, sgate, num_tokens, direct, num_experts, top_k,
+        slots, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
+        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
+        num_warps=gu["warps"])
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=out_dtype or x.dtype, device=dev)
+    res = residual if residual is not None else out  # unused without a residual
+    _down_tokens_kernel[(triton.cdiv(hidden, dn["BH"]),)](
+        inter_buf, down_proj, sd, topk_weights, sgate, topk_ids, res, out, num_tokens,
+        slots, down_proj.stride(0), down_proj.stride(1), sd.stride(0), res.stride(0), out.stride(0),
+        H=hidden, I=inter, IP=triton.next_power_of_2(inter), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+        HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None, BH=dn["BH"],
+        num_warps=dn["warps"])
+    return out

@@ -43,6 +43,15 @@ LLAMA_INVARIANT_PATH = "mma"
 # (written 2026-12-04 in a session without one, checked under Triton's interpreter only): bench/step_budget.py
 # --glue-kernels and the replay with this set to True decide it (docs/kernels.md "The padded steps' glue in kernels").
 QWEN_GLUE_KERNELS = False
+# Qwen3.5/3.6-MoE's padded steps' experts (QwenNumerics.experts), each batch-invariant: the choice is cost. What each
+# asks of reviewer_kernels/fused_moe.py (None: fused_moe.invariant_config, the device's tuned grouped tiles):
+#   "tuned":       the grouped GEMM tiles; a decode step pays ~1.2x the one-token kernels' experts (H100, 2026-12-07)
+#   "gemv":        the one-token programs for every token count, a token axis on their grids (gemv_tokens): the step's
+#                  experts at one-token cost, a verify's at 16 one-token calls', every expert a token shares re-read
+#   "gemv_blocks": the same programs' arithmetic with each expert's rows read once a call (moe_decode.blocks_moe:
+#                  slots sorted by expert from 2 tokens, direct blocks below)
+# "tuned" until a GPU times the others (bench/step_budget.py --experts, the replay).
+QWEN_EXPERTS = {"tuned": None, "gemv": {"gemv_tokens": 16}, "gemv_blocks": {"gemv_tokens": 16, "gemv_sorted_from": 2}}
 
 
 @dataclass(frozen=True)
@@ -88,8 +97,8 @@ class QwenNumerics:
     15.5 us, 12.2 vs 11.8: reviewer_kernels/README.md). glue_kernels: _padded_rows' glue in our kernels instead of
     the compiled glue (QWEN_GLUE_KERNELS says which); batch-invariant either way. experts: _padded_rows' experts on
     the device's tuned grouped tiles ("tuned", fused_moe.invariant_config), or every token through the one-token
-    kernels ("gemv": fused_moe's gemv_tokens; invariant too, each token runs the one-token programs; untimed, so not
-    the default)."""
+    kernels' arithmetic ("gemv", "gemv_blocks": QWEN_EXPERTS; invariant too, each token runs the same programs
+    whatever the token count; untimed, so not the default)."""
 
     padded_rows: bool = False
     wide_projections: frozenset = frozenset({"out"})
@@ -101,8 +110,8 @@ class QwenNumerics:
         if self.wide_projections - WIDE_PROJECTIONS:
             raise ValueError(f"wide_projections must be drawn from {sorted(WIDE_PROJECTIONS)}, got "
                              f"{sorted(self.wide_projections)}")
-        if self.experts not in ("tuned", "gemv"):
-            raise ValueError(f"experts must be 'tuned' or 'gemv', got {self.experts!r}")
+        if self.experts not in QWEN_EXPERTS:
+            raise ValueError(f"experts must be one of {', '.join(QWEN_EXPERTS)}, got {self.experts!r}")
 
 
 @dataclass(frozen=True)

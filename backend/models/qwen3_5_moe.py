@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.models.llama import _param, apply_rope, cached_attention, causal_mask, glue, residual_add, rope_tables
-from backend.models.numerics import Numerics
+from backend.models.numerics import QWEN_EXPERTS, Numerics
 from backend.models.static_cache import KVCache, LinearStateCache
 from reviewer_kernels import SharedExpert, fused_moe, norms, route_topk_from_hidden, triton_usable
 from reviewer_kernels.attention_prep import attention_prep
@@ -365,8 +365,12 @@ class SparseMoE(nn.Module):
             weights, ids = self.route(h[:T])
         out = torch.empty_like(x)
         normed = torch.empty_like(x) if next_norm is not None else None
+        # the one-token programs (QwenNumerics.experts gemv*) have no slot sum to hold the next norm: one launch here
+        norm_after = normed is not None and fixed_config is not None and "gemv_tokens" in fixed_config
         fused_moe(h[:T], self.gate_up, self.down, weights, ids, shared, residual=x[:T], config=fixed_config,
-                  out=out[:T], norm=(next_norm, eps, normed[:T]) if normed is not None else None)
+                  out=out[:T], norm=(next_norm, eps, normed[:T]) if normed is not None and not norm_after else None)
+        if norm_after:
+            norms.rms_norm(out[:T], next_norm, eps, out=normed[:T])
         return out, normed
 
 
@@ -521,12 +525,14 @@ class Qwen35Moe(nn.Module):
 
     def expert_tiles(self, x: torch.Tensor) -> dict | None:
         """The experts' one configuration for every call of 1..16 rows (_padded_rows), or None off Triton: the grouped
-        tile set, or with QwenNumerics.experts "gemv" every token through the one-token kernels."""
+        tile set, or with QwenNumerics.experts "gemv" / "gemv_blocks" every token through the one-token kernels'
+        arithmetic (numerics.QWEN_EXPERTS)."""
         if not triton_usable(x):
             return None
         c = self.config
-        if self.numerics.qwen.experts == "gemv":
-            return {"decode": None, "gemv_tokens": PADDED_ROWS}
+        gemv = QWEN_EXPERTS[self.numerics.qwen.experts]
+        if gemv is not None:
+            return dict(gemv, decode=None, gemv_tokens=PADDED_ROWS)
         key = shape_key(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.top_k, True)
         name = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
         return invariant_config(name, key, c.top_k)

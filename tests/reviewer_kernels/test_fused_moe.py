@@ -133,7 +133,24 @@ for case in INTERPRETER_CASES:
     # (its counters are left at zero), with and without the residual
     summed = dict(config, sum_in_down=True)
     in_down = [fused_moe(*inputs, use_triton=True, config=summed, residual=res) for _ in range(2)]
-    print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)),
+    # the block kernels (gemv_sorted_from; the float16 cases, for time): sorted from 2 tokens, direct below, one
+    # binary; each row bitwise the token alone (a direct call), the whole call bitwise its direct twin, the reference's
+    # to rounding; the first case also with 20 tokens (blocks split at 16 rows)
+    blocks, checks = dict(rows, gemv_sorted_from=2), {}
+    if dt == "float16":
+        b_together = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=blocks)
+        b_alone = torch.cat([fused_moe(x5[t:t + 1], gate_up5, down5, w5[t:t + 1], ids5[t:t + 1], sh5, use_triton=True,
+                                       config=blocks) for t in range(5)])
+        b_direct = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True,
+                             config=dict(blocks, gemv_sorted_from=6))
+        checks = {"blocks_alone": bool(torch.equal(b_together, b_alone)),
+                  "blocks_direct": bool(torch.equal(b_together, b_direct)),
+                  "blocks_err": rel_err(b_together, reference64(x5, gate_up5, down5, w5, ids5, sh5))}
+    if case == DECODE_CASES[4]:
+        x20, gate_up20, down20, w20, ids20, sh20 = random_moe(20, e, h, i, k, torch.float16, shared, seed=e + h + 2)
+        b20 = fused_moe(x20, gate_up20, down20, w20, ids20, sh20, use_triton=True, config=dict(blocks, gemv_tokens=32))
+        checks["blocks20_err"] = rel_err(b20, reference64(x20, gate_up20, down20, w20, ids20, sh20))
+    print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)), **checks,
                       "sum_in_down": all(torch.equal(r, plain) for r in in_down)
                       and torch.equal(fused_moe(*inputs, use_triton=True, config=summed), out),
                       "finite": bool(torch.isfinite(out).all()), "dtype": str(out.dtype),
@@ -211,7 +228,7 @@ for case in DECODE_CASES:
     alone = torch.cat([fused_moe(x5[t:t + 1], gate_up5, down5, w5[t:t + 1], ids5[t:t + 1], sh5, use_triton=True,
                                  config={"decode": tiles}, residual=res5[t:t + 1]) for t in range(5)])
     plain5 = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=rows)
-    # written into `out`, with the next layer's norm (norms.py's row kernel: no slot sum to hold it)
+    # written into `out` (no copy), with the next layer's norm (after the kernels: they have no slot sum to hold it)
     nw, o5, n5 = torch.rand(h) + 0.5, torch.empty_like(together), torch.empty_like(together)
     fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=rows, residual=res5, out=o5,
               norm=(nw, 1e-6, n5))
@@ -219,7 +236,24 @@ for case in DECODE_CASES:
     for t in range(5):
         fused_moe(x5[t:t + 1], gate_up5, down5, w5[t:t + 1], ids5[t:t + 1], sh5, use_triton=True, config=rows,
                   residual=res5[t:t + 1], norm=(nw, 1e-6, n_alone[t:t + 1]))
-    print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)),
+    # the block kernels (gemv_sorted_from; the float16 cases, for time): sorted from 2 tokens, direct below, one
+    # binary; each row bitwise the token alone (a direct call), the whole call bitwise its direct twin, the reference's
+    # to rounding; the first case also with 20 tokens (blocks split at 16 rows)
+    blocks, checks = dict(rows, gemv_sorted_from=2), {}
+    if dt == "float16":
+        b_together = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=blocks)
+        b_alone = torch.cat([fused_moe(x5[t:t + 1], gate_up5, down5, w5[t:t + 1], ids5[t:t + 1], sh5, use_triton=True,
+                                       config=blocks) for t in range(5)])
+        b_direct = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True,
+                             config=dict(blocks, gemv_sorted_from=6))
+        checks = {"blocks_alone": bool(torch.equal(b_together, b_alone)),
+                  "blocks_direct": bool(torch.equal(b_together, b_direct)),
+                  "blocks_err": rel_err(b_together, reference64(x5, gate_up5, down5, w5, ids5, sh5))}
+    if case == DECODE_CASES[4]:
+        x20, gate_up20, down20, w20, ids20, sh20 = random_moe(20, e, h, i, k, torch.float16, shared, seed=e + h + 2)
+        b20 = fused_moe(x20, gate_up20, down20, w20, ids20, sh20, use_triton=True, config=dict(blocks, gemv_tokens=32))
+        checks["blocks20_err"] = rel_err(b20, reference64(x20, gate_up20, down20, w20, ids20, sh20))
+    print(json.dumps({"case": list(case), "err": rel_err(out, reference64(*inputs)), **checks,
                       "tokens_alone": bool(torch.equal(together, alone)),
                       "tokens_err": rel_err(plain5, reference64(x5, gate_up5, down5, w5, ids5, sh5)),
                       "out_equal": bool(torch.equal(o5, together)), "normed_alone": bool(torch.equal(n5, n_alone)),
@@ -241,13 +275,19 @@ def test_decode_kernels_match_reference_in_interpreter(decode_results, case):
     """One token: the two GEMV-shaped kernels give the float64 reference's output, the residual added with
     PyTorch's rounding, the same bits on a second run, and the CPU fallback's output to rounding. Several tokens
     through them (gemv_tokens): each row bitwise the token's one-token call, also when written into `out` with the
-    next layer's norm (each normed row bitwise the token's own, and the PyTorch norm's to rounding)."""
+    next layer's norm (each normed row bitwise the token's own, and the PyTorch norm's to rounding). The block
+    kernels (gemv_sorted_from: slots sorted by expert, one binary for every token count): each row bitwise the token
+    alone and the direct blocks' call, the reference's to rounding, also with blocks split (20 tokens)."""
     r = decode_results[tuple(case)]
     tol = 1e-5 if case[0] == "float32" else 2e-3
     assert r["dtype"] == f"torch.{case[0]}" and r["err"] < tol and r["fallback_err"] < tol, r
     assert r["residual_equal"] and r["deterministic"], r
     assert r["tokens_alone"] and r["tokens_err"] < tol, r
     assert r["out_equal"] and r["normed_alone"] and r["normed_err"] < tol, r
+    if case[0] == "float16":
+        assert r["blocks_alone"] and r["blocks_direct"] and r["blocks_err"] < tol, r
+    if case == DECODE_CASES[4]:
+        assert r["blocks20_err"] < tol, r
 
 
 RESIDUAL_SCRIPT = r"""

@@ -42,10 +42,14 @@ for case in CASES:
     g = gated_rms_norm(core, gate, gw, 1e-6, use_triton=True)
     g_ref = gated_rms_norm(core, gate, gw, 1e-6, use_triton=False)
     g_pad = gated_rms_norm(core, gate, gw, 1e-6, use_triton=True, **PADDED_GATED_NORM)
+    into = torch.full((T + 2, N), 7.0, dtype=x.dtype)  # rows of a larger tensor: the first T written, no others
+    rms_norm(x, w, 1e-6, use_triton=True, out=into[:T])
     t = T // 2  # one token's heads alone, in the padded steps' launch shape
     alone = gated_rms_norm(core[t:t + 1], gate[t:t + 1], gw, 1e-6, use_triton=True, **PADDED_GATED_NORM)
     print(json.dumps({"case": list(case), "norm": err(rms_norm(x, w, 1e-6, use_triton=True),
                                                       rms_norm(x, w, 1e-6, use_triton=False)),
+                      "into": torch.equal(into[:T], rms_norm(x, w, 1e-6, use_triton=True))
+                              and bool((into[T:] == 7).all()),
                       "sum_equal": torch.equal(s, s_ref), "add_norm": err(n, n_ref), "gated": err(g, g_ref),
                       "gated_shape": list(g.shape), "scale": n_ref.abs().max().item(),
                       "padded": err(g_pad, g_ref), "padded_alone": torch.equal(alone[0], g_pad[t])}))
@@ -59,13 +63,14 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_norm_kernels_match_their_twins(interpreter_results, case):
-    """Each norm to rounding (fp16: the same bits here), the residual sum bit for bit, the gated norm [T, H * d];
+    """Each norm to rounding (fp16: the same bits here), also written into rows of a larger tensor (out=), the
+    residual sum bit for bit, the gated norm [T, H * d];
     in the padded steps' launch shape too, where a token's heads alone get the bits they get among other tokens."""
     r = interpreter_results[tuple(case)]
     tol = 2e-6 if case[0] == "float32" else 1e-3
     assert r["scale"] > 0.5, r
     assert r["norm"] < tol and r["add_norm"] < tol and r["gated"] < tol and r["sum_equal"], r
-    assert r["padded"] < tol and r["padded_alone"], r
+    assert r["padded"] < tol and r["padded_alone"] and r["into"], r
     assert r["gated_shape"] == [case[1], case[2] // case[3] * case[3]], r
 
 

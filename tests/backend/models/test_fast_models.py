@@ -421,16 +421,18 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
     from tests.backend.models.test_fast_models import count_calls, seeded, tiny_qwen
     seeded()
     hf = tiny_qwen()
-    for kernels in (False, True):
+    for kernels, experts in ((False, "tuned"), (True, "tuned"), (True, "gemv_blocks")):
         # the invariant numerics' padded rows, both kinds of projection through reviewer_kernels/wide_linear.py, the
-        # glue compiled-or-eager PyTorch or in our kernels
+        # glue compiled-or-eager PyTorch or in our kernels; the experts on grouped tiles or on the one-token programs'
+        # block kernels (the next layer's norm then in norms.py's launch: no slot sum holds it)
         numerics = replace(invariant_numerics("test"), qwen=QwenNumerics(
-            padded_rows=True, wide_projections={"in", "out"}, glue_kernels=kernels))
+            padded_rows=True, wide_projections={"in", "out"}, glue_kernels=kernels, experts=experts))
         ref, fast = load_fast(hf, max_context=128), load_fast(hf, max_context=128, numerics=numerics)
         fast.model.kv.use_block_kernel = True  # the block-attention kernel runs interpreted too (CUDA-only by default)
         calls = count_calls(fast.model, ["_padded_rows"], count_calls(importlib.import_module(
             "backend.models.qwen3_5_moe"), ["wide_linear", "gdn_conv", "attention_prep"]))
-        count_calls(importlib.import_module("reviewer_kernels.norms"), ["gated_rms_norm"], calls)
+        count_calls(importlib.import_module("reviewer_kernels.norms"), ["gated_rms_norm", "rms_norm"], calls)
+        count_calls(importlib.import_module("reviewer_kernels.fused_moe"), ["blocks_moe"], calls)
         prompt = torch.randint(0, 320, (12,))
         for model in (ref, fast):
             model.prefill(prompt, hidden_ids=(1, 3))
@@ -451,9 +453,10 @@ QWEN_PADDED_SCRIPT = textwrap.dedent("""
         # DeltaNet layer's convolution with its cache update in one launch (reviewer_kernels/gdn_conv.py); with
         # glue_kernels each DeltaNet layer's gated norm (reviewer_kernels/norms.py) and the attention layer's norms,
         # RoPE and cache write (reviewer_kernels/attention_prep.py)
+        gemv = experts != "tuned"
         want = {"_padded_rows": 5, "wide_linear": 5 * 4 * 2, "gdn_conv": 5 * 3, "attention_prep": 5 * kernels,
-                "gated_rms_norm": 5 * 3 * kernels}
-        assert calls == want, (kernels, calls)
+                "gated_rms_norm": 5 * 3 * kernels, "rms_norm": 5 * 4 * kernels * gemv, "blocks_moe": 5 * 4 * gemv}
+        assert {k: v for k, v in calls.items() if v} == {k: v for k, v in want.items() if v}, (kernels, experts, calls)
     print("ok")
 """)
 
@@ -765,32 +768,37 @@ def test_cuda_compiled_glue_matches_eager(arch):
 
 def test_qwen_numerics_choose_the_padded_steps_experts(monkeypatch):
     """QwenNumerics.experts: the grouped tiles of the device (here the untuned fallback), or every token through the
-    one-token kernels for all PADDED_ROWS token counts; anything else is refused where the record is made."""
+    one-token kernels for all PADDED_ROWS token counts (with their grids' token axis, or the block kernels sorted
+    from 2 tokens); anything else is refused where the record is made."""
     from backend.models.numerics import QwenNumerics
     from backend.models.qwen3_5_moe import PADDED_ROWS
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton_usable on the CPU; no kernel runs here
     pytest.importorskip("triton")
     x = torch.zeros(1, 64)
-    for experts in ("tuned", "gemv"):
+    for experts in ("tuned", "gemv", "gemv_blocks"):
         numerics = replace(invariant_numerics("test"), qwen=QwenNumerics(padded_rows=True, experts=experts))
         tiles = load_fast(tiny_qwen(), max_context=64, numerics=numerics).model.expert_tiles(x)
         if experts == "gemv":
             assert tiles == {"decode": None, "gemv_tokens": PADDED_ROWS}
+        elif experts == "gemv_blocks":
+            assert tiles == {"decode": None, "gemv_tokens": PADDED_ROWS, "gemv_sorted_from": 2}
         else:
             assert tiles["decode"] is False and tiles["direct"] and "gemv_tokens" not in tiles
-    with pytest.raises(ValueError, match="experts must be 'tuned' or 'gemv'"):
+    with pytest.raises(ValueError, match="experts must be one of tuned, gemv, gemv_blocks"):
         QwenNumerics(experts="one_token")
 
 
 @cuda
 @pytest.mark.parametrize("glue_kernels, experts, sum_in_down", [
     (False, "tuned", False), (True, "tuned", False), (False, "tuned", True), (False, "gemv", False),
-    (True, "gemv", False)], ids=["compiled-glue", "glue-kernels", "sum-in-down", "experts-gemv", "glue-kernels-gemv"])
+    (True, "gemv", False), (False, "gemv_blocks", False), (True, "gemv_blocks", False)],
+    ids=["compiled-glue", "glue-kernels", "sum-in-down", "experts-gemv", "glue-kernels-gemv", "experts-gemv-blocks",
+         "glue-kernels-gemv-blocks"])
 def test_cuda_qwen_invariant_verify_position_logits_are_batch_invariant(glue_kernels, experts, sum_in_down):
     """A CUDA engine's Qwen3.5-MoE numerics (the invariant record: _padded_rows), with CUDA graphs and the
     compiled glue as the engine runs them (or the glue in our kernels: QwenNumerics.glue_kernels; or the experts'
     slots summed inside their down kernel, as a tuned entry's sum_in_down asks; or every token's experts through the
-    one-token kernels, gemv_tokens): a position's logits are bitwise the same from a plain decode step and from inside
+    one-token kernels, gemv_tokens, or their block kernels, gemv_blocks): a position's logits are bitwise the same from a plain decode step and from inside
     a verify block of every size 2..16, from a restored prompt checkpoint and after an accept cut a block short (the
     conv window and recurrent states handed over)."""
     seeded()
