@@ -34,6 +34,10 @@ except ImportError:  # CPU-only installs: fused_moe falls back to PyTorch before
 
 # Tiles chosen on the H200 at the Qwen3.6-35B-A3B shape by bench/kernel_sweep.py (see reviewer_kernels/README.md).
 DECODE_TILES = {"gate_up": {"BN": 1, "warps": 8}, "down": {"BH": 1, "warps": 1}}
+# blocks_moe's gate/up programs per n-tile, each walking blocks until the table's first unused one: a decode step's 9
+# slots get one each; a 16-token verify under a real router uses ~48 blocks (47 experts and the shared one), under
+# random routing ~100 (two each). A guess until a GPU times it.
+BLOCK_WORKERS = 48
 
 if triton is not None:
 
@@ -176,53 +180,73 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_tokens", "direct"])
+    @triton.jit
+    def _block(b, nd, blocks, num_routed, E, ids_ptr, bexp_ptr, bstart_ptr, bcount_ptr):
+        """Block b's (expert, first table entry, slots): align_slots' table (sorted: nd), or slot b alone (direct: b <
+        T*K routed, then token b - T*K's shared slot). Past the launch's blocks, or an unused sorted block: no slots.
+        Branch-free, so both modes run one body."""
+        inside = b < blocks
+        e_direct = tl.load(ids_ptr + b, mask=(~nd) & (b < num_routed), other=E).to(tl.int32)
+        e = tl.where(nd, tl.load(bexp_ptr + b, mask=nd & inside, other=-1), e_direct)
+        start = tl.where(nd, tl.load(bstart_ptr + b, mask=nd & inside, other=0), b)
+        count = tl.where(nd, tl.load(bcount_ptr + b, mask=nd & inside, other=0), 1)
+        return e, start, tl.where(inside, count, 0)
+
+    @triton.jit
+    def _gate_up_slot(s, g, u, sgw, x_ptr, inter_ptr, sgate_ptr, num_routed, top_k, slots, stride_x, offs_n, n_ok,
+                      offs_k, k_ok, pid_n, I: tl.constexpr, HAS_SHARED_GATE: tl.constexpr):
+        """One slot of a block: inter[token, k, n-tile] = silu(g . x) * (u . x), the one-token program's arithmetic on
+        the slot's token (and the shared gate's sigmoid, once per token)."""
+        routed = s < num_routed
+        tok = tl.where(routed, s // top_k, s - num_routed).to(tl.int64)
+        k = tl.where(routed, s % top_k, top_k)
+        x = tl.load(x_ptr + tok * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc_g = tl.sum(g.to(tl.float32) * x[None, :], axis=1)
+        acc_u = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(inter_ptr + (tok * slots + k) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
+        if HAS_SHARED_GATE:
+            if (k == top_k) & (pid_n == 0):  # sigmoid(x . shared_gate), in fp32 like fused_moe.py
+                tl.store(sgate_ptr + tok, tl.sigmoid(tl.sum(x * sgw, axis=0)))
+
+    @triton.jit(do_not_specialize=["num_tokens", "direct", "blocks"])
     def _gate_up_blocks_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, sgw_ptr, ids_ptr, slots_ptr, bexp_ptr, bstart_ptr,
-                               bcount_ptr, inter_ptr, sgate_ptr, num_tokens, direct, E, top_k, slots, stride_x,
-                               stride_we, stride_wn, stride_sn, H: tl.constexpr, I: tl.constexpr, HP: tl.constexpr,
-                               HAS_SHARED_GATE: tl.constexpr, BN: tl.constexpr):
-        """Grid (blocks, I / BN). Sorted (direct == 0): block b is align_slots' block b, one expert's slots (expert
-        E: the shared one; expert -1: unused). Direct: block b is slot b alone (b < T*K routed, then token b - T*K's
-        shared slot). The program loads its expert's [BN, H] gate and up rows once, then for each slot of the block
-        stores inter[token, k, n-tile] = silu(g . x) * (u . x) (and the shared gate's sigmoid once per token)."""
-        blk = tl.program_id(0)
-        pid_n = tl.program_id(1)
+                               bcount_ptr, inter_ptr, sgate_ptr, num_tokens, direct, blocks, E, top_k, slots,
+                               stride_x, stride_we, stride_wn, stride_sn, H: tl.constexpr, I: tl.constexpr,
+                               HP: tl.constexpr, HAS_SHARED_GATE: tl.constexpr, BN: tl.constexpr):
+        """Grid (I / BN, workers): worker w takes blocks w, w + workers, ... (_block: an expert's sorted slots, or one
+        slot in direct mode) until the first without slots (align_slots puts the used blocks first, and bounds the
+        table by far more than a verify uses: a program per table entry would launch ~100 empty ones an n-tile). For
+        each block it loads the expert's [BN, H] gate and up rows once (expert E: the shared one), then walks the
+        block's slots (_gate_up_slot)."""
+        pid_n = tl.program_id(0)
+        b = tl.program_id(1)
         num_routed = num_tokens * top_k
         nd = (tl.full([], 0, tl.int32) + direct) == 0  # a tensor, also where the interpreter passes a Python int
-        # branch-free, so both modes share one body: direct reads the slot's expert from the routing ids
-        e_direct = tl.load(ids_ptr + blk, mask=(~nd) & (blk < num_routed), other=E).to(tl.int32)
-        e = tl.where(nd, tl.load(bexp_ptr + blk, mask=nd, other=-1), e_direct)
-        start = tl.where(nd, tl.load(bstart_ptr + blk, mask=nd, other=0), blk)
-        count = tl.where(nd, tl.load(bcount_ptr + blk, mask=nd, other=0), 1)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, HP)
         n_ok = offs_n < I
         k_ok = offs_k < H
-        used = (tl.zeros([BN], tl.int32) + e) >= 0  # unused blocks (expert -1) load nothing; broadcast first, as
-        w_ok = (n_ok & used)[:, None] & k_ok[None, :]  # Triton's interpreter takes no scalar in a mask
-        if e < E:
-            wg = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
-            wu = wg + I * stride_wn
-        else:
-            wg = sg_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
-            wu = su_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
-        g = tl.load(wg, mask=w_ok, other=0.0)  # widened inside the walk: a slot's x load issues before they land
-        u = tl.load(wu, mask=w_ok, other=0.0)
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        sgw = offs_k.to(tl.float32)  # unused without a shared gate
         if HAS_SHARED_GATE:
             sgw = tl.load(sgw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        for j in range(count):
-            s = tl.where(nd, tl.load(slots_ptr + start + j, mask=nd, other=0), start)
-            routed = s < num_routed
-            tok = tl.where(routed, s // top_k, s - num_routed).to(tl.int64)
-            k = tl.where(routed, s % top_k, top_k)
-            x = tl.load(x_ptr + tok * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            acc_g = tl.sum(g.to(tl.float32) * x[None, :], axis=1)
-            acc_u = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
-            h = acc_g * tl.sigmoid(acc_g) * acc_u
-            tl.store(inter_ptr + (tok * slots + k) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
-            if HAS_SHARED_GATE:
-                if (k == top_k) & (pid_n == 0):  # sigmoid(x . shared_gate), in fp32 like fused_moe.py
-                    tl.store(sgate_ptr + tok, tl.sigmoid(tl.sum(x * sgw, axis=0)))
+        e, start, count = _block(b, nd, blocks, num_routed, E, ids_ptr, bexp_ptr, bstart_ptr, bcount_ptr)
+        while count > 0:
+            if e < E:
+                wg = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]
+                wu = wg + I * stride_wn
+            else:
+                wg = sg_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
+                wu = su_ptr + offs_n[:, None] * stride_sn + offs_k[None, :]
+            g = tl.load(wg, mask=w_ok, other=0.0)  # widened inside the walk: a slot's x load issues before they land
+            u = tl.load(wu, mask=w_ok, other=0.0)
+            for j in range(count):
+                s = tl.where(nd, tl.load(slots_ptr + start + j, mask=nd, other=0), start)
+                _gate_up_slot(s, g, u, sgw, x_ptr, inter_ptr, sgate_ptr, num_routed, top_k, slots, stride_x, offs_n,
+                              n_ok, offs_k, k_ok, pid_n, I, HAS_SHARED_GATE)
+            b += tl.num_programs(1)
+            e, start, count = _block(b, nd, blocks, num_routed, E, ids_ptr, bexp_ptr, bstart_ptr, bcount_ptr)
 
     @triton.jit(do_not_specialize=["num_tokens"])
     def _down_tokens_kernel(inter_ptr, w_ptr, sd_ptr, topk_w_ptr, sgate_ptr, ids_ptr, res_ptr, out_ptr, num_tokens,
@@ -292,9 +316,10 @@ def blocks_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
         blocks, direct, table = num_tokens * slots, 1, (torch.empty(1, dtype=torch.int32, device=dev),) * 4
     else:
         blocks, direct = table[1].numel(), 0
-    _gate_up_blocks_kernel[(blocks, triton.cdiv(inter, gu["BN"]))](
-        x, gate_up_proj, sg, su, sgw, topk_ids, *table, inter_buf, sgate, num_tokens, direct, num_experts, top_k,
-        slots, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
+    workers = min(blocks, BLOCK_WORKERS)
+    _gate_up_blocks_kernel[(triton.cdiv(inter, gu["BN"]), workers)](
+        x, gate_up_proj, sg, su, sgw, topk_ids, *table, inter_buf, sgate, num_tokens, direct, blocks, num_experts,
+        top_k, slots, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
         H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
         num_warps=gu["warps"])
     if out is None:

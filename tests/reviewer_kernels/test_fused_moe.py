@@ -143,7 +143,11 @@ for case in INTERPRETER_CASES:
                                        config=blocks) for t in range(5)])
         b_direct = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True,
                              config=dict(blocks, gemv_sorted_from=6))
+        moe_decode.BLOCK_WORKERS, workers = 2, moe_decode.BLOCK_WORKERS  # each worker walks several blocks
+        b_few = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=blocks)
+        moe_decode.BLOCK_WORKERS = workers
         checks = {"blocks_alone": bool(torch.equal(b_together, b_alone)),
+                  "blocks_few_workers": bool(torch.equal(b_together, b_few)),
                   "blocks_direct": bool(torch.equal(b_together, b_direct)),
                   "blocks_err": rel_err(b_together, reference64(x5, gate_up5, down5, w5, ids5, sh5))}
     if case == DECODE_CASES[4]:
@@ -209,6 +213,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from tests.reviewer_kernels.test_fused_moe import DECODE_CASES, random_moe, reference64, rel_err
 from reviewer_kernels import fused_moe
+from reviewer_kernels import moe_decode
 from reviewer_kernels.moe_decode import decode_moe
 from reviewer_kernels.moe_reference import rms_norm_scaled
 for case in DECODE_CASES:
@@ -246,7 +251,11 @@ for case in DECODE_CASES:
                                        config=blocks) for t in range(5)])
         b_direct = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True,
                              config=dict(blocks, gemv_sorted_from=6))
+        moe_decode.BLOCK_WORKERS, workers = 2, moe_decode.BLOCK_WORKERS  # each worker walks several blocks
+        b_few = fused_moe(x5, gate_up5, down5, w5, ids5, sh5, use_triton=True, config=blocks)
+        moe_decode.BLOCK_WORKERS = workers
         checks = {"blocks_alone": bool(torch.equal(b_together, b_alone)),
+                  "blocks_few_workers": bool(torch.equal(b_together, b_few)),
                   "blocks_direct": bool(torch.equal(b_together, b_direct)),
                   "blocks_err": rel_err(b_together, reference64(x5, gate_up5, down5, w5, ids5, sh5))}
     if case == DECODE_CASES[4]:
@@ -277,7 +286,8 @@ def test_decode_kernels_match_reference_in_interpreter(decode_results, case):
     through them (gemv_tokens): each row bitwise the token's one-token call, also when written into `out` with the
     next layer's norm (each normed row bitwise the token's own, and the PyTorch norm's to rounding). The block
     kernels (gemv_sorted_from: slots sorted by expert, one binary for every token count): each row bitwise the token
-    alone and the direct blocks' call, the reference's to rounding, also with blocks split (20 tokens)."""
+    alone, the direct blocks' call and the call whose workers walk several blocks each, the reference's to rounding,
+    also with blocks split (20 tokens)."""
     r = decode_results[tuple(case)]
     tol = 1e-5 if case[0] == "float32" else 2e-3
     assert r["dtype"] == f"torch.{case[0]}" and r["err"] < tol and r["fallback_err"] < tol, r
@@ -285,7 +295,7 @@ def test_decode_kernels_match_reference_in_interpreter(decode_results, case):
     assert r["tokens_alone"] and r["tokens_err"] < tol, r
     assert r["out_equal"] and r["normed_alone"] and r["normed_err"] < tol, r
     if case[0] == "float16":
-        assert r["blocks_alone"] and r["blocks_direct"] and r["blocks_err"] < tol, r
+        assert r["blocks_alone"] and r["blocks_direct"] and r["blocks_few_workers"] and r["blocks_err"] < tol, r
     if case == DECODE_CASES[4]:
         assert r["blocks20_err"] < tol, r
 
