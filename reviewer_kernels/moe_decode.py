@@ -193,7 +193,7 @@ if triton is not None:
         return e, start, tl.where(inside, count, 0)
 
     @triton.jit
-    def _gate_up_slot(s, g, u, sgw, x_ptr, inter_ptr, sgate_ptr, num_routed, top_k, slots, stride_x, offs_n, n_ok,
+    def _gate_up_slot(s, g, u, sgw_ptr, x_ptr, inter_ptr, sgate_ptr, num_routed, top_k, slots, stride_x, offs_n, n_ok,
                       offs_k, k_ok, pid_n, I: tl.constexpr, HAS_SHARED_GATE: tl.constexpr):
         """One slot of a block: inter[token, k, n-tile] = silu(g . x) * (u . x), the one-token program's arithmetic on
         the slot's token (and the shared gate's sigmoid, once per token)."""
@@ -206,7 +206,9 @@ if triton is not None:
         h = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(inter_ptr + (tok * slots + k) * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
         if HAS_SHARED_GATE:
-            if (k == top_k) & (pid_n == 0):  # sigmoid(x . shared_gate), in fp32 like fused_moe.py
+            if (k == top_k) & (pid_n == 0):  # sigmoid(x . shared_gate), in fp32 like fused_moe.py; its weights
+                # loaded here only (every program loading them was 18 MB of L2 reads a decode layer)
+                sgw = tl.load(sgw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 tl.store(sgate_ptr + tok, tl.sigmoid(tl.sum(x * sgw, axis=0)))
 
     @triton.jit(do_not_specialize=["num_tokens", "direct", "blocks"])
@@ -228,9 +230,6 @@ if triton is not None:
         n_ok = offs_n < I
         k_ok = offs_k < H
         w_ok = n_ok[:, None] & k_ok[None, :]
-        sgw = offs_k.to(tl.float32)  # unused without a shared gate
-        if HAS_SHARED_GATE:
-            sgw = tl.load(sgw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         e, start, count = _block(b, nd, blocks, num_routed, E, ids_ptr, bexp_ptr, bstart_ptr, bcount_ptr)
         while count > 0:
             if e < E:
@@ -243,7 +242,7 @@ if triton is not None:
             u = tl.load(wu, mask=w_ok, other=0.0)
             for j in range(count):
                 s = tl.where(nd, tl.load(slots_ptr + start + j, mask=nd, other=0), start)
-                _gate_up_slot(s, g, u, sgw, x_ptr, inter_ptr, sgate_ptr, num_routed, top_k, slots, stride_x, offs_n,
+                _gate_up_slot(s, g, u, sgw_ptr, x_ptr, inter_ptr, sgate_ptr, num_routed, top_k, slots, stride_x, offs_n,
                               n_ok, offs_k, k_ok, pid_n, I, HAS_SHARED_GATE)
             b += tl.num_programs(1)
             e, start, count = _block(b, nd, blocks, num_routed, E, ids_ptr, bexp_ptr, bstart_ptr, bcount_ptr)
