@@ -45,7 +45,8 @@ LLAMA_INVARIANT_PATH = "mma"
 QWEN_GLUE_KERNELS = False
 # Qwen3.5/3.6-MoE's padded steps' experts (QwenNumerics.experts), each batch-invariant: the choice is cost. What each
 # asks of reviewer_kernels/fused_moe.py (None: fused_moe.invariant_config, the device's tuned grouped tiles):
-#   "tuned":       the grouped GEMM tiles; a decode step pays ~1.2x the one-token kernels' experts (H100, 2026-12-07)
+#   "tuned":       the grouped GEMM tiles; a decode step's experts take 1.32x the one-token kernels' (30.9 against
+#                  23.4 us a layer with the H100's entry, 2026-12-07)
 #   "gemv":        the one-token programs for every token count, a token axis on their grids (gemv_tokens): the step's
 #                  experts at one-token cost, a verify's at 16 one-token calls', every expert a token shares re-read
 #   "gemv_blocks": the same programs' arithmetic with each expert's rows read once a call (moe_decode.blocks_moe:
