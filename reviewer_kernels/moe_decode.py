@@ -24,6 +24,8 @@ order there), so decode and verify agree to rounding, not bit for bit (as the tw
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -128,6 +130,37 @@ if triton is not None:
         tl.store(out_ptr + offs_h, out, mask=h_ok)
 
 
+@dataclass
+class Operands:
+    """What both pairs of launches take besides the routing: the shared expert's weights (the routed tensors stand in
+    where there is none: never read), its gate vector, slots a token (top_k + shared), the intermediate rows
+    [T * slots, I] and the shared gates [T], the output and the residual (out again without one: never read)."""
+    sg: torch.Tensor
+    su: torch.Tensor
+    sd: torch.Tensor
+    sgw: torch.Tensor
+    has_gate: bool
+    slots: int
+    inter_buf: torch.Tensor
+    sgate: torch.Tensor
+    out: torch.Tensor
+    res: torch.Tensor
+
+
+def operands(x, gate_up_proj, down_proj, topk_ids, shared, residual, out_dtype, out) -> Operands:
+    num_tokens, hidden = x.shape
+    has_gate = shared is not None and shared.gate is not None
+    sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if shared is not None else (
+        gate_up_proj, gate_up_proj, down_proj)
+    slots = topk_ids.shape[1] + int(shared is not None)  # a token's: rows token * slots + 0..K-1, then the shared one
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=out_dtype or x.dtype, device=x.device)
+    return Operands(sg, su, sd, shared.gate.reshape(-1) if has_gate else x, has_gate, slots,
+                    torch.empty(num_tokens * slots, down_proj.shape[-1], dtype=x.dtype, device=x.device),
+                    torch.empty(num_tokens, dtype=torch.float32, device=x.device), out,
+                    residual if residual is not None else out)
+
+
 def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, residual=None, tiles=None,
                out_dtype=None, out=None):
     """fused_moe for x [T, H] (inputs already checked and made contiguous by fused_moe_triton): a decode step's one
@@ -137,32 +170,20 @@ def decode_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
     tiles = tiles or DECODE_TILES
     gu, dn = tiles["gate_up"], tiles["down"]
     num_tokens, hidden = x.shape
-    inter = down_proj.shape[-1]
-    top_k = topk_ids.shape[1]
-    has_shared = shared is not None
-    has_gate = has_shared and shared.gate is not None
-    dev = x.device
-    sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
-        gate_up_proj, gate_up_proj, down_proj)
-    sgw = shared.gate.reshape(-1) if has_gate else x
-    slots = top_k + int(has_shared)  # a token's: rows token * slots + 0..K-1 routed, then the shared one
-    inter_buf = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=dev)
-    sgate = torch.empty(num_tokens, dtype=torch.float32, device=dev)
-    _gate_up_kernel[(num_tokens * slots, triton.cdiv(inter, gu["BN"]))](
-        x, gate_up_proj, sg, su, sgw, topk_ids, inter_buf, sgate, top_k, slots, x.stride(0),
-        gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
-        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
+    inter, top_k = down_proj.shape[-1], topk_ids.shape[1]
+    o = operands(x, gate_up_proj, down_proj, topk_ids, shared, residual, out_dtype, out)
+    _gate_up_kernel[(num_tokens * o.slots, triton.cdiv(inter, gu["BN"]))](
+        x, gate_up_proj, o.sg, o.su, o.sgw, topk_ids, o.inter_buf, o.sgate, top_k, o.slots, x.stride(0),
+        gate_up_proj.stride(0), gate_up_proj.stride(1), o.sg.stride(0),
+        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=o.has_gate, BN=gu["BN"],
         num_warps=gu["warps"])
-    if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=out_dtype or x.dtype, device=dev)
-    res = residual if residual is not None else out  # unused without a residual
     _down_kernel[(num_tokens, triton.cdiv(hidden, dn["BH"]))](
-        inter_buf, down_proj, sd, topk_weights, sgate, topk_ids, res, out,
-        slots, down_proj.stride(0), down_proj.stride(1), sd.stride(0), res.stride(0), out.stride(0),
+        o.inter_buf, down_proj, o.sd, topk_weights, o.sgate, topk_ids, o.res, o.out,
+        o.slots, down_proj.stride(0), down_proj.stride(1), o.sd.stride(0), o.res.stride(0), o.out.stride(0),
         H=hidden, I=inter, IP=triton.next_power_of_2(inter), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
-        HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None, BH=dn["BH"],
-        num_warps=dn["warps"])
-    return out
+        HAS_SHARED=shared is not None, HAS_SHARED_GATE=o.has_gate, HAS_RESIDUAL=residual is not None,
+        BH=dn["BH"], num_warps=dn["warps"])
+    return o.out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,35 +320,22 @@ def blocks_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, shared=None, 
     tiles = tiles or DECODE_TILES
     gu, dn = tiles["gate_up"], tiles["down"]
     num_tokens, hidden = x.shape
-    num_experts, inter = down_proj.shape[0], down_proj.shape[-1]
-    top_k = topk_ids.shape[1]
-    has_shared = shared is not None
-    has_gate = has_shared and shared.gate is not None
-    dev = x.device
-    sg, su, sd = (shared.gate_proj, shared.up_proj, shared.down_proj) if has_shared else (
-        gate_up_proj, gate_up_proj, down_proj)
-    sgw = shared.gate.reshape(-1) if has_gate else x
-    slots = top_k + int(has_shared)
-    inter_buf = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=dev)
-    sgate = torch.empty(num_tokens, dtype=torch.float32, device=dev)
+    num_experts, inter, top_k = down_proj.shape[0], down_proj.shape[-1], topk_ids.shape[1]
+    o = operands(x, gate_up_proj, down_proj, topk_ids, shared, residual, out_dtype, out)
     if table is None:  # direct: block b is slot b (the routed ones, then each token's shared slot); the table's
         # int32 placeholder is never read, and keeps the kernel's argument types (so its binary) the sorted call's
-        blocks, direct, table = num_tokens * slots, 1, (torch.empty(1, dtype=torch.int32, device=dev),) * 4
+        blocks, direct, table = num_tokens * o.slots, 1, (torch.empty(1, dtype=torch.int32, device=x.device),) * 4
     else:
         blocks, direct = table[1].numel(), 0
-    workers = min(blocks, BLOCK_WORKERS)
-    _gate_up_blocks_kernel[(triton.cdiv(inter, gu["BN"]), workers)](
-        x, gate_up_proj, sg, su, sgw, topk_ids, *table, inter_buf, sgate, num_tokens, direct, blocks, num_experts,
-        top_k, slots, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), sg.stride(0),
-        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=has_gate, BN=gu["BN"],
+    _gate_up_blocks_kernel[(triton.cdiv(inter, gu["BN"]), min(blocks, BLOCK_WORKERS))](
+        x, gate_up_proj, o.sg, o.su, o.sgw, topk_ids, *table, o.inter_buf, o.sgate, num_tokens, direct, blocks,
+        num_experts, top_k, o.slots, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), o.sg.stride(0),
+        H=hidden, I=inter, HP=triton.next_power_of_2(hidden), HAS_SHARED_GATE=o.has_gate, BN=gu["BN"],
         num_warps=gu["warps"])
-    if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=out_dtype or x.dtype, device=dev)
-    res = residual if residual is not None else out  # unused without a residual
     _down_tokens_kernel[(triton.cdiv(hidden, dn["BH"]),)](
-        inter_buf, down_proj, sd, topk_weights, sgate, topk_ids, res, out, num_tokens,
-        slots, down_proj.stride(0), down_proj.stride(1), sd.stride(0), res.stride(0), out.stride(0),
+        o.inter_buf, down_proj, o.sd, topk_weights, o.sgate, topk_ids, o.res, o.out, num_tokens,
+        o.slots, down_proj.stride(0), down_proj.stride(1), o.sd.stride(0), o.res.stride(0), o.out.stride(0),
         H=hidden, I=inter, IP=triton.next_power_of_2(inter), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
-        HAS_SHARED=has_shared, HAS_SHARED_GATE=has_gate, HAS_RESIDUAL=residual is not None, BH=dn["BH"],
-        num_warps=dn["warps"])
-    return out
+        HAS_SHARED=shared is not None, HAS_SHARED_GATE=o.has_gate, HAS_RESIDUAL=residual is not None,
+        BH=dn["BH"], num_warps=dn["warps"])
+    return o.out

@@ -635,6 +635,31 @@ def test_patched_model_through_triton_interpreter_decodes_token_identically():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def hot_moe(seed: int):
+    """16 tokens at the 35B-A3B expert shape in bf16 on the GPU, routed top-8 among 50 hot experts (a real router's
+    locality: tokens share experts, which sorted blocks change): x, gate_up, down, weights, ids, shared."""
+    x, gate_up, down, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=seed, device="cuda")
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.randperm(256, generator=g)[:50]
+    ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(16)]).cuda()
+    weights = torch.softmax(torch.randn(16, 8, generator=g), -1).to("cuda", torch.bfloat16)
+    return x, gate_up, down, weights, ids, shared
+
+
+def assert_rows_alone_inside_graphs(run, alone: torch.Tensor) -> None:
+    """run(m) for m = 2..16 is bitwise alone[:m] (each token computed alone), and a CUDA graph of run(16) replayed
+    twice gives those bits again."""
+    for m in range(2, 17):
+        assert torch.equal(run(m), alone[:m]), m
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = run(16)
+    for _ in range(2):
+        static.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(static, alone)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_tokens", [1, 2, 16, 64, 300])
@@ -713,11 +738,7 @@ def test_invariant_tiles_compute_each_row_as_alone_on_gpu():
     through this."""
     from reviewer_kernels.fused_moe import invariant_config, shape_key
 
-    x, gate_up, down, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=3, device="cuda")
-    g = torch.Generator().manual_seed(3)
-    hot = torch.randperm(256, generator=g)[:50]
-    ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(16)]).cuda()
-    weights = torch.softmax(torch.randn(16, 8, generator=g), -1).to("cuda", torch.bfloat16)
+    x, gate_up, down, weights, ids, shared = hot_moe(3)
     config = invariant_config(torch.cuda.get_device_name(), shape_key(256, 2048, 512, 8, True), 8)
     assert config["decode"] is False
     alone = torch.cat([fused_moe(x[t:t + 1], gate_up, down, weights[t:t + 1], ids[t:t + 1], shared, config=config)
@@ -737,11 +758,7 @@ def test_cuda_one_token_programs_compute_each_row_as_alone_inside_graphs(sorted_
     reference's result; every row of a 2..16-token call, with its residual, bitwise the token alone (the claim the
     interpreter cannot make for a GPU build: one binary, its arithmetic the same per token); and a CUDA graph of the
     16-token call, replayed twice, the eager bits."""
-    x, gate_up, down, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=7, device="cuda")
-    g = torch.Generator().manual_seed(7)
-    hot = torch.randperm(256, generator=g)[:50]
-    ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(16)]).cuda()
-    weights = torch.softmax(torch.randn(16, 8, generator=g), -1).to("cuda", torch.bfloat16)
+    x, gate_up, down, weights, ids, shared = hot_moe(7)
     res = torch.randn(16, 2048, device="cuda").bfloat16()
     config = {"decode": None, "gemv_tokens": 16, **({"gemv_sorted_from": sorted_from} if sorted_from else {})}
     run = lambda m: fused_moe(x[:m], gate_up, down, weights[:m], ids[:m], shared, config=config,  # noqa: E731
@@ -750,15 +767,7 @@ def test_cuda_one_token_programs_compute_each_row_as_alone_inside_graphs(sorted_
                                  residual=res[t:t + 1]) for t in range(16)])
     assert rel_err(fused_moe(x, gate_up, down, weights, ids, shared, config=config),
                    reference64(x, gate_up, down, weights, ids, shared)) < 2e-2
-    for m in range(2, 17):
-        assert torch.equal(run(m), alone[:m]), m
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = run(16)
-    for _ in range(2):
-        static.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(static, alone)
+    assert_rows_alone_inside_graphs(run, alone)
 
 
 @pytest.mark.gpu
@@ -771,25 +780,13 @@ def test_split_tiles_on_gpu_compute_each_row_as_alone_inside_graphs(gate_up, dow
     """K-split gate_up tiles (finished by the last split of each tile through an arrival counter): the float64
     reference's result, every row of a 2..16-token call bitwise the token alone (direct and sorted blocks), and a CUDA
     graph replayed twice gives the eager bits (the counters are left at zero)."""
-    x, gate_up_w, down_w, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=4, device="cuda")
-    g = torch.Generator().manual_seed(4)
-    hot = torch.randperm(256, generator=g)[:50]
-    ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(16)]).cuda()
-    weights = torch.softmax(torch.randn(16, 8, generator=g), -1).to("cuda", torch.bfloat16)
+    x, gate_up_w, down_w, weights, ids, shared = hot_moe(4)
     config = {"direct": True, "direct_tokens": 4, "BM": 16, "decode": False, "gate_up": gate_up, "down": down}
     run = lambda m: fused_moe(x[:m], gate_up_w, down_w, weights[:m], ids[:m], shared, config=config)  # noqa: E731
     alone = torch.cat([fused_moe(x[t:t + 1], gate_up_w, down_w, weights[t:t + 1], ids[t:t + 1], shared,
                                  config=config) for t in range(16)])
     assert rel_err(alone, reference64(x, gate_up_w, down_w, weights, ids, shared)) < 2e-2
-    for m in range(2, 17):
-        assert torch.equal(run(m), alone[:m]), m
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = run(16)
-    for _ in range(2):
-        static.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(static, alone)
+    assert_rows_alone_inside_graphs(run, alone)
 
 
 @pytest.mark.gpu
@@ -799,11 +796,7 @@ def test_cuda_slots_summed_in_the_down_kernel_are_the_slot_sum_s_bits_inside_gra
     """sum_in_down (the last down program of each token and N-tile adds its rows): bitwise the slot sum's launch at
     1..16 tokens with the residual, under hot-set routing, and a CUDA graph replayed 8 times gives the same bits each
     time (the arrival counters are left at zero; a race between the programs would show as a replay that differs)."""
-    x, gate_up, down, _, _, shared = random_moe(16, 256, 2048, 512, 8, torch.bfloat16, seed=6, device="cuda")
-    g = torch.Generator().manual_seed(6)
-    hot = torch.randperm(256, generator=g)[:50]
-    ids = torch.stack([hot[torch.randperm(50, generator=g)[:8]] for _ in range(16)]).cuda()
-    weights = torch.softmax(torch.randn(16, 8, generator=g), -1).to("cuda", torch.bfloat16)
+    x, gate_up, down, weights, ids, shared = hot_moe(6)
     res = torch.randn(16, 2048, device="cuda").bfloat16()
     config = {"direct": direct, "direct_tokens": 16, "BM": 16, "decode": False,
               "gate_up": {"BN": 32, "BK": 256, "warps": 4, "stages": 3, "split": 1},
