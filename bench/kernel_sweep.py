@@ -19,8 +19,8 @@ Each case is timed as a CUDA graph of `--inner` back-to-back calls (as the fast 
   wide       reviewer_kernels/wide_linear.py's launch shapes at the 35B-A3B dense projections, 16 padded rows, against
              cuBLAS; row invariance and error checked
   gdn_prefill reviewer_kernels/gdn_state.gdn_chunked (the chunk terms, the solve and the walk) at the 35B-A3B shape,
-             prefill pieces of 1,700 and 1,024 tokens, over the solve (cuBLAS / Triton), its warps and the walk's
-             warps and pipeline stages (GDN_PREFILL_CASES); error against the fp32 PyTorch terms and loop
+             prefill pieces of 1,700 and 1,024 tokens, over the walk's form (fused / split), its warps, columns
+             and pipeline stages, the split outputs' tiles (GDN_PREFILL_CASES); error against the fp32 PyTorch loop
   glue       the padded steps' glue kernels (QwenNumerics.glue_kernels) at the 35B-A3B shape: the gated norm over rows
              a program x warps against the compiled glue, the slot sum (with / without the next norm) over warps, the
              router with the norm from partial sums over its K step; every candidate checked row for row
@@ -110,9 +110,14 @@ def sweep_gdn(inner, reps):
 
 
 # gdn_prefill's candidates: gdn_state's launch settings each case sets (the rest keep the shipped values)
-GDN_PREFILL_CASES = [dict(SOLVE="cublas"), dict(SOLVE="triton"), dict(SOLVE="triton", SOLVE_WARPS=2),
-                     dict(SOLVE="triton", SOLVE_WARPS=8), dict(SOLVE="triton", CHUNK_STAGES=2),
-                     dict(SOLVE="triton", CHUNK_WARPS=4)]
+# (the solve's choices were swept on 2026-12-04: kernel_sweep_gdn_prefill_solve_h200_20261204.json); the fused walk
+# as shipped, then the split walk over its launch shapes
+GDN_PREFILL_CASES = [dict(WALK="fused"), dict(WALK="split"), dict(WALK="split", CHUNK_V=32),
+                     dict(WALK="split", CHUNK_WARPS=4), dict(WALK="split", CHUNK_V=32, CHUNK_WARPS=4),
+                     dict(WALK="split", CHUNK_STAGES=3), dict(WALK="split", OUT_DOT="tf32"),
+                     dict(WALK="split", OUT_V=128, OUT_WARPS=8), dict(WALK="split", OUT_V=32),
+                     dict(WALK="split", CHUNK_DOT="3xtf32"), dict(WALK="split", CHUNK_DOT="3xtf32", CHUNK_V=32),
+                     dict(WALK="split", CHUNK_DOT="tf32"), dict(WALK="split", CHUNK_DOT="tf32", CHUNK_V=32)]
 
 
 def sweep_gdn_prefill(inner, reps):

@@ -61,6 +61,11 @@ PREP_WARPS, PREP_DOT, CHUNK_DOT = 8, "tf32", "ieee"
 # cuBLAS 1,025 us, the Triton solve 846, and the walk in 2 stages 763, the same error against the fp32 loop
 # (bench/results/kernel_sweep_gdn_prefill_solve_h200_20261204.json)
 SOLVE, SOLVE_BLOCK, SOLVE_WARPS, CHUNK_STAGES = "triton", 16, 4, 2
+# the walk's form: "fused" (_gdn_chunks_kernel: each chunk's output inside the walk, four products a chunk on the
+# sequential path, q_decayed and qk read by each of a head's Dv / CHUNK_V programs) or "split" (_gdn_walk_kernel
+# carries only the state: u and S, two products a chunk, storing each chunk's starting state and u; then
+# _gdn_chunk_out_kernel computes every chunk's output at once, OUT_V columns a program, products in OUT_DOT)
+WALK, OUT_V, OUT_WARPS, OUT_DOT = "fused", 64, 4, "ieee"
 
 if triton is not None:
     import triton.language as tl
@@ -275,6 +280,73 @@ if triton is not None:
             ke = tl.load(ke_ptr + k_offs)
             S = S * tl.load(decay_ptr + chunk) + tl.dot(tl.trans(ke), u, input_precision=DOT)
         tl.store(s_ptr + s_offs, S)
+
+
+    @triton.jit
+    def _tf32_high(x):
+        """x with its mantissa cut to tf32's 10 bits: exact on tensor cores in tf32."""
+        return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _walk_dot(a, b, DOT: tl.constexpr):
+        """a @ b in fp32 sums: DOT "3xtf32" as three tf32 tensor-core products of the operands' high and low parts
+        (hi.hi + hi.lo + lo.hi: the dropped lo.lo is below fp32's rounding of the sum, about 2^-20 of it), written
+        out here because Triton 3.6's own "tf32x3" hit an illegal memory access on the H200; else tl.dot in DOT."""
+        if DOT == "3xtf32":
+            a_hi = _tf32_high(a)
+            b_hi = _tf32_high(b)
+            small = tl.dot(a_hi, b - b_hi, input_precision="tf32") + tl.dot(a - a_hi, b_hi, input_precision="tf32")
+            return small + tl.dot(a_hi, b_hi, input_precision="tf32")
+        else:
+            return tl.dot(a, b, input_precision=DOT)
+
+    @triton.jit(do_not_specialize=["n_chunks", "stride_uh", "stride_un"])
+    def _gdn_walk_kernel(u_ptr, ke_ptr, decay_ptr, s_ptr, starts_ptr, n_chunks, stride_uh, stride_un, stride_ur,
+                         stride_uc, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                         DOT: tl.constexpr):
+        """The split walk (WALK "split") for value head h and state columns cols: per chunk i, its starting state
+        into starts [Hv, n, DK, DV], then
+            u = u_free - u_state @ S   (written over u_free: this program owns these columns of the head's rows)
+            S = S * decay + k_to_end^T @ u
+        the same fp32 products as _gdn_chunks_kernel's (DOT "ieee"; or "3xtf32", fp32-grade sums on tensor cores),
+        without the output's two (they do not feed the state)."""
+        h = tl.program_id(0)
+        cols = tl.program_id(1) * BV + tl.arange(0, BV)
+        r = tl.arange(0, C)
+        kk = tl.arange(0, DK)
+        s_offs = h * DK * DV + kk[:, None] * DV + cols[None, :]
+        S = tl.load(s_ptr + s_offs)
+        for i in range(n_chunks):
+            chunk = (h * n_chunks + i).to(tl.int64)
+            tl.store(starts_ptr + chunk * DK * DV + kk[:, None] * DV + cols[None, :], S)
+            u_rows = u_ptr + h * stride_uh + i * stride_un + r[:, None] * stride_ur
+            u_state = tl.load(u_rows + (DV + kk[None, :]) * stride_uc)
+            u = tl.load(u_rows + cols[None, :] * stride_uc) - _walk_dot(u_state, S, DOT)
+            tl.store(u_rows + cols[None, :] * stride_uc, u)
+            ke = tl.load(ke_ptr + chunk * C * DK + r[:, None] * DK + kk[None, :])
+            S = S * tl.load(decay_ptr + chunk) + _walk_dot(tl.trans(ke), u, DOT)
+        tl.store(s_ptr + s_offs, S)
+
+    @triton.jit(do_not_specialize=["n_chunks", "T", "stride_uh", "stride_un"])
+    def _gdn_chunk_out_kernel(u_ptr, qd_ptr, qk_ptr, starts_ptr, out_ptr, n_chunks, T, stride_uh, stride_un,
+                              stride_ur, stride_uc, stride_ot, stride_oh, C: tl.constexpr, DK: tl.constexpr,
+                              DV: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+        """The split walk's outputs, every (value head, chunk, BV columns) at once: out = q_decayed @ S_start +
+        qk @ u, in out's dtype; the rows of positions past T not written."""
+        h = tl.program_id(0)
+        i = tl.program_id(1)
+        cols = tl.program_id(2) * BV + tl.arange(0, BV)
+        r = tl.arange(0, C)
+        kk = tl.arange(0, DK)
+        chunk = (h * n_chunks + i).to(tl.int64)
+        S = tl.load(starts_ptr + chunk * DK * DV + kk[:, None] * DV + cols[None, :])
+        u = tl.load(u_ptr + h * stride_uh + i * stride_un + r[:, None] * stride_ur + cols[None, :] * stride_uc)
+        qd = tl.load(qd_ptr + chunk * C * DK + r[:, None] * DK + kk[None, :])
+        qk = tl.load(qk_ptr + chunk * C * C + r[:, None] * C + r[None, :])
+        o = tl.dot(qd, S, input_precision=DOT) + tl.dot(qk, u, input_precision=DOT)
+        t = i * C + r
+        tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + h * stride_oh + cols[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=(t < T)[:, None])
 
 
 def _check(q, k, v, g, beta, state_in, states_out, every_position):
@@ -554,9 +626,28 @@ def _chunked_triton(q, k, v, g, beta, state, chunk: int) -> torch.Tensor:
         GROUP=hv // hk, C=chunk, DK=dk, DV=dv, DOT=PREP_DOT, num_warps=PREP_WARPS, num_stages=1)
     u = _solve(A, rhs)
     out = torch.empty(T, hv, dv, dtype=v.dtype, device=v.device)
+    if WALK == "split":
+        return _walk_split(u, q_decayed, qk, k_to_end, chunk_decay, state, out, chunk)
     _gdn_chunks_kernel[(hv, dv // CHUNK_V)](u, q_decayed, qk, k_to_end, chunk_decay, state, out, n, T, *u.stride(),
                                             out.stride(0), out.stride(1), C=chunk, DK=dk, DV=dv, BV=CHUNK_V,
                                             DOT=CHUNK_DOT, num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES)
+    return out
+
+
+def _walk_split(u, q_decayed, qk, k_to_end, chunk_decay, state, out, chunk: int) -> torch.Tensor:
+    """WALK "split": the state's walk (a program per head and CHUNK_V columns, sequential over the chunks), then
+    the outputs of all chunks in one parallel launch from the chunks' starting states (n x 64 KB a head at the
+    35B-A3B shape, fp32: written once, read once)."""
+    hv, n, _, dk = q_decayed.shape
+    T, dv = out.shape[0], out.shape[2]
+    starts = torch.empty(hv, n, dk, dv, dtype=torch.float32, device=out.device)
+    _gdn_walk_kernel[(hv, dv // CHUNK_V)](u, k_to_end, chunk_decay, state, starts, n, *u.stride(), C=chunk, DK=dk,
+                                          DV=dv, BV=CHUNK_V, DOT=CHUNK_DOT, num_warps=CHUNK_WARPS,
+                                          num_stages=CHUNK_STAGES)
+    block = min(OUT_V, dv)
+    _gdn_chunk_out_kernel[(hv, n, dv // block)](u, q_decayed, qk, starts, out, n, T, *u.stride(), out.stride(0),
+                                                out.stride(1), C=chunk, DK=dk, DV=dv, BV=block, DOT=OUT_DOT,
+                                                num_warps=OUT_WARPS)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reviewer_kernels import gdn_state
 from reviewer_kernels.gdn_state import gdn_chunked, gdn_recurrent_torch
 from tests.reviewer_kernels.test_fused_moe import interpreted_by_case
 
@@ -31,6 +32,7 @@ INTERPRETER_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
+from reviewer_kernels import gdn_state
 from reviewer_kernels.gdn_state import gdn_chunked, gdn_recurrent_torch
 from tests.reviewer_kernels.test_gdn_state import CASES, make_case
 for case in CASES:
@@ -44,7 +46,16 @@ for case in CASES:
     qs, ks, vs = wide[:, :q[0].numel()], wide[:, q[0].numel():2 * q[0].numel()], wide[:, 2 * q[0].numel():]
     strided = gdn_chunked(qs.view(q.shape), ks.view(k.shape), vs[:, :v[0].numel()].view(v.shape), g, beta, s0.clone(),
                           chunk=case[5], use_triton=True)
+    gdn_state.WALK, split_state = "split", s0.clone()  # the state's walk, then every chunk's output at once
+    split = gdn_chunked(q, k, v, g, beta, split_state, chunk=case[5], use_triton=True)
+    gdn_state.CHUNK_DOT, split3_state = "3xtf32", s0.clone()  # its products as three tf32 ones each
+    split3 = gdn_chunked(q, k, v, g, beta, split3_state, chunk=case[5], use_triton=True)
+    gdn_state.WALK, gdn_state.CHUNK_DOT = "fused", "ieee"
     print(json.dumps({"case": case, "strided_same": torch.equal(strided, walk),
+                      "split_out_vs_loop": (split - loop).abs().max().item(),
+                      "split_state_vs_loop": (split_state - loop_state).abs().max().item(),
+                      "split3_out_vs_loop": (split3 - loop).abs().max().item(),
+                      "split3_state_vs_loop": (split3_state - loop_state).abs().max().item(),
                       "out_vs_loop": (walk - loop).abs().max().item(),
                       "state_vs_loop": (walk_state - loop_state).abs().max().item(),
                       "out_vs_tokens": (walk - token).abs().max().item(),
@@ -64,14 +75,21 @@ def test_chunk_kernels_match_the_loop_and_the_token_recurrence(interpreter_resul
     assert r["scale"] > 0.1, r  # outputs that are not all zero
     assert r["strided_same"], r  # inputs read where they lie: the same bits as from contiguous copies
     assert r["out_vs_loop"] < 1e-5 and r["state_vs_loop"] < 1e-5, r
+    assert r["split_out_vs_loop"] < 1e-5 and r["split_state_vs_loop"] < 1e-5, r  # WALK "split"
+    assert r["split3_out_vs_loop"] < 1e-5 and r["split3_state_vs_loop"] < 1e-5, r  # and CHUNK_DOT "3xtf32"
     assert r["out_vs_tokens"] < 1e-4 and r["state_vs_tokens"] < 1e-4, r
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", ["fused", "split", "split-3xtf32"])
 @pytest.mark.parametrize("T", [300, 1024])
-def test_chunk_kernels_on_cuda_at_the_35b_shape(T):
-    # the 35B-A3B shape's heads (16 key, 32 value, dims 128), prefill pieces of an agent turn's size
+def test_chunk_kernels_on_cuda_at_the_35b_shape(T, form, monkeypatch):
+    # the 35B-A3B shape's heads (16 key, 32 value, dims 128), prefill pieces of an agent turn's size; the walk's
+    # two forms (gdn_state.WALK)
+    monkeypatch.setattr(gdn_state, "WALK", form.split("-")[0])
+    if form.endswith("3xtf32"):
+        monkeypatch.setattr(gdn_state, "CHUNK_DOT", "3xtf32")
     q, k, v, g, beta, s0 = make_case(T, 16, 32, 128, 128, device="cuda", dtype=torch.bfloat16)
     loop_state, walk_state = s0.clone(), s0.clone()
     loop = gdn_chunked(q, k, v, g, beta, loop_state, use_triton=False)
