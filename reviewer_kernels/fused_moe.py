@@ -555,7 +555,10 @@ def align_slots(topk_ids: torch.Tensor, num_experts: int, has_shared: bool, bloc
     in_registers = num_routed <= ONE_CHUNK_SLOTS
     if not in_registers:  # a stable sort by expert is the (expert, slot) order; the counts by an exact integer scatter
         flat = ids.reshape(-1)
-        sorted_slots[:num_routed].copy_(torch.sort(flat, stable=True).indices)
+        # keys as narrow as the expert ids allow: a radix sort makes a pass per key byte (int64 ids: 8 launches a
+        # MoE layer, 2.0 ms of a 1,700-token prefill at the 35B-A3B shape); a stable sort's order is the same
+        key = flat.to(torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 2 ** 15 else flat.dtype)
+        sorted_slots[:num_routed].copy_(torch.sort(key, stable=True).indices)
         counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
         expert_counts[:num_experts].copy_(counts.scatter_add_(0, flat, torch.ones_like(flat)))
     _align_kernel[(1,)](ids, expert_counts, sorted_slots, bexp, bstart, bcount, num_routed, num_tokens, num_blocks,

@@ -341,9 +341,11 @@ import importlib, json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 fm = importlib.import_module("reviewer_kernels.fused_moe")
-# up to 128 slots: sorted in registers (a 16-token verify at top-8 of 256 among them); above, by torch.sort
+# up to 128 slots: sorted in registers (a 16-token verify at top-8 of 256 among them); above, by torch.sort (its keys
+# uint8 up to 256 experts, int16 above)
 for m, e, k, shared, bm in [(1, 8, 2, True, 16), (37, 6, 3, True, 16), (16, 256, 8, True, 16), (5, 63, 8, False, 16),
-                            (43, 6, 3, True, 16), (100, 16, 4, False, 32), (70, 8, 2, True, 64)]:
+                            (43, 6, 3, True, 16), (100, 16, 4, False, 32), (70, 8, 2, True, 64), (40, 256, 8, True, 16),
+                            (40, 300, 4, True, 16)]:
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(m)])
     ids[: m // 2, 0] = 0  # one crowded expert: several blocks
     sorted_slots, bexp, bstart, bcount = fm.align_slots(ids, e, shared, bm)
