@@ -64,8 +64,11 @@ SOLVE, SOLVE_BLOCK, SOLVE_WARPS, CHUNK_STAGES = "triton", 16, 4, 2
 # the walk's form: "fused" (_gdn_chunks_kernel: each chunk's output inside the walk, four products a chunk on the
 # sequential path, q_decayed and qk read by each of a head's Dv / CHUNK_V programs) or "split" (_gdn_walk_kernel
 # carries only the state: u and S, two products a chunk, storing each chunk's starting state and u; then
-# _gdn_chunk_out_kernel computes every chunk's output at once, OUT_V columns a program, products in OUT_DOT)
-WALK, OUT_V, OUT_WARPS, OUT_DOT = "fused", 64, 4, "ieee"
+# _gdn_chunk_out_kernel computes every chunk's output at once, OUT_V columns a program, products in OUT_DOT).
+# OUT_DOT "tf32": the outputs are stored in bf16, whose rounding (2^-9) is coarser than tf32's products with fp32
+# sums, and they carry nothing forward; in "ieee" the build for sm_90 spills 15 KB a thread (Triton's FMA products
+# hold whole operand rows in registers)
+WALK, OUT_V, OUT_WARPS, OUT_DOT = "fused", 64, 4, "tf32"
 
 if triton is not None:
     import triton.language as tl
