@@ -112,12 +112,11 @@ def sweep_gdn(inner, reps):
 # gdn_prefill's candidates: gdn_state's launch settings each case sets (the rest keep the shipped values)
 # (the solve's choices were swept on 2026-12-04: kernel_sweep_gdn_prefill_solve_h200_20261204.json); the fused walk
 # as shipped, then the split walk over its launch shapes
-GDN_PREFILL_CASES = [dict(WALK="fused"), dict(WALK="split"), dict(WALK="split", CHUNK_V=32),
-                     dict(WALK="split", CHUNK_WARPS=4), dict(WALK="split", CHUNK_V=32, CHUNK_WARPS=4),
-                     dict(WALK="split", CHUNK_STAGES=3), dict(WALK="split", OUT_DOT="ieee"),
-                     dict(WALK="split", OUT_V=128, OUT_WARPS=8), dict(WALK="split", OUT_V=32),
+GDN_PREFILL_CASES = [dict(WALK="fused"), dict(WALK="split"), dict(WALK="split", CHUNK_WARPS=4),
+                     dict(WALK="split", WALK_K=32), dict(WALK="split", CHUNK_V=32),
                      dict(WALK="split", CHUNK_DOT="3xtf32"), dict(WALK="split", CHUNK_DOT="3xtf32", CHUNK_V=32),
-                     dict(WALK="split", CHUNK_DOT="tf32"), dict(WALK="split", CHUNK_DOT="tf32", CHUNK_V=32)]
+                     dict(WALK="split", CHUNK_DOT="tf32"), dict(WALK="split", OUT_DOT="ieee"),
+                     dict(WALK="split", OUT_V=128, OUT_WARPS=8), dict(WALK="split", OUT_V=32)]
 
 
 def sweep_gdn_prefill(inner, reps):

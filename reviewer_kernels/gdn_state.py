@@ -64,11 +64,12 @@ SOLVE, SOLVE_BLOCK, SOLVE_WARPS, CHUNK_STAGES = "triton", 16, 4, 2
 # the walk's form: "fused" (_gdn_chunks_kernel: each chunk's output inside the walk, four products a chunk on the
 # sequential path, q_decayed and qk read by each of a head's Dv / CHUNK_V programs) or "split" (_gdn_walk_kernel
 # carries only the state: u and S, two products a chunk, storing each chunk's starting state and u; then
-# _gdn_chunk_out_kernel computes every chunk's output at once, OUT_V columns a program, products in OUT_DOT).
+# _gdn_chunk_out_kernel computes every chunk's output at once, OUT_V columns a program, products in OUT_DOT). The
+# split walk keeps the state in memory and multiplies it in WALK_K-row slices (no spills on sm_90: _gdn_walk_kernel).
 # OUT_DOT "tf32": the outputs are stored in bf16, whose rounding (2^-9) is coarser than tf32's products with fp32
 # sums, and they carry nothing forward; in "ieee" the build for sm_90 spills 15 KB a thread (Triton's FMA products
 # hold whole operand rows in registers)
-WALK, OUT_V, OUT_WARPS, OUT_DOT = "fused", 64, 4, "tf32"
+WALK, WALK_K, OUT_V, OUT_WARPS, OUT_DOT = "fused", 16, 64, 4, "tf32"
 
 if triton is not None:
     import triton.language as tl
@@ -306,29 +307,44 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_chunks", "stride_uh", "stride_un"])
     def _gdn_walk_kernel(u_ptr, ke_ptr, decay_ptr, s_ptr, starts_ptr, n_chunks, stride_uh, stride_un, stride_ur,
                          stride_uc, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                         DOT: tl.constexpr):
-        """The split walk (WALK "split") for value head h and state columns cols: per chunk i, its starting state
-        into starts [Hv, n, DK, DV], then
-            u = u_free - u_state @ S   (written over u_free: this program owns these columns of the head's rows)
-            S = S * decay + k_to_end^T @ u
-        the same fp32 products as _gdn_chunks_kernel's (DOT "ieee"; or "3xtf32", fp32-grade sums on tensor cores),
-        without the output's two (they do not feed the state)."""
+                         KS: tl.constexpr, DOT: tl.constexpr):
+        """The split walk (WALK "split") for value head h and state columns cols. The state lives in starts
+        [Hv, n, DK, DV] (chunk i's starting state at [h, i]; the first copied from s), not in registers: per chunk,
+            u = u_free - u_state @ S_i          (written over u_free: this program owns these columns)
+            S_i+1 = S_i * decay + k_to_end^T @ u (into [h, i + 1]; after the last chunk into s)
+        each product as DK / KS products of KS rows of S, read back from where this program stored them (a barrier
+        after each chunk: the threads that read a row are not those that wrote it). Why not registers: Triton's
+        fp32 FMA products hold whole operand rows in registers, and with S and the [C, DK] tiles there the build
+        for sm_90 spilled at 255 registers a thread; in KS-row slices it takes 128 (KS 16, 8 warps) and spills
+        nothing, so two programs share an SM and the 256 programs of the 35B-A3B shape run in one wave."""
         h = tl.program_id(0)
         cols = tl.program_id(1) * BV + tl.arange(0, BV)
         r = tl.arange(0, C)
-        kk = tl.arange(0, DK)
-        s_offs = h * DK * DV + kk[:, None] * DV + cols[None, :]
-        S = tl.load(s_ptr + s_offs)
+        ks = tl.arange(0, KS)
+        first = starts_ptr + h.to(tl.int64) * n_chunks * DK * DV
+        for j in tl.static_range(DK // KS):
+            rows = j * KS + ks
+            tile = rows[:, None] * DV + cols[None, :]
+            tl.store(first + tile, tl.load(s_ptr + h * DK * DV + tile))
+        tl.debug_barrier()
         for i in range(n_chunks):
             chunk = (h * n_chunks + i).to(tl.int64)
-            tl.store(starts_ptr + chunk * DK * DV + kk[:, None] * DV + cols[None, :], S)
+            here = starts_ptr + chunk * DK * DV
             u_rows = u_ptr + h * stride_uh + i * stride_un + r[:, None] * stride_ur
-            u_state = tl.load(u_rows + (DV + kk[None, :]) * stride_uc)
-            u = tl.load(u_rows + cols[None, :] * stride_uc) - _walk_dot(u_state, S, DOT)
+            u = tl.load(u_rows + cols[None, :] * stride_uc)
+            for j in tl.static_range(DK // KS):
+                rows = j * KS + ks
+                u -= _walk_dot(tl.load(u_rows + (DV + rows[None, :]) * stride_uc),
+                               tl.load(here + rows[:, None] * DV + cols[None, :]), DOT)
             tl.store(u_rows + cols[None, :] * stride_uc, u)
-            ke = tl.load(ke_ptr + chunk * C * DK + r[:, None] * DK + kk[None, :])
-            S = S * tl.load(decay_ptr + chunk) + _walk_dot(tl.trans(ke), u, DOT)
-        tl.store(s_ptr + s_offs, S)
+            decay = tl.load(decay_ptr + chunk)
+            after = tl.where(i == n_chunks - 1, s_ptr + h * DK * DV, here + DK * DV)
+            for j in tl.static_range(DK // KS):
+                rows = j * KS + ks
+                tile = rows[:, None] * DV + cols[None, :]
+                ke_t = tl.load(ke_ptr + chunk * C * DK + r[None, :] * DK + rows[:, None])  # [KS, C]
+                tl.store(after + tile, tl.load(here + tile) * decay + _walk_dot(ke_t, u, DOT))
+            tl.debug_barrier()  # the next chunk reads these rows
 
     @triton.jit(do_not_specialize=["n_chunks", "T", "stride_uh", "stride_un"])
     def _gdn_chunk_out_kernel(u_ptr, qd_ptr, qk_ptr, starts_ptr, out_ptr, n_chunks, T, stride_uh, stride_un,
@@ -645,8 +661,8 @@ def _walk_split(u, q_decayed, qk, k_to_end, chunk_decay, state, out, chunk: int)
     T, dv = out.shape[0], out.shape[2]
     starts = torch.empty(hv, n, dk, dv, dtype=torch.float32, device=out.device)
     _gdn_walk_kernel[(hv, dv // CHUNK_V)](u, k_to_end, chunk_decay, state, starts, n, *u.stride(), C=chunk, DK=dk,
-                                          DV=dv, BV=CHUNK_V, DOT=CHUNK_DOT, num_warps=CHUNK_WARPS,
-                                          num_stages=CHUNK_STAGES)
+                                          DV=dv, BV=CHUNK_V, KS=min(WALK_K, dk), DOT=CHUNK_DOT,
+                                          num_warps=CHUNK_WARPS, num_stages=CHUNK_STAGES)
     block = min(OUT_V, dv)
     _gdn_chunk_out_kernel[(hv, n, dv // block)](u, q_decayed, qk, starts, out, n, T, *u.stride(), out.stride(0),
                                                 out.stride(1), C=chunk, DK=dk, DV=dv, BV=block, DOT=OUT_DOT,

@@ -186,6 +186,9 @@ CASES = {
                            RAW_GATES=True, RECORD=True, STORE_OUT=True, STORE_STATE=False),
                       {"neg_a_ptr": F32, "dt_bias_ptr": F32, "state_in_ptr": F32, "states_out_ptr": F32,
                        "rg_ptr": F32, "rb_ptr": F32}, 1, 1),
+    "gdn_walk": ("reviewer_kernels.gdn_state", "_gdn_walk_kernel",
+                 dict(C=64, DK=128, DV=128, BV=16, KS=16, DOT="ieee", stride_uc=1),  # the solve's rows: stride 1
+                 {"u_ptr": F32, "ke_ptr": F32, "decay_ptr": F32, "s_ptr": F32, "starts_ptr": F32}, 8, 2),
     "gdn_chunk_out": ("reviewer_kernels.gdn_state", "_gdn_chunk_out_kernel",
                       dict(C=64, DK=128, DV=128, BV=64, DOT="tf32"),
                       {"u_ptr": F32, "qd_ptr": F32, "qk_ptr": F32, "starts_ptr": F32}, 4, 1),
