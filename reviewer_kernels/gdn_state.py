@@ -285,7 +285,6 @@ if triton is not None:
             S = S * tl.load(decay_ptr + chunk) + tl.dot(tl.trans(ke), u, input_precision=DOT)
         tl.store(s_ptr + s_offs, S)
 
-
     @triton.jit
     def _tf32_high(x):
         """x with its mantissa cut to tf32's 10 bits: exact on tensor cores in tf32."""

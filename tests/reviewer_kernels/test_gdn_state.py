@@ -86,7 +86,7 @@ def test_chunk_kernels_match_the_loop_and_the_token_recurrence(interpreter_resul
 @pytest.mark.parametrize("T", [300, 1024])
 def test_chunk_kernels_on_cuda_at_the_35b_shape(T, form, monkeypatch):
     # the 35B-A3B shape's heads (16 key, 32 value, dims 128), prefill pieces of an agent turn's size; the walk's
-    # two forms (gdn_state.WALK)
+    # two forms (gdn_state.WALK), the split one also with its products as three tf32 ones (CHUNK_DOT "3xtf32")
     monkeypatch.setattr(gdn_state, "WALK", form.split("-")[0])
     if form.endswith("3xtf32"):
         monkeypatch.setattr(gdn_state, "CHUNK_DOT", "3xtf32")
